@@ -1,0 +1,143 @@
+"""What the one-shot CLI commands do, against the database; the CLI only formats."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+
+from relay.config import RelayConfig
+from relay.database import Database
+from relay.errors import MappingError
+from relay.mapping import Mapper
+from relay.migrations import ensure_migrated
+from relay.migrations import migrate as apply_migrations
+from relay.runner import identity
+from relay.source import EventSource
+from relay.sql import qualified, quote
+from relay.store import Store
+
+
+@contextlib.asynccontextmanager
+async def _connection(config: RelayConfig, role: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await Database(config.database, identity()).connect(role)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def migrate(config: RelayConfig) -> list[int]:
+    async with _connection(config, "migrate") as conn:
+        return await apply_migrations(conn, config)
+
+
+async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
+    """Map the table's last events as each outbox would, publishing nothing."""
+    source = EventSource(config.source)
+    async with _connection(config, "check") as conn:
+        await source.check(conn)
+        events = await source.latest(conn, last) if last else []
+    mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
+    rows: list[dict[str, Any]] = []
+    for event in events:
+        for mapper in mappers:
+            row: dict[str, Any] = {
+                "position": event.position,
+                "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
+                "outbox": mapper.outbox,
+            }
+            if not mapper.wants(event):
+                row["skipped"] = "type not mapped or aggregate filtered out"
+            else:
+                try:
+                    message = mapper.map(event)
+                except MappingError as exc:
+                    row["error"] = str(exc)
+                else:
+                    assert message is not None
+                    row.update(
+                        id=message.id,
+                        type=message.type,
+                        destination=message.destination,
+                        key=message.key,
+                        body=message.body.decode(),
+                    )
+            rows.append(row)
+    return rows
+
+
+async def status(config: RelayConfig) -> list[dict[str, Any]]:
+    """One row per configured outbox, computed by the database's clock."""
+    source = EventSource(config.source)
+    store = Store(config.database.schema_)
+    async with _connection(config, "status") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        await source.check(conn)
+        head = await source.head(conn)
+        rows = {r["outbox"]: r for r in await store.checkpoints(conn)}
+        alive = {
+            r["application_name"].rsplit(":", 1)[0]
+            for r in await conn.fetch(
+                "SELECT application_name FROM pg_stat_activity WHERE application_name LIKE 'relay:%'"
+            )
+        }
+        out = []
+        for name in config.outboxes:
+            row = rows.get(name)
+            checkpoint = row["position"] if row else None
+            out.append(
+                {
+                    "name": name,
+                    "state": _state(row, alive),
+                    "holder": row["holder"] if row and row["holder"] in alive else None,
+                    "epoch": row["epoch"] if row else None,
+                    "checkpoint": checkpoint,
+                    "head": head,
+                    "lag_events": max(head - (checkpoint or 0), 0),
+                    "lag_seconds": await _lag_seconds(conn, config, checkpoint or 0),
+                    "parked": row["parked"] if row else 0,
+                    "last_error": _last_error(row),
+                    "blocking_transaction": _blocking(row),
+                }
+            )
+        return out
+
+
+def _state(row: dict[str, Any] | None, alive: set[str]) -> str:
+    if row is None or row["holder"] not in alive or row["state"] == "stopped":
+        return "no holder"
+    return {"waiting": "waiting on a transaction"}.get(row["state"], row["state"])
+
+
+def _last_error(row: dict[str, Any] | None) -> str | None:
+    if not row or not row["last_error"]:
+        return None
+    if row["state"] == "retrying":
+        return f"attempt {row['attempts']}: {row['last_error']}"
+    return str(row["last_error"])
+
+
+def _blocking(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not row or not row["blocking"]:
+        return None
+    value: dict[str, Any] = json.loads(row["blocking"])
+    value["age_seconds"] = round(value.pop("transaction_age", 0.0) + row["since_update"], 1)
+    return value
+
+
+async def _lag_seconds(conn: asyncpg.Connection, config: RelayConfig, checkpoint: int) -> float:
+    """Age of the oldest event not yet relayed, by the database clock; 0 when caught up."""
+    created = config.source.columns.created_at
+    if created is None:
+        return 0.0
+    pos = quote(config.source.columns.position)
+    age = await conn.fetchval(
+        f"SELECT extract(epoch FROM now() - {quote(created)})::float8 FROM "
+        f"{qualified(config.source.table)} WHERE {pos} > $1 ORDER BY {pos} LIMIT 1",
+        checkpoint,
+    )
+    return round(max(age or 0.0, 0.0), 3)

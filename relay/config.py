@@ -1,0 +1,291 @@
+"""Typed configuration: pydantic models, frozen once loaded, no globals.
+
+Sources, strongest first: `RELAY_*` environment variables (nested keys joined
+by `__`, e.g. `RELAY_DATABASE__URL`), then the YAML file, then the defaults
+written here. Every error names the file, the line and the dotted key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from relay.errors import ConfigError
+from relay.expressions import ExpressionError, compile_expression, compile_template
+from relay.yaml_file import YamlDocument, load_yaml
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)\s*$")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_IDENT = r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$"
+
+
+def _duration(value: Any) -> Any:
+    """Accept `10ms`, `1.5s`, `2m`, or a bare number of seconds."""
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if not match:
+            raise ValueError(f"{value!r} is not a duration; write it like 10ms, 30s or 2m")
+        return float(match.group(1)) * _UNITS[match.group(2)]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(_duration), Field(ge=0)]
+PositiveDuration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+Identifier = Annotated[str, Field(pattern=_IDENT)]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatabaseConfig(Model):
+    url: SecretStr = Field(description="libpq URL of the database holding the event table.")
+    schema_: Identifier = Field(
+        "relay", alias="schema", description="Schema of the relay's tables."
+    )
+    connect_timeout: PositiveDuration = 5.0
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ColumnsConfig(Model):
+    """Column names of the event table; `metadata` and `created_at` may be null (absent)."""
+
+    position: Identifier = "position"
+    aggregate_type: Identifier = "aggregate_type"
+    aggregate_id: Identifier = "aggregate_id"
+    version: Identifier = "version"
+    type: Identifier = "type"
+    payload: Identifier = "payload"
+    metadata: Identifier | None = "metadata"
+    created_at: Identifier | None = "created_at"
+
+
+class SourceConfig(Model):
+    table: Annotated[
+        str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_$]*\.)?[A-Za-z_][A-Za-z0-9_$]*$")
+    ] = "events"
+    columns: ColumnsConfig = ColumnsConfig()
+    strategy: Literal["barrier"] = "barrier"
+    notify_channel: Identifier = "relay_events"
+    notify_trigger: bool = Field(False, description="`relay migrate` installs a NOTIFY trigger.")
+    poll_interval: PositiveDuration = 1.0
+    barrier_report_after: Duration = 1.0
+
+
+class NatsTlsConfig(Model):
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+
+class NatsBrokerConfig(Model):
+    type: Literal["nats"]
+    servers: list[str] = Field(min_length=1)
+    user: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = None
+    creds_file: Path | None = None
+    tls: NatsTlsConfig | None = None
+    connect_timeout: PositiveDuration = 2.0
+    ack_timeout: PositiveDuration = 5.0
+
+
+BrokerConfig = NatsBrokerConfig
+
+
+class BatchConfig(Model):
+    max_messages: Annotated[int, Field(ge=1, le=10_000)] = 500
+    linger: Duration = 0.010
+
+
+class RetryConfig(Model):
+    initial: PositiveDuration = 0.1
+    multiplier: Annotated[float, Field(ge=1.0)] = 2.0
+    max: PositiveDuration = 30.0
+    jitter: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
+def _check_expression(value: str) -> str:
+    try:
+        compile_expression(value)
+    except ExpressionError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _check_template(value: str) -> str:
+    try:
+        compile_template(value)
+    except ExpressionError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+TemplateStr = Annotated[str, Field(min_length=1)]
+
+
+class MessageConfig(Model):
+    """How one event type becomes one integration event."""
+
+    type: Annotated[str, Field(min_length=1)]
+    destination: TemplateStr
+    key: TemplateStr | None = None
+    id: TemplateStr | None = None
+    payload: str | dict[str, str] = "data"
+
+    @field_validator("destination", "key", "id")
+    @classmethod
+    def _templates_compile(cls, value: str | None) -> str | None:
+        return None if value is None else _check_template(value)
+
+    @field_validator("payload", mode="after")
+    @classmethod
+    def _payload_compiles(cls, value: str | dict[str, str]) -> str | dict[str, str]:
+        if isinstance(value, str):
+            return _check_expression(value)
+        errors = []
+        for field, expr in value.items():
+            try:
+                _check_expression(expr)
+            except ValueError as exc:
+                errors.append(f"{field}: {exc}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return value
+
+
+class OutboxConfig(Model):
+    broker: str
+    aggregates: list[str] | None = Field(
+        None, description="Aggregate types to relay; all if absent."
+    )
+    messages: dict[str, MessageConfig] = Field(min_length=1)
+    id: TemplateStr = "{aggregate_type}/{aggregate_id}@{version}"
+    key: TemplateStr = "{aggregate_id}"
+    cloudevents_source: str | None = None
+    batch: BatchConfig = BatchConfig()
+    retry: RetryConfig = RetryConfig()
+    park_after: Annotated[int, Field(ge=1)] = 10
+    start: Literal["beginning", "end"] = "beginning"
+
+    @field_validator("id", "key")
+    @classmethod
+    def _templates_compile(cls, value: str) -> str:
+        return _check_template(value)
+
+
+class LoggingConfig(Model):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class ShutdownConfig(Model):
+    grace_period: Duration = 10.0
+
+
+class RelayConfig(BaseSettings):
+    """The whole file. Built only through `load_config`, which adds file context."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RELAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+    )
+
+    database: DatabaseConfig
+    source: SourceConfig = SourceConfig()
+    brokers: dict[Annotated[str, Field(pattern=_NAME)], BrokerConfig] = Field(min_length=1)
+    outboxes: dict[Annotated[str, Field(pattern=_NAME)], OutboxConfig] = Field(min_length=1)
+    logging: LoggingConfig = LoggingConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file, so an operator can override one key.
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _brokers_exist(self) -> RelayConfig:
+        for name, outbox in self.outboxes.items():
+            if outbox.broker not in self.brokers:
+                known = ", ".join(sorted(self.brokers))
+                raise ValueError(
+                    f"outboxes.{name}.broker: unknown broker {outbox.broker!r} (configured: {known})"
+                )
+        return self
+
+
+def config_path(path: str | Path | None) -> Path:
+    """The file named on the command line, else in RELAY_CONFIG."""
+    chosen = path or os.environ.get("RELAY_CONFIG")
+    if not chosen:
+        raise ConfigError("no config file: pass --config FILE or set RELAY_CONFIG")
+    return Path(chosen)
+
+
+def load_config(path: str | Path | None = None) -> RelayConfig:
+    """Load, expand and validate; raise ConfigError naming file, line and key."""
+    doc = load_yaml(config_path(path))
+    try:
+        return RelayConfig(**doc.data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, doc)) from None
+
+
+def _describe(exc: ValidationError, doc: YamlDocument) -> str:
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = _clean_loc(error["loc"], doc)
+        key = ".".join(str(p) for p in loc)
+        msg = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif error["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{doc.where(loc)}: {key}: {msg}" if key else f"{doc.path}: {msg}")
+    count = len(lines)
+    head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "
+    return head + "\n  ".join(lines)
+
+
+def _clean_loc(loc: tuple[str | int, ...], doc: YamlDocument) -> tuple[str | int, ...]:
+    """Drop pydantic's internal steps (union tags, `[key]`) that are not in the file."""
+    out: list[str | int] = []
+    node: Any = doc.data
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and part < len(node)
+        ):
+            out.append(part)
+            node = node[part]
+        elif last and isinstance(node, dict) and not str(part).startswith("["):
+            out.append(part)
+        elif isinstance(part, str) and part.startswith("function-"):
+            continue
+    return tuple(out)

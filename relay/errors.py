@@ -1,0 +1,57 @@
+"""One hierarchy for every failure the relay reports, rooted in RelayError.
+
+Drivers' exceptions are translated at the adapter boundary so that the core
+and the CLI only ever reason about these.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base of every error the relay raises on purpose."""
+
+
+class ConfigError(RelayError):
+    """The configuration is invalid; the message names the file and key."""
+
+
+class DatabaseError(RelayError):
+    """Postgres could not be reached or refused a statement."""
+
+
+class NotMigratedError(DatabaseError):
+    """The relay's own tables are missing or older than this version."""
+
+
+class SourceError(RelayError):
+    """The event table does not meet the relay's preconditions."""
+
+
+class PublishError(RelayError):
+    """A broker did not accept a message."""
+
+    permanent: bool = False
+    reason: str = "error"
+
+
+class TransientPublishError(PublishError):
+    """Worth retrying for ever: the broker is down, slow or restarting."""
+
+    reason = "transient"
+
+
+class PermanentPublishError(PublishError):
+    """Retrying cannot help: the message is parked after `park_after` attempts."""
+
+    permanent = True
+    reason = "rejected"
+
+
+class MappingError(PermanentPublishError):
+    """An event could not be turned into a message at run time."""
+
+    reason = "mapping"
+
+
+class FencedError(RelayError):
+    """This replica no longer holds the outbox's lease; it must stop relaying."""

@@ -1,0 +1,107 @@
+"""JMESPath expressions and `{...}` templates over the event envelope.
+
+Both are compiled once, at start-up, so that a typo is a config error rather
+than a poison message. Plain dotted paths (`data.loanId`), by far the most
+common, skip the JMESPath interpreter: they are plain dict look-ups with the
+same semantics (a missing key or a non-object gives null).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jmespath
+from jmespath.exceptions import JMESPathError
+
+Getter = Callable[[Mapping[str, Any]], Any]
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+
+
+class ExpressionError(ValueError):
+    """A JMESPath expression or template that does not compile."""
+
+
+def compile_expression(source: str) -> Getter:
+    """Compile a JMESPath expression into a function of the envelope."""
+    text = source.strip()
+    if not text:
+        raise ExpressionError("empty expression")
+    if _DOTTED.match(text):
+        return _dotted_getter(tuple(text.split(".")))
+    try:
+        parsed = jmespath.compile(text)
+    except JMESPathError as exc:
+        raise ExpressionError(f"invalid JMESPath expression {source!r}: {exc}") from exc
+    return parsed.search
+
+
+def _dotted_getter(parts: tuple[str, ...]) -> Getter:
+    if len(parts) == 1:
+        (name,) = parts
+
+        def get_one(envelope: Mapping[str, Any]) -> Any:
+            return envelope.get(name)
+
+        return get_one
+
+    def get_path(envelope: Mapping[str, Any]) -> Any:
+        value: Any = envelope
+        for part in parts:
+            if not isinstance(value, Mapping):
+                return None
+            value = value.get(part)
+        return value
+
+    return get_path
+
+
+Template = Callable[[Mapping[str, Any]], str]
+
+
+def compile_template(source: str) -> Template:
+    """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces."""
+    pieces: list[str | tuple[str, Getter]] = []
+    pos = 0
+    for match in _PLACEHOLDER.finditer(source):
+        pieces.append(source[pos : match.start()])
+        token = match.group(0)
+        if token in ("{{", "}}"):
+            pieces.append(token[0])
+        elif match.group(1) is None:
+            raise ExpressionError(f"unbalanced brace in template {source!r}")
+        else:
+            pieces.append((match.group(1).strip(), compile_expression(match.group(1))))
+        pos = match.end()
+    pieces.append(source[pos:])
+    literal = [p for p in pieces if p != ""]
+    if all(isinstance(p, str) for p in literal):
+        constant = "".join(p for p in literal if isinstance(p, str))
+        return lambda _envelope: constant
+    return _render(tuple(literal))
+
+
+def _render(pieces: tuple[str | tuple[str, Getter], ...]) -> Template:
+    def render(envelope: Mapping[str, Any]) -> str:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append(piece)
+                continue
+            expr, getter = piece
+            value = getter(envelope)
+            if value is None or value == "":
+                raise ExpressionError(f"{{{expr}}} is null or empty for this event")
+            out.append(_text(value))
+        return "".join(out)
+
+    return render
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

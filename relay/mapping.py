@@ -1,0 +1,128 @@
+"""Turning stored events into integration events, as the config describes.
+
+Every expression is compiled when the Mapper is built, so a typo fails at
+start-up. What can still fail at run time (a null in an id template, a type
+error inside a JMESPath function) becomes a MappingError for that one event,
+which the outbox retries and then parks like any permanent rejection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jmespath.exceptions import JMESPathError
+
+from relay.config import OutboxConfig
+from relay.errors import MappingError
+from relay.expressions import (
+    ExpressionError,
+    Getter,
+    Template,
+    compile_expression,
+    compile_template,
+)
+from relay.publishing import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of the event table, decoded."""
+
+    position: int
+    aggregate_type: str
+    aggregate_id: str
+    version: int
+    type: str
+    data: Any
+    metadata: Any
+    created_at: datetime | None
+    problem: str | None = None
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "aggregate_type": self.aggregate_type,
+            "aggregate_id": self.aggregate_id,
+            "version": self.version,
+            "type": self.type,
+            "data": self.data,
+            "metadata": self.metadata,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    type: str
+    destination: Template
+    key: Template
+    id: Template
+    payload: Getter
+
+
+class Mapper:
+    """Maps one outbox's events; `map` returns None for events it skips."""
+
+    def __init__(self, outbox: str, config: OutboxConfig) -> None:
+        self.outbox = outbox
+        self._aggregates = frozenset(config.aggregates) if config.aggregates is not None else None
+        self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
+        self._by_type = {
+            event_type: _Compiled(
+                type=m.type,
+                destination=compile_template(m.destination),
+                key=compile_template(m.key or config.key),
+                id=compile_template(m.id or config.id),
+                payload=_compile_payload(m.payload),
+            )
+            for event_type, m in config.messages.items()
+        }
+
+    def wants(self, event: Event) -> bool:
+        """False for unmapped types and filtered-out aggregates: skipped, not published."""
+        if self._aggregates is not None and event.aggregate_type not in self._aggregates:
+            return False
+        return event.type in self._by_type
+
+    def map(self, event: Event) -> Message | None:
+        if not self.wants(event):
+            return None
+        rule = self._by_type[event.type]
+        envelope = event.envelope()
+        try:
+            if event.problem:
+                raise ValueError(event.problem)
+            body = json.dumps(
+                rule.payload(envelope), ensure_ascii=False, separators=(",", ":")
+            ).encode()
+            return Message(
+                id=rule.id(envelope),
+                type=rule.type,
+                destination=rule.destination(envelope),
+                key=rule.key(envelope),
+                body=body,
+                source=self._source,
+                time=event.created_at,
+                position=event.position,
+            )
+        except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
+            where = f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
+            raise MappingError(
+                f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
+                f"{event.position} ({where}): {exc}"
+            ) from exc
+
+
+def _compile_payload(payload: str | Mapping[str, str]) -> Getter:
+    if isinstance(payload, str):
+        return compile_expression(payload)
+    fields = tuple((name, compile_expression(expr)) for name, expr in payload.items())
+
+    def build(envelope: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: get(envelope) for name, get in fields}
+
+    return build

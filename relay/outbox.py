@@ -1,0 +1,301 @@
+"""One outbox's relay loop: barrier, read, map, publish, checkpoint, repeat.
+
+The loop is deliberately plain. Each turn makes a prefix of the log final,
+reads up to a batch of it, publishes the mapped messages in position order
+and, once the broker has acknowledged them, moves the checkpoint. A failed
+batch is retried, with backoff, before anything after it; only a message the
+broker rejects for good (or that cannot be mapped) is parked, after
+`park_after` attempts, so that the rest can flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from relay.config import OutboxConfig
+from relay.errors import DatabaseError, FencedError, MappingError, PublishError
+from relay.mapping import Event, Mapper
+from relay.publishing import Message, Publisher
+from relay.retry import Backoff
+from relay.source import Blocker, EventSource
+from relay.state import OutboxState
+from relay.store import Claim, Store
+
+Connect = Callable[[str], Awaitable[asyncpg.Connection]]
+
+# Driver errors that mean "the database went away": retry, never crash.
+DB_ERRORS = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """An event to publish: its message, or why it could not be mapped."""
+
+    event: Event
+    message: Message | None
+    error: MappingError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    items: list[Item]
+    upto: int  # every position up to here is handled once `items` are
+    full: bool  # more may be ready at once
+
+
+@dataclass
+class Session:
+    """The connections and the claim that one uninterrupted run holds."""
+
+    reader: asyncpg.Connection
+    writer: asyncpg.Connection
+    claim: Claim
+
+
+class OutboxWorker:
+    def __init__(
+        self,
+        name: str,
+        config: OutboxConfig,
+        *,
+        source: EventSource,
+        publisher: Publisher,
+        store: Store,
+        connect: Connect,
+        identity: str,
+        state: OutboxState,
+        wake: asyncio.Event,
+        stop: asyncio.Event,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.source = source
+        self.mapper = Mapper(name, config)
+        self.publisher = publisher
+        self.store = store
+        self.connect = connect
+        self.identity = identity
+        self.state = state
+        self.wake = wake
+        self.stop = stop
+        self.log = structlog.get_logger("relay.outbox").bind(outbox=name)
+        self._types = list(config.messages)
+        self._horizon = 0
+
+    async def run(self) -> None:
+        """Relay until `stop`; ride out database outages; return if fenced."""
+        backoff, attempt = Backoff(self.config.retry), 0
+        while not self.stop.is_set():
+            try:
+                async with self._session() as session:
+                    attempt = 0
+                    await self._relay(session)
+            except FencedError as exc:
+                self.log.error("fenced: stopped relaying this outbox", reason=str(exc))
+                self.state.set(role="stopped", activity="stopped", last_error=str(exc))
+                return
+            except DatabaseError as exc:
+                attempt += 1
+                delay = backoff.delay(attempt)
+                self.state.set(activity="disconnected", last_error=str(exc), attempts=attempt)
+                self.log.warning(
+                    "database unavailable, retrying",
+                    error=str(exc),
+                    attempt=attempt,
+                    retry_in=round(delay, 3),
+                )
+                await self._sleep(delay)
+        self.state.set(activity="stopped")
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Session]:
+        conns: list[asyncpg.Connection] = []
+        try:
+            try:
+                conns.append(await self.connect("reader"))
+                conns.append(await self.connect("writer"))
+                claim = await self._claim(conns[1])
+            except DB_ERRORS as exc:
+                raise DatabaseError(f"cannot reach the database: {exc}") from exc
+            try:
+                yield Session(reader=conns[0], writer=conns[1], claim=claim)
+            except DB_ERRORS as exc:
+                raise DatabaseError(f"lost the database connection: {exc}") from exc
+        finally:
+            for conn in conns:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), timeout=2)
+
+    async def _claim(self, conn: asyncpg.Connection) -> Claim:
+        await self.source.check(conn)
+        start = 0 if self.config.start == "beginning" else await self.source.head(conn)
+        claim = await self.store.claim(conn, self.name, self.identity, start)
+        self._horizon = claim.position
+        self.state.set(
+            role="holder",
+            holder=self.identity,
+            epoch=claim.epoch,
+            checkpoint=claim.position,
+            activity="relaying",
+            last_error=None,
+        )
+        self.log.info("relaying", epoch=claim.epoch, checkpoint=claim.position)
+        return claim
+
+    async def _relay(self, s: Session) -> None:
+        position = s.claim.position
+        while not self.stop.is_set():
+            batch = await self._next_batch(s, position)
+            if batch is None:
+                return
+            if batch.items and not await self._deliver(s, batch.items):
+                return
+            if batch.upto > position:
+                await self.store.advance(s.writer, s.claim, batch.upto)
+                position = batch.upto
+                self.state.set(checkpoint=position, activity="relaying", attempts=0)
+            if not batch.full:
+                await self._idle()
+
+    async def _next_batch(self, s: Session, position: int) -> Batch | None:
+        if position >= self._horizon:
+            self.wake.clear()
+            horizon = await self.source.barrier(s.reader, self._blocked(s), self.stop)
+            if horizon is None:
+                return None
+            self._horizon = horizon
+        if self._horizon <= position:
+            return Batch([], position, full=False)
+        limit = self.config.batch.max_messages
+        events = await self.source.read(
+            s.reader, position, self._horizon, limit, self.config.aggregates, self._types
+        )
+        full = len(events) == limit
+        upto = events[-1].position if full else self._horizon
+        return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
+
+    def _item(self, event: Event) -> Item:
+        try:
+            return Item(event, self.mapper.map(event), None)
+        except MappingError as exc:
+            return Item(event, None, exc)
+
+    def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
+        async def report(blocker: Blocker | None) -> None:
+            already = self.state.blocked_by
+            if blocker is None:
+                self.state.set(blocked_by=None, activity="relaying")
+                self.log.info("barrier released")
+            else:
+                self.state.set(blocked_by=blocker.describe(), activity="waiting")
+                if already is None or blocker.waited // 10 != (blocker.waited - 0.25) // 10:
+                    self.log.warning(
+                        "waiting for a transaction that holds the event table",
+                        blocking_pid=blocker.pid,
+                        blocking_application=blocker.application_name,
+                        blocking_state=blocker.state,
+                        waited=round(blocker.waited, 1),
+                    )
+            if (blocker is None) != (already is None) or already is None:
+                await self.store.report_blocking(s.writer, s.claim, blocker)
+
+        return report
+
+    async def _deliver(self, s: Session, items: list[Item]) -> bool:
+        """Publish `items` in order; False if stopped before they were all handled."""
+        backoff = Backoff(self.config.retry)
+        pending, attempt, rejections = items, 0, 0
+        while pending:
+            sendable = []
+            for item in pending:
+                if item.message is None:
+                    break
+                sendable.append(item.message)
+            outcomes = await self.publisher.publish(sendable) if sendable else []
+            acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
+            if acked:
+                done, pending = pending[:acked], pending[acked:]
+                self.state.published += acked
+                attempt = rejections = 0
+                if pending:
+                    await self.store.advance(s.writer, s.claim, done[-1].event.position)
+            if not pending:
+                break
+            failure: PublishError = outcomes[acked] if acked < len(outcomes) else _error(pending[0])
+            attempt += 1
+            rejections += failure.permanent
+            if failure.permanent and rejections >= self.config.park_after:
+                await self._park(s, pending[0], failure, rejections)
+                pending, attempt, rejections = pending[1:], 0, 0
+                continue
+            await self._retrying(s, pending[0], failure, attempt)
+            if not await self._sleep(backoff.delay(attempt)):
+                return False
+        return True
+
+    async def _retrying(self, s: Session, head: Item, failure: PublishError, attempt: int) -> None:
+        self.state.set(activity="retrying", attempts=attempt, last_error=str(failure))
+        self.log.warning(
+            "publish failed, retrying",
+            position=head.event.position,
+            attempt=attempt,
+            reason=failure.reason,
+            error=str(failure),
+        )
+        await self.store.report(s.writer, s.claim, "retrying", attempt, str(failure))
+
+    async def _park(self, s: Session, item: Item, failure: PublishError, attempts: int) -> None:
+        e = item.event
+        await self.store.park(
+            s.writer, s.claim, e, item.message, failure.reason, str(failure), attempts
+        )
+        self.state.parked += 1
+        self.log.error(
+            "message parked",
+            position=e.position,
+            event=f"{e.aggregate_type}/{e.aggregate_id}@{e.version}",
+            reason=failure.reason,
+            error=str(failure),
+            attempts=attempts,
+        )
+
+    async def _idle(self) -> None:
+        """Wait for a NOTIFY or the poll interval, then linger to gather a batch."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._woken_or_stopped(), self.source.config.poll_interval)
+        if self.config.batch.linger and not self.stop.is_set():
+            await self._sleep(self.config.batch.linger)
+
+    async def _woken_or_stopped(self) -> None:
+        stop = asyncio.ensure_future(self.stop.wait())
+        wake = asyncio.ensure_future(self.wake.wait())
+        try:
+            await asyncio.wait({stop, wake}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stop, wake):
+                task.cancel()
+            await asyncio.gather(stop, wake, return_exceptions=True)
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped first; True if the sleep ran its course."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        return not self.stop.is_set()
+
+
+def _error(item: Item) -> PublishError:
+    assert item.error is not None
+    return item.error

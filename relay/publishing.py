@@ -1,0 +1,50 @@
+"""The one port between the core and every broker.
+
+A publisher takes a batch of messages in position order and reports, per
+message, whether the broker acknowledged it. It must send them in that order
+and may keep all of them in flight at once; the core moves the checkpoint
+only over the acknowledged prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from relay.errors import PublishError
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """An integration event, ready for any broker."""
+
+    id: str
+    type: str
+    destination: str
+    key: str
+    body: bytes
+    source: str
+    time: datetime | None
+    position: int
+    content_type: str = "application/json"
+
+
+Outcome = PublishError | None
+"""None when the broker acknowledged the message, else why it did not."""
+
+
+class Publisher(Protocol):
+    """What the core needs from a broker; one module per broker implements it."""
+
+    name: str
+
+    async def connect(self) -> None:
+        """Open connections; raise TransientPublishError if the broker is unreachable."""
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        """Send in order, await every acknowledgement, return one outcome per message."""
+
+    async def close(self) -> None:
+        """Release connections; never raises."""

@@ -1,0 +1,178 @@
+"""`relay run`: every configured outbox in one process, supervised.
+
+Signal handlers only set an event. Every task is awaited and watched: if one
+dies, the others are stopped and the process says why and exits non-zero.
+On the first SIGTERM/SIGINT the outboxes stop reading, in-flight batches get
+`shutdown.grace_period` to be acknowledged (or are abandoned without moving
+the checkpoint), and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+import asyncpg
+import structlog
+
+from relay.brokers import create_publisher
+from relay.config import RelayConfig
+from relay.database import Database, DatabaseUnavailable
+from relay.errors import DatabaseError
+from relay.migrations import ensure_migrated
+from relay.outbox import DB_ERRORS, OutboxWorker
+from relay.publishing import Publisher
+from relay.retry import Backoff
+from relay.source import EventSource
+from relay.state import OutboxState
+from relay.store import Store
+
+log = structlog.get_logger("relay.runner")
+
+
+def identity() -> str:
+    """`relay:<pod or host>:<pid>`, unique per process, readable in pg_stat_activity."""
+    host = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+    return f"relay:{host}:{os.getpid()}"[:63]
+
+
+@dataclass
+class Relay:
+    config: RelayConfig
+    identity: str = field(default_factory=identity)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    states: dict[str, OutboxState] = field(default_factory=dict)
+
+    async def run(self) -> int:
+        """Run until stopped; the process exit code."""
+        db = Database(self.config.database, self.identity)
+        await self._preflight(db)
+        wakes = {name: asyncio.Event() for name in self.config.outboxes}
+        publishers: list[Publisher] = []
+        workers = []
+        source = EventSource(self.config.source)
+        store = Store(self.config.database.schema_)
+        for name, outbox in self.config.outboxes.items():
+            publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
+            publishers.append(publisher)
+            self.states[name] = OutboxState(name)
+            workers.append(
+                OutboxWorker(
+                    name,
+                    outbox,
+                    source=source,
+                    publisher=publisher,
+                    store=store,
+                    connect=db.connect,
+                    identity=self.identity,
+                    state=self.states[name],
+                    wake=wakes[name],
+                    stop=self.stop,
+                )
+            )
+        tasks = {asyncio.create_task(w.run(), name=f"outbox:{w.name}"): w.name for w in workers}
+        listener = asyncio.create_task(self._listen(db, list(wakes.values())), name="listener")
+        try:
+            return await self._supervise(tasks, listener)
+        finally:
+            for publisher in publishers:
+                await publisher.close()
+
+    async def _preflight(self, db: Database) -> None:
+        """Refuse to start on what no retry can fix: a missing migration, a bad table."""
+        backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
+        while True:
+            try:
+                conn = await db.connect("preflight")
+                break
+            except DatabaseUnavailable as exc:
+                if self.stop.is_set():
+                    raise
+                attempt += 1
+                log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
+                await asyncio.sleep(backoff.delay(attempt))
+        try:
+            await ensure_migrated(conn, self.config.database.schema_)
+            await EventSource(self.config.source).check(conn)
+        finally:
+            await conn.close()
+
+    async def _supervise(
+        self, tasks: dict[asyncio.Task[None], str], listener: asyncio.Task[None]
+    ) -> int:
+        stopper: asyncio.Task[object] = asyncio.create_task(self.stop.wait(), name="stop")
+        pending: set[asyncio.Task[object]] = {*tasks, listener, stopper}  # type: ignore[arg-type]
+        code = 0
+        while not self.stop.is_set():
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopper}:
+                if task.cancelled() or task.exception() is not None:
+                    error = "cancelled" if task.cancelled() else repr(task.exception())
+                    log.error("task died, stopping the relay", task=task.get_name(), error=error)
+                    code = 1
+                    self.stop.set()
+            if not self.stop.is_set() and all(t.done() for t in tasks):
+                log.error("no outbox is relaying any more, stopping")
+                code = 1
+                self.stop.set()
+        grace = self.config.shutdown.grace_period
+        log.info("stopping", grace_period=grace)
+        _, late = await asyncio.wait(tasks, timeout=grace) if tasks else (set(), set())
+        for task in late:
+            log.warning("grace period over, abandoning the in-flight batch", task=task.get_name())
+            task.cancel()
+        listener.cancel()
+        stopper.cancel()
+        await asyncio.gather(*tasks, listener, stopper, return_exceptions=True)
+        log.info("stopped", exit_code=code)
+        return code
+
+    async def _listen(self, db: Database, wakes: list[asyncio.Event]) -> None:
+        """LISTEN for the wake-up hint; polling covers any gap while reconnecting."""
+        channel = self.config.source.notify_channel
+
+        def wake(*_: object) -> None:
+            for event in wakes:
+                event.set()
+
+        backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
+        while not self.stop.is_set():
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await db.connect("listener")
+                await conn.add_listener(channel, wake)
+                attempt = 0
+                lost = asyncio.Event()
+                conn.add_termination_listener(lambda _c: lost.set())
+                while not lost.is_set() and not self.stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), 5.0)
+                    if not lost.is_set():
+                        await conn.execute("SELECT 1")
+            except (DatabaseError, *DB_ERRORS) as exc:
+                attempt += 1
+                log.debug("listener reconnecting", error=str(exc), attempt=attempt)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), backoff.delay(attempt))
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(conn.close(), timeout=2)
+
+
+def install_signal_handlers(relay: Relay, loop: asyncio.AbstractEventLoop) -> None:
+    """First signal: graceful stop. Second: exit at once."""
+
+    def handle(sig: signal.Signals) -> None:
+        if relay.stop.is_set():
+            log.warning("second signal, exiting now", signal=sig.name)
+            os._exit(130)
+        log.info("signal received, stopping", signal=sig.name)
+        relay.stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle, sig)
