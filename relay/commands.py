@@ -12,7 +12,7 @@ import asyncpg
 from relay.config import RelayConfig
 from relay.database import Database
 from relay.errors import MappingError
-from relay.mapping import Mapper
+from relay.mapping import Event, Mapper
 from relay.migrations import ensure_migrated
 from relay.migrations import migrate as apply_migrations
 from relay.runner import identity
@@ -47,7 +47,7 @@ async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
         for mapper in mappers:
             row: dict[str, Any] = {
                 "position": event.position,
-                "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
+                "event": f"{_ref(event)} {event.type}",
                 "outbox": mapper.outbox,
             }
             if not mapper.wants(event):
@@ -70,6 +70,10 @@ async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _ref(event: Event) -> str:
+    return f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
+
+
 async def status(config: RelayConfig) -> list[dict[str, Any]]:
     """One row per configured outbox, computed by the database's clock."""
     source = EventSource(config.source)
@@ -82,7 +86,8 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
         alive = {
             r["application_name"].rsplit(":", 1)[0]
             for r in await conn.fetch(
-                "SELECT application_name FROM pg_stat_activity WHERE application_name LIKE 'relay:%'"
+                "SELECT application_name FROM pg_stat_activity"
+                " WHERE application_name LIKE 'relay:%'"
             )
         }
         out = []
@@ -110,7 +115,8 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
 def _state(row: dict[str, Any] | None, alive: set[str]) -> str:
     if row is None or row["holder"] not in alive or row["state"] == "stopped":
         return "no holder"
-    return {"waiting": "waiting on a transaction"}.get(row["state"], row["state"])
+    state = str(row["state"])
+    return {"waiting": "waiting on a transaction"}.get(state, state)
 
 
 def _last_error(row: dict[str, Any] | None) -> str | None:

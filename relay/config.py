@@ -83,7 +83,7 @@ class SourceConfig(Model):
     columns: ColumnsConfig = ColumnsConfig()
     strategy: Literal["barrier"] = "barrier"
     notify_channel: Identifier = "relay_events"
-    notify_trigger: bool = Field(False, description="`relay migrate` installs a NOTIFY trigger.")
+    notify_trigger: bool = False  # `relay migrate` installs a NOTIFY trigger
     poll_interval: PositiveDuration = 1.0
     barrier_report_after: Duration = 1.0
 
@@ -235,7 +235,8 @@ class RelayConfig(BaseSettings):
             if outbox.broker not in self.brokers:
                 known = ", ".join(sorted(self.brokers))
                 raise ValueError(
-                    f"outboxes.{name}.broker: unknown broker {outbox.broker!r} (configured: {known})"
+                    f"outboxes.{name}.broker: unknown broker {outbox.broker!r}"
+                    f" (configured: {known})"
                 )
         return self
 
@@ -273,17 +274,27 @@ def _describe(exc: ValidationError, doc: YamlDocument) -> str:
     return head + "\n  ".join(lines)
 
 
+_ABSENT = object()
+
+
+def _child(node: Any, part: str | int) -> Any:
+    if isinstance(node, dict) and part in node:
+        return node[part]
+    if isinstance(node, list) and isinstance(part, int) and part < len(node):
+        return node[part]
+    return _ABSENT
+
+
 def _clean_loc(loc: tuple[str | int, ...], doc: YamlDocument) -> tuple[str | int, ...]:
     """Drop pydantic's internal steps (union tags, `[key]`) that are not in the file."""
     out: list[str | int] = []
     node: Any = doc.data
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
-        if (isinstance(node, dict) and part in node) or (
-            isinstance(node, list) and isinstance(part, int) and part < len(node)
-        ):
+        child = _child(node, part)
+        if child is not _ABSENT:
             out.append(part)
-            node = node[part]
+            node = child
         elif last and isinstance(node, dict) and not str(part).startswith("["):
             out.append(part)
         elif isinstance(part, str) and part.startswith("function-"):

@@ -181,7 +181,12 @@ class OutboxWorker:
             return Batch([], position, full=False)
         limit = self.config.batch.max_messages
         events = await self.source.read(
-            s.reader, position, self._horizon, limit, self.config.aggregates, self._types
+            s.reader,
+            after=position,
+            upto=self._horizon,
+            limit=limit,
+            aggregates=self.config.aggregates,
+            types=self._types,
         )
         full = len(events) == limit
         upto = events[-1].position if full else self._horizon
@@ -234,7 +239,7 @@ class OutboxWorker:
                     await self.store.advance(s.writer, s.claim, done[-1].event.position)
             if not pending:
                 break
-            failure: PublishError = outcomes[acked] if acked < len(outcomes) else _error(pending[0])
+            failure = _failure(outcomes, acked, pending[0])
             attempt += 1
             rejections += failure.permanent
             if failure.permanent and rejections >= self.config.park_after:
@@ -260,7 +265,13 @@ class OutboxWorker:
     async def _park(self, s: Session, item: Item, failure: PublishError, attempts: int) -> None:
         e = item.event
         await self.store.park(
-            s.writer, s.claim, e, item.message, failure.reason, str(failure), attempts
+            conn=s.writer,
+            claim=s.claim,
+            event=e,
+            message=item.message,
+            reason=failure.reason,
+            error=str(failure),
+            attempts=attempts,
         )
         self.state.parked += 1
         self.log.error(
@@ -296,6 +307,8 @@ class OutboxWorker:
         return not self.stop.is_set()
 
 
-def _error(item: Item) -> PublishError:
-    assert item.error is not None
-    return item.error
+def _failure(outcomes: list[PublishError | None], index: int, head: Item) -> PublishError:
+    """Why the head of the pending items failed: the broker's word, or the mapping's."""
+    failure = outcomes[index] if index < len(outcomes) else head.error
+    assert failure is not None
+    return failure

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -105,7 +106,7 @@ class Relay:
         self, tasks: dict[asyncio.Task[None], str], listener: asyncio.Task[None]
     ) -> int:
         stopper: asyncio.Task[object] = asyncio.create_task(self.stop.wait(), name="stop")
-        pending: set[asyncio.Task[object]] = {*tasks, listener, stopper}  # type: ignore[arg-type]
+        pending: set[asyncio.Task[object]] = {*tasks, listener, stopper}
         code = 0
         while not self.stop.is_set():
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -147,7 +148,7 @@ class Relay:
                 await conn.add_listener(channel, wake)
                 attempt = 0
                 lost = asyncio.Event()
-                conn.add_termination_listener(lambda _c: lost.set())
+                conn.add_termination_listener(_setter(lost))
                 while not lost.is_set() and not self.stop.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), 5.0)
@@ -162,6 +163,10 @@ class Relay:
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(conn.close(), timeout=2)
+
+
+def _setter(event: asyncio.Event) -> Callable[[object], None]:
+    return lambda _conn: event.set()
 
 
 def install_signal_handlers(relay: Relay, loop: asyncio.AbstractEventLoop) -> None:

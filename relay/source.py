@@ -116,7 +116,8 @@ class EventSource:
         for key, name in cols.model_dump().items():
             if name is not None and name not in present:
                 raise SourceError(
-                    f"source.columns.{key}: column {name!r} not found in table {self.config.table!r}"
+                    f"source.columns.{key}: column {name!r} not found"
+                    f" in table {self.config.table!r}"
                     + (
                         " (set it to null if the table has none)"
                         if key in ("metadata", "created_at")
@@ -128,12 +129,13 @@ class EventSource:
         )
         if sequence is None:
             raise SourceError(
-                f"source.columns.position: column {cols.position!r} takes no value from a sequence; "
+                f"source.columns.position: column {cols.position!r} takes no value"
+                " from a sequence; "
                 "the relay needs positions assigned by nextval at insert (identity or serial)"
             )
         cache = await conn.fetchval(
-            "SELECT cache_size FROM pg_sequences WHERE format('%I.%I', schemaname, sequencename)::regclass"
-            " = $1::regclass",
+            "SELECT cache_size FROM pg_sequences"
+            " WHERE format('%I.%I', schemaname, sequencename)::regclass = $1::regclass",
             sequence,
         )
         if cache is not None and cache > 1:
@@ -195,6 +197,7 @@ class EventSource:
     async def read(
         self,
         conn: asyncpg.Connection,
+        *,
         after: int,
         upto: int,
         limit: int,

@@ -38,7 +38,8 @@ class Store:
     async def claim(self, conn: asyncpg.Connection, outbox: str, holder: str, start: int) -> Claim:
         """Create the outbox's row at `start` if new, and take the next epoch."""
         row = await conn.fetchrow(
-            f"INSERT INTO {self._checkpoints} AS c (outbox, position, epoch, holder, held_since, state)"
+            f"INSERT INTO {self._checkpoints} AS c"
+            " (outbox, position, epoch, holder, held_since, state)"
             " VALUES ($1, $2, 1, $3, now(), 'relaying')"
             " ON CONFLICT (outbox) DO UPDATE SET epoch = c.epoch + 1, holder = $3,"
             " held_since = now(), state = 'relaying', attempts = 0, last_error = NULL,"
@@ -115,6 +116,7 @@ class Store:
 
     async def park(
         self,
+        *,
         conn: asyncpg.Connection,
         claim: Claim,
         event: Event,

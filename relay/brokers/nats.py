@@ -13,6 +13,7 @@ keeps one retry policy, visible in `status`, for every broker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -105,7 +106,7 @@ class NatsPublisher:
     async def _acks(self, futures: list[asyncio.Future[Any]]) -> list[Outcome]:
         if not futures:
             return []
-        done, pending = await asyncio.wait(futures, timeout=self._config.ack_timeout)
+        _, pending = await asyncio.wait(futures, timeout=self._config.ack_timeout)
         for future in pending:
             future.cancel()
         outcomes: list[Outcome] = []
@@ -137,10 +138,8 @@ class NatsPublisher:
     async def close(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None and not nc.is_closed:
-            try:
+            with contextlib.suppress(Exception):
                 await nc.close()
-            except Exception:
-                pass
 
 
 def _headers(message: Message) -> dict[str, str]:
