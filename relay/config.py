@@ -262,8 +262,9 @@ def _describe(exc: ValidationError, doc: YamlDocument) -> str:
     lines = []
     for error in exc.errors(include_url=False):
         loc = _clean_loc(error["loc"], doc)
-        key = ".".join(str(p) for p in loc)
         msg = error["msg"].removeprefix("Value error, ")
+        loc, msg = _point_at_field(loc, msg, doc)
+        key = ".".join(str(p) for p in loc)
         if error["type"] == "extra_forbidden":
             msg = "unknown key"
         elif error["type"] == "missing":
@@ -272,6 +273,19 @@ def _describe(exc: ValidationError, doc: YamlDocument) -> str:
     count = len(lines)
     head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "
     return head + "\n  ".join(lines)
+
+
+def _point_at_field(
+    loc: tuple[str | int, ...], msg: str, doc: YamlDocument
+) -> tuple[tuple[str | int, ...], str]:
+    """`payload: loanId: bad` becomes `payload.loanId: bad` when loanId is a key there."""
+    node: Any = doc.data
+    for part in loc:
+        node = _child(node, part)
+    field, sep, rest = msg.partition(": ")
+    if sep and isinstance(node, dict) and field in node:
+        return (*loc, field), rest
+    return loc, msg
 
 
 _ABSENT = object()

