@@ -277,7 +277,7 @@ class OutboxWorker:
         self.log.error(
             "message parked",
             position=e.position,
-            event=f"{e.aggregate_type}/{e.aggregate_id}@{e.version}",
+            aggregate=f"{e.aggregate_type}/{e.aggregate_id}@{e.version}",
             reason=failure.reason,
             error=str(failure),
             attempts=attempts,

@@ -79,12 +79,12 @@ def test_durations_parse(tmp_path: Path) -> None:
     assert outbox.retry.max == pytest.approx(60.0)
 
 
-def test_environment_expansion_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_expansion_and_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NATS_HOST", "nats.internal")
     monkeypatch.delenv("NATS_PORT", raising=False)
-    text = GOOD.replace(
-        '["nats://127.0.0.1:4222"]', '["nats://${NATS_HOST}:${NATS_PORT:-4222}"]'
-    )
+    text = GOOD.replace('["nats://127.0.0.1:4222"]', '["nats://${NATS_HOST}:${NATS_PORT:-4222}"]')
     config = load_config(write(tmp_path, text))
     assert config.brokers["nats"].servers == ["nats://nats.internal:4222"]
 
@@ -117,7 +117,10 @@ def test_secret_is_not_in_repr(tmp_path: Path) -> None:
         ),
         (
             GOOD.replace("loanId: data.loanId", "loanId: data.[loanId"),
-            ["relay.yaml:15:", "outboxes.loans-outbox.messages.BookLent.payload.loanId: invalid JMESPath"],
+            [
+                "relay.yaml:15:",
+                "outboxes.loans-outbox.messages.BookLent.payload.loanId: invalid JMESPath",
+            ],
         ),
         (
             GOOD + "    batch:\n      linger: soon\n",

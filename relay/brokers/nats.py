@@ -66,7 +66,9 @@ class NatsPublisher:
         try:
             nc = await nats.connect(**options)
         except (OSError, TimeoutError, nats.errors.Error) as exc:
-            raise TransientPublishError(f"NATS {self.name}: cannot connect: {_text(exc)}") from exc
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {_text(exc)}"
+            ) from exc
         self._nc, self._js = nc, nc.jetstream(timeout=c.ack_timeout)
         try:
             # One API round trip: proves JetStream is on, and sets up reply
@@ -75,7 +77,7 @@ class NatsPublisher:
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             await self.close()
             raise TransientPublishError(
-                f"NATS {self.name}: JetStream unavailable: {_text(exc)}"
+                f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"
             ) from exc
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
@@ -124,7 +126,7 @@ class NatsPublisher:
         return outcomes
 
     def _classify(self, exc: BaseException) -> PublishError:
-        text = f"NATS {self.name}: {_text(exc)}"
+        text = f"broker {self.name!r}: {_text(exc)}"
         if isinstance(exc, nats.errors.MaxPayloadError):
             return PermanentPublishError(f"{text}: message larger than the server's max_payload")
         if isinstance(exc, nats.errors.BadSubjectError):
@@ -171,7 +173,7 @@ def _tls_context(config: NatsBrokerConfig) -> ssl.SSLContext:
 
 
 def _text(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
+    return (str(exc) or type(exc).__name__).removeprefix("nats: ")
 
 
 async def _ignore(exc: Exception) -> None:

@@ -1,0 +1,121 @@
+"""Poison messages are parked after `park_after` attempts; transient failures never are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relay.commands import status
+from relay.store import Store
+from tests.support.db import append, connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.scenario import (
+    LIBRARY_MESSAGES,
+    config_dict,
+    eventually,
+    load_and_migrate,
+    running,
+)
+
+
+async def parked_rows(dsn: str) -> list[dict[str, object]]:
+    async with connect(dsn) as conn:
+        return await Store("relay").parked(conn, "loans")
+
+
+async def test_oversized_message_is_parked_and_the_rest_flows(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    config = await load_and_migrate(tmp_path, config_dict(events_table, nats_url, subject))
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "b1", 1, "BookLent", {"loanId": "ok-1", "memberId": "m"})
+            huge = "x" * (2 * 1024 * 1024)  # above NATS's default 1 MB max_payload
+            poison = await append(conn, "book", "b2", 1, "BookLent", {"loanId": huge})
+            await append(conn, "book", "b1", 2, "BookLent", {"loanId": "ok-2", "memberId": "m"})
+        async with running(config) as relay:
+            received = await fetch_all(nats_url, subject, expected=2)
+            await eventually(lambda: _parked_count(events_table, 1))
+            assert relay.states["loans"].parked == 1
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1", "book/b1@2"]
+        (row,) = await parked_rows(events_table)
+        assert row["position"] == poison
+        assert row["message_id"] == "book/b2@1"
+        assert row["reason"] == "rejected"
+        assert row["attempts"] == 3  # park_after in the test config
+        assert "max_payload" in str(row["error"])
+        assert isinstance(row["body"], bytes) and len(row["body"]) > 2 * 1024 * 1024
+        assert (await status(config))[0]["parked"] == 1
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def test_mapping_failure_at_run_time_is_parked(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    messages = {
+        **LIBRARY_MESSAGES,
+        "FineCharged": {
+            "type": "library.fine-charged.v1",
+            "destination": "{subject}.fines",
+            # abs() of a string is a JMESPath type error, found only at run time.
+            "payload": {"amount": "abs(data.amount)"},
+        },
+    }
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, subject, messages=messages)
+    )
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "b1", 1, "FineCharged", {"amount": -3})
+            await append(conn, "book", "b1", 2, "FineCharged", {"amount": "three"})
+            await append(conn, "book", "b1", 3, "FineCharged", {"amount": -4})
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=2)
+            await eventually(lambda: _parked_count(events_table, 1))
+        assert [m.json()["amount"] for m in received] == [3, 4]
+        (row,) = await parked_rows(events_table)
+        assert row["reason"] == "mapping"
+        assert row["message_id"] is None
+        assert "outboxes.loans.messages.FineCharged" in str(row["error"])
+        assert "book/b1@2" in str(row["error"])
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def test_missing_stream_is_transient_retried_not_parked(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """No stream captures the subject yet: retried (status says so), delivered once it exists."""
+    subject = unique_name("parking")
+    config = await load_and_migrate(tmp_path, config_dict(events_table, nats_url, subject))
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "b1", 1, "BookLent", {"loanId": "L", "memberId": "m"})
+        async with running(config):
+
+            async def retrying_past_park_after() -> bool:
+                row = (await status(config))[0]
+                return row["state"] == "retrying" and row["last_error"].startswith("attempt 5:")
+
+            await eventually(retrying_past_park_after)
+            row = (await status(config))[0]
+            assert "no stream" in row["last_error"]
+            await create_stream(nats_url, subject, [f"{subject}.>"])
+            received = await fetch_all(nats_url, subject, expected=1)
+
+            async def relaying() -> bool:
+                return (await status(config))[0]["state"] == "relaying"
+
+            await eventually(relaying)
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
+        assert await parked_rows(events_table) == []
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def _parked_count(dsn: str, expected: int) -> bool:
+    return len(await parked_rows(dsn)) == expected
