@@ -178,7 +178,7 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, expected: list[str]
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nope.yaml: cannot read config file"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read config file"):
         load_config(tmp_path / "nope.yaml")
 
 

@@ -91,7 +91,9 @@ async def running(config: RelayConfig) -> AsyncIterator[Relay]:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float = 20.0, interval: float = 0.05
+    check: Callable[[], Awaitable[bool]],
+    timeout: float = 20.0,  # noqa: ASYNC109 - one deadline across many polls
+    interval: float = 0.05,
 ) -> None:
     """Poll `check` until it returns True; fail the test after `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
