@@ -12,6 +12,7 @@ import asyncpg
 from relay.config import RelayConfig
 from relay.database import Database
 from relay.errors import MappingError
+from relay.lease import lock_key
 from relay.mapping import Event, Mapper
 from relay.migrations import ensure_migrated
 from relay.migrations import migrate as apply_migrations
@@ -83,22 +84,19 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
         await source.check(conn)
         head = await source.head(conn)
         rows = {r["outbox"]: r for r in await store.checkpoints(conn)}
-        alive = {
-            r["application_name"].rsplit(":", 1)[0]
-            for r in await conn.fetch(
-                "SELECT application_name FROM pg_stat_activity"
-                " WHERE application_name LIKE 'relay:%'"
-            )
-        }
+        standbys = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
+        )
         out = []
         for name in config.outboxes:
             row = rows.get(name)
             checkpoint = row["position"] if row else None
+            holder = await _holder(conn, lock_key(config.lease.namespace, name))
             out.append(
                 {
                     "name": name,
-                    "state": _state(row, alive),
-                    "holder": row["holder"] if row and row["holder"] in alive else None,
+                    "state": _state(row, holder, standbys),
+                    "holder": holder,
                     "epoch": row["epoch"] if row else None,
                     "checkpoint": checkpoint,
                     "head": head,
@@ -112,9 +110,22 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
         return out
 
 
-def _state(row: dict[str, Any] | None, alive: set[str]) -> str:
-    if row is None or row["holder"] not in alive or row["state"] == "stopped":
-        return "no holder"
+async def _holder(conn: asyncpg.Connection, key: int) -> str | None:
+    """The identity of the replica whose session holds the lease, from pg_locks."""
+    name = await conn.fetchval(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint",
+        key,
+    )
+    return None if name is None else str(name).removesuffix(":lease")
+
+
+def _state(row: dict[str, Any] | None, holder: str | None, standbys: int) -> str:
+    if holder is None:
+        return "standby only" if standbys else "no holder"
+    if row is None:
+        return "relaying"
     state = str(row["state"])
     return {"waiting": "waiting on a transaction"}.get(state, state)
 

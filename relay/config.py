@@ -190,6 +190,48 @@ class OutboxConfig(Model):
         return _check_template(value)
 
 
+class KeepaliveConfig(Model):
+    """Server-side TCP settings on the lease connection, so Postgres frees a dead holder's lock."""
+
+    idle: PositiveDuration = 5.0
+    interval: PositiveDuration = 2.0
+    count: Annotated[int, Field(ge=1)] = 3
+    connection_check_interval: PositiveDuration = 1.0
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds after which the server drops a silent peer."""
+        return self.idle + self.interval * self.count
+
+
+class LeaseConfig(Model):
+    """One advisory lock per outbox decides which replica relays it."""
+
+    namespace: Annotated[str, Field(min_length=1, max_length=63)] = "relay"
+    retry_interval: PositiveDuration = 1.0
+    check_interval: PositiveDuration = 1.0
+    check_timeout: PositiveDuration = 1.0
+    takeover_after: PositiveDuration = 5.0
+    max_per_replica: Annotated[int, Field(ge=1)] | None = None
+    keepalives: KeepaliveConfig = KeepaliveConfig()
+
+    @model_validator(mode="after")
+    def _holder_fences_itself_first(self) -> LeaseConfig:
+        fenced_by = self.check_interval + self.check_timeout
+        if fenced_by >= self.keepalives.dead_after:
+            raise ValueError(
+                f"check_interval + check_timeout ({fenced_by:g}s) must stay below what the "
+                f"keepalives allow (idle + interval x count = {self.keepalives.dead_after:g}s), "
+                "so that a cut-off holder stops itself before the server frees its lock"
+            )
+        if fenced_by >= self.takeover_after:
+            raise ValueError(
+                f"takeover_after ({self.takeover_after:g}s) must exceed check_interval + "
+                f"check_timeout ({fenced_by:g}s)"
+            )
+        return self
+
+
 class LoggingConfig(Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -214,6 +256,7 @@ class RelayConfig(BaseSettings):
     source: SourceConfig = SourceConfig()
     brokers: dict[Annotated[str, Field(pattern=_NAME)], BrokerConfig] = Field(min_length=1)
     outboxes: dict[Annotated[str, Field(pattern=_NAME)], OutboxConfig] = Field(min_length=1)
+    lease: LeaseConfig = LeaseConfig()
     logging: LoggingConfig = LoggingConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
 

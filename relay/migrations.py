@@ -49,6 +49,9 @@ STEPS: tuple[str, ...] = (
       UNIQUE (outbox, position)
     );
     """,
+    """
+    ALTER TABLE {schema}.checkpoints ADD COLUMN heartbeat timestamptz;
+    """,
 )
 
 LATEST = len(STEPS)

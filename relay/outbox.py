@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
 import structlog
 
 from relay.config import OutboxConfig
-from relay.errors import DatabaseError, FencedError, MappingError, PublishError
+from relay.errors import DatabaseError, MappingError, PublishError
 from relay.mapping import Event, Mapper
 from relay.publishing import Message, Publisher
 from relay.retry import Backoff
 from relay.source import Blocker, EventSource
 from relay.state import OutboxState
-from relay.store import Claim, Store
-
-Connect = Callable[[str], Awaitable[asyncpg.Connection]]
+from relay.store import ClaimedOutbox
 
 # Driver errors that mean "the database went away": retry, never crash.
 DB_ERRORS = (
@@ -58,14 +56,19 @@ class Batch:
 
 @dataclass
 class Session:
-    """The connections and the claim that one uninterrupted run holds."""
+    """What one uninterrupted hold of the lease relays with."""
 
     reader: asyncpg.Connection
-    writer: asyncpg.Connection
-    claim: Claim
+    checkpoint: ClaimedOutbox
+
+    @property
+    def position(self) -> int:
+        return self.checkpoint.claim.position
 
 
-class OutboxWorker:
+class OutboxRelay:
+    """The holder's loop for one outbox; leases are handled around it (replica.py)."""
+
     def __init__(
         self,
         name: str,
@@ -73,9 +76,6 @@ class OutboxWorker:
         *,
         source: EventSource,
         publisher: Publisher,
-        store: Store,
-        connect: Connect,
-        identity: str,
         state: OutboxState,
         wake: asyncio.Event,
         stop: asyncio.Event,
@@ -85,78 +85,24 @@ class OutboxWorker:
         self.source = source
         self.mapper = Mapper(name, config)
         self.publisher = publisher
-        self.store = store
-        self.connect = connect
-        self.identity = identity
         self.state = state
         self.wake = wake
         self.stop = stop
         self.log = structlog.get_logger("relay.outbox").bind(outbox=name)
         self._types = list(config.messages)
         self._horizon = 0
+        self._duplicates_seen = 0
 
-    async def run(self) -> None:
-        """Relay until `stop`; ride out database outages; return if fenced."""
-        backoff, attempt = Backoff(self.config.retry), 0
-        while not self.stop.is_set():
-            try:
-                async with self._session() as session:
-                    attempt = 0
-                    await self._relay(session)
-            except FencedError as exc:
-                self.log.error("fenced: stopped relaying this outbox", reason=str(exc))
-                self.state.set(role="stopped", activity="stopped", last_error=str(exc))
-                return
-            except DatabaseError as exc:
-                attempt += 1
-                delay = backoff.delay(attempt)
-                self.state.set(activity="disconnected", last_error=str(exc), attempts=attempt)
-                self.log.warning(
-                    "database unavailable, retrying",
-                    error=str(exc),
-                    attempt=attempt,
-                    retry_in=round(delay, 3),
-                )
-                await self._sleep(delay)
-        self.state.set(activity="stopped")
-
-    @contextlib.asynccontextmanager
-    async def _session(self) -> AsyncIterator[Session]:
-        conns: list[asyncpg.Connection] = []
+    async def run(self, session: Session) -> None:
+        """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
+        self._horizon = session.position
         try:
-            try:
-                conns.append(await self.connect("reader"))
-                conns.append(await self.connect("writer"))
-                claim = await self._claim(conns[1])
-            except DB_ERRORS as exc:
-                raise DatabaseError(f"cannot reach the database: {exc}") from exc
-            try:
-                yield Session(reader=conns[0], writer=conns[1], claim=claim)
-            except DB_ERRORS as exc:
-                raise DatabaseError(f"lost the database connection: {exc}") from exc
-        finally:
-            for conn in conns:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close(), timeout=2)
-
-    async def _claim(self, conn: asyncpg.Connection) -> Claim:
-        await self.source.check(conn)
-        start = 0 if self.config.start == "beginning" else await self.source.head(conn)
-        claim = await self.store.claim(conn, self.name, self.identity, start)
-        self._horizon = claim.position
-        self.state.set(
-            role="holder",
-            holder=self.identity,
-            epoch=claim.epoch,
-            checkpoint=claim.position,
-            activity="relaying",
-            last_error=None,
-        )
-        self.log.info("relaying", epoch=claim.epoch, checkpoint=claim.position)
-        return claim
+            await self._relay(session)
+        except DB_ERRORS as exc:
+            raise DatabaseError(f"lost the database connection: {exc}") from exc
 
     async def _relay(self, s: Session) -> None:
-        position = s.claim.position
+        position = s.position
         while not self.stop.is_set():
             batch = await self._next_batch(s, position)
             if batch is None:
@@ -164,7 +110,7 @@ class OutboxWorker:
             if batch.items and not await self._deliver(s, batch.items):
                 return
             if batch.upto > position:
-                await self.store.advance(s.writer, s.claim, batch.upto)
+                await s.checkpoint.advance(batch.upto)
                 position = batch.upto
                 self.state.set(checkpoint=position, activity="relaying", attempts=0)
             if not batch.full:
@@ -215,7 +161,7 @@ class OutboxWorker:
                         waited=round(blocker.waited, 1),
                     )
             if (blocker is None) != (already is None) or already is None:
-                await self.store.report_blocking(s.writer, s.claim, blocker)
+                await s.checkpoint.report_blocking(blocker)
 
         return report
 
@@ -233,10 +179,10 @@ class OutboxWorker:
             acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
             if acked:
                 done, pending = pending[:acked], pending[acked:]
-                self.state.published += acked
+                self._acknowledged(done, attempt)
                 attempt = rejections = 0
                 if pending:
-                    await self.store.advance(s.writer, s.claim, done[-1].event.position)
+                    await s.checkpoint.advance(done[-1].event.position)
             if not pending:
                 break
             failure = _failure(outcomes, acked, pending[0])
@@ -251,6 +197,19 @@ class OutboxWorker:
                 return False
         return True
 
+    def _acknowledged(self, done: list[Item], attempt: int) -> None:
+        duplicates = self.publisher.duplicates - self._duplicates_seen
+        self._duplicates_seen = self.publisher.duplicates
+        self.state.published += len(done)
+        self.log.debug(
+            "batch acknowledged",
+            first_position=done[0].event.position,
+            last_position=done[-1].event.position,
+            messages=len(done),
+            duplicates=duplicates,
+            attempt=attempt + 1,
+        )
+
     async def _retrying(self, s: Session, head: Item, failure: PublishError, attempt: int) -> None:
         self.state.set(activity="retrying", attempts=attempt, last_error=str(failure))
         self.log.warning(
@@ -260,19 +219,11 @@ class OutboxWorker:
             reason=failure.reason,
             error=str(failure),
         )
-        await self.store.report(s.writer, s.claim, "retrying", attempt, str(failure))
+        await s.checkpoint.report("retrying", attempt, str(failure))
 
     async def _park(self, s: Session, item: Item, failure: PublishError, attempts: int) -> None:
         e = item.event
-        await self.store.park(
-            conn=s.writer,
-            claim=s.claim,
-            event=e,
-            message=item.message,
-            reason=failure.reason,
-            error=str(failure),
-            attempts=attempts,
-        )
+        await s.checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
         self.state.parked += 1
         self.log.error(
             "message parked",

@@ -39,6 +39,8 @@ class Publisher(Protocol):
     """What the core needs from a broker; one module per broker implements it."""
 
     name: str
+    duplicates: int
+    """Messages the broker said it already had (deduplicated); 0 where it cannot tell."""
 
     async def connect(self) -> None:
         """Open connections; raise TransientPublishError if the broker is unreachable."""

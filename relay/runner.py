@@ -24,9 +24,11 @@ from relay.brokers import create_publisher
 from relay.config import RelayConfig
 from relay.database import Database, DatabaseUnavailable
 from relay.errors import DatabaseError
+from relay.lease import LEASE_CHANNEL, Lease, LeaseBudget
 from relay.migrations import ensure_migrated
-from relay.outbox import DB_ERRORS, OutboxWorker
+from relay.outbox import DB_ERRORS, OutboxRelay
 from relay.publishing import Publisher
+from relay.replica import OutboxReplica
 from relay.retry import Backoff
 from relay.source import EventSource
 from relay.state import OutboxState
@@ -52,31 +54,46 @@ class Relay:
         """Run until stopped; the process exit code."""
         db = Database(self.config.database, self.identity)
         await self._preflight(db)
-        wakes = {name: asyncio.Event() for name in self.config.outboxes}
         publishers: list[Publisher] = []
-        workers = []
+        replicas = []
         source = EventSource(self.config.source)
         store = Store(self.config.database.schema_)
+        budget = LeaseBudget(self.config.lease.max_per_replica)
+        wakes: dict[str, asyncio.Event] = {}
+        lease_wakes: dict[str, asyncio.Event] = {}
         for name, outbox in self.config.outboxes.items():
             publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
             publishers.append(publisher)
             self.states[name] = OutboxState(name)
-            workers.append(
-                OutboxWorker(
-                    name,
-                    outbox,
-                    source=source,
-                    publisher=publisher,
+            wakes[name] = asyncio.Event()
+            lease = Lease(db, self.config.lease, name, self.config.database.schema_, self.identity)
+            lease_wakes[lease.channel_key] = asyncio.Event()
+            relay = OutboxRelay(
+                name,
+                outbox,
+                source=source,
+                publisher=publisher,
+                state=self.states[name],
+                wake=wakes[name],
+                stop=self.stop,
+            )
+            replicas.append(
+                OutboxReplica(
+                    relay,
+                    config=outbox,
+                    lease=lease,
+                    budget=budget,
+                    db=db,
                     store=store,
-                    connect=db.connect,
-                    identity=self.identity,
-                    state=self.states[name],
-                    wake=wakes[name],
+                    source=source,
+                    lease_wake=lease_wakes[lease.channel_key],
                     stop=self.stop,
                 )
             )
-        tasks = {asyncio.create_task(w.run(), name=f"outbox:{w.name}"): w.name for w in workers}
-        listener = asyncio.create_task(self._listen(db, list(wakes.values())), name="listener")
+        tasks = {asyncio.create_task(r.run(), name=f"outbox:{r.name}"): r.name for r in replicas}
+        listener = asyncio.create_task(
+            self._listen(db, list(wakes.values()), lease_wakes), name="listener"
+        )
         try:
             return await self._supervise(tasks, listener)
         finally:
@@ -132,13 +149,22 @@ class Relay:
         log.info("stopped", exit_code=code)
         return code
 
-    async def _listen(self, db: Database, wakes: list[asyncio.Event]) -> None:
-        """LISTEN for the wake-up hint; polling covers any gap while reconnecting."""
+    async def _listen(
+        self, db: Database, wakes: list[asyncio.Event], lease_wakes: dict[str, asyncio.Event]
+    ) -> None:
+        """LISTEN for wake-up hints; polling covers any gap while reconnecting.
+
+        New events wake every outbox; a released lease wakes that outbox's standby.
+        """
         channel = self.config.source.notify_channel
 
         def wake(*_: object) -> None:
             for event in wakes:
                 event.set()
+
+        def lease_released(_c: object, _pid: int, _channel: str, payload: str) -> None:
+            if payload in lease_wakes:
+                lease_wakes[payload].set()
 
         backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
         while not self.stop.is_set():
@@ -146,6 +172,7 @@ class Relay:
             try:
                 conn = await db.connect("listener")
                 await conn.add_listener(channel, wake)
+                await conn.add_listener(LEASE_CHANNEL, lease_released)
                 attempt = 0
                 lost = asyncio.Event()
                 conn.add_termination_listener(_setter(lost))

@@ -1,15 +1,17 @@
 """The relay's own tables: checkpoints, parked messages and reported state.
 
-Every write that moves an outbox is conditional on the epoch that the writer
-claimed, and the checkpoint can only move forwards. A write that matches no
-row means another replica has claimed the outbox since: FencedError.
+Every write that moves an outbox is conditional on three things: the epoch
+the writer claimed, that the writing connection holds the outbox's advisory
+lock, and that the checkpoint moves forwards. A write that matches no row
+means this replica has been fenced: FencedError.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -17,16 +19,17 @@ from relay.errors import FencedError
 from relay.mapping import Event
 from relay.publishing import Message
 from relay.source import Blocker
-from relay.sql import quote
+from relay.sql import holds_lock, quote
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """What a replica holds after claiming an outbox."""
+    """What a replica holds after claiming an outbox under its lease."""
 
     outbox: str
     epoch: int
     position: int
+    key: int  # the lease's advisory lock; every write proves it is still held
 
 
 class Store:
@@ -35,21 +38,28 @@ class Store:
         self._checkpoints = f"{s}.checkpoints"
         self._parked = f"{s}.parked"
 
-    async def claim(self, conn: asyncpg.Connection, outbox: str, holder: str, start: int) -> Claim:
-        """Create the outbox's row at `start` if new, and take the next epoch."""
-        row = await conn.fetchrow(
-            f"INSERT INTO {self._checkpoints} AS c"
-            " (outbox, position, epoch, holder, held_since, state)"
-            " VALUES ($1, $2, 1, $3, now(), 'relaying')"
-            " ON CONFLICT (outbox) DO UPDATE SET epoch = c.epoch + 1, holder = $3,"
-            " held_since = now(), state = 'relaying', attempts = 0, last_error = NULL,"
-            " blocking = NULL, updated_at = now()"
-            " RETURNING epoch, position",
+    async def claim(
+        self, conn: asyncpg.Connection, outbox: str, holder: str, start: int, key: int
+    ) -> Claim:
+        """Take the next epoch, on the connection holding lock `key`; create the row if new."""
+        await conn.execute(
+            f"INSERT INTO {self._checkpoints} (outbox, position) VALUES ($1, $2)"
+            " ON CONFLICT (outbox) DO NOTHING",
             outbox,
             start,
-            holder,
         )
-        return Claim(outbox, row["epoch"], row["position"])
+        row = await conn.fetchrow(
+            f"UPDATE {self._checkpoints} SET epoch = epoch + 1, holder = $2, held_since = now(),"
+            " heartbeat = now(), state = 'relaying', attempts = 0, last_error = NULL,"
+            f" blocking = NULL, updated_at = now() WHERE outbox = $1 AND {holds_lock('$3')}"
+            " RETURNING epoch, position",
+            outbox,
+            holder,
+            key,
+        )
+        if row is None:
+            raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
+        return Claim(outbox, row["epoch"], row["position"], key)
 
     async def exists(self, conn: asyncpg.Connection, outbox: str) -> bool:
         return bool(
@@ -61,10 +71,11 @@ class Store:
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET position = $3, state = 'relaying', attempts = 0,"
             " last_error = NULL, updated_at = now()"
-            " WHERE outbox = $1 AND epoch = $2 AND position <= $3",
+            f" WHERE outbox = $1 AND epoch = $2 AND position <= $3 AND {holds_lock('$4')}",
             claim.outbox,
             claim.epoch,
             position,
+            claim.key,
         )
         _fenced_unless_updated(status, claim, f"moving the checkpoint to {position}")
 
@@ -79,12 +90,13 @@ class Store:
         """Record the outbox's state (relaying, retrying, stopped) for `relay status`."""
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET state = $3, attempts = $4, last_error = $5,"
-            " updated_at = now() WHERE outbox = $1 AND epoch = $2",
+            f" updated_at = now() WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$6')}",
             claim.outbox,
             claim.epoch,
             state,
             attempts,
             last_error,
+            claim.key,
         )
         _fenced_unless_updated(status, claim, f"reporting state {state}")
 
@@ -107,10 +119,11 @@ class Store:
             " state = CASE WHEN $3::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
             " updated_at = CASE WHEN $3::jsonb IS NULL OR blocking IS NULL THEN now()"
             " ELSE updated_at END"
-            " WHERE outbox = $1 AND epoch = $2",
+            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
             claim.outbox,
             claim.epoch,
             value,
+            claim.key,
         )
         _fenced_unless_updated(status, claim, "reporting a blocking transaction")
 
@@ -161,6 +174,47 @@ class Store:
         return [dict(r) for r in rows]
 
 
+class Writer(Protocol):
+    """Lends the lease connection for one statement at a time."""
+
+    def statement(self) -> AbstractAsyncContextManager[asyncpg.Connection]: ...
+
+
+class ClaimedOutbox:
+    """The store's writes for one claimed outbox, all made on the lease connection."""
+
+    def __init__(self, store: Store, writer: Writer, claim: Claim) -> None:
+        self.store = store
+        self.writer = writer
+        self.claim = claim
+
+    async def advance(self, position: int) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.advance(conn, self.claim, position)
+
+    async def report(self, state: str, attempts: int = 0, last_error: str | None = None) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.report(conn, self.claim, state, attempts, last_error)
+
+    async def report_blocking(self, blocker: Blocker | None) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.report_blocking(conn, self.claim, blocker)
+
+    async def park(
+        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+    ) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.park(
+                conn=conn,
+                claim=self.claim,
+                event=event,
+                message=message,
+                reason=reason,
+                error=error,
+                attempts=attempts,
+            )
+
+
 def _message_columns(message: Message | None) -> tuple[Any, ...]:
     if message is None:
         return (None, None, None, None, None)
@@ -171,5 +225,6 @@ def _fenced_unless_updated(status: str, claim: Claim, action: str) -> None:
     if status.endswith(" 0"):
         raise FencedError(
             f"outbox {claim.outbox!r}: {action} matched no row at epoch {claim.epoch}; "
-            "another replica has claimed this outbox, or the checkpoint would move backwards"
+            "this replica lost the lease, another one claimed the outbox since, or the"
+            " checkpoint would move backwards"
         )

@@ -40,6 +40,7 @@ class NatsPublisher:
         self._config = config
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self.duplicates = 0
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -121,6 +122,7 @@ class NatsPublisher:
                 outcomes.append(self._classify(exc))
             else:
                 outcomes.append(None)
+                self.duplicates += bool(future.result().duplicate)
         if pending and self._nc is not None and not self._nc.is_connected:
             await self.close()
         return outcomes
