@@ -154,6 +154,10 @@ class OutboxReplica:
         try:
             done, _ = await asyncio.wait({relaying, watching}, return_when=asyncio.FIRST_COMPLETED)
             if watching in done:
+                # Stop publishing first; closing the sockets makes any statement stuck
+                # on a dead path fail at once instead of at the next keepalive.
+                self.lease.abandon()
+                session.reader.terminate()
                 relaying.cancel()
                 await asyncio.gather(relaying, return_exceptions=True)
                 return watching.result()

@@ -15,7 +15,9 @@ from tests.support.jetstream import unique_name
 from tests.support.scenario import config_dict, load_and_migrate
 
 
-async def test_checkpoint_writes_are_fenced(events_table: str, nats_url: str, tmp_path: Path) -> None:
+async def test_checkpoint_writes_are_fenced(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
     await load_and_migrate(tmp_path, config_dict(events_table, nats_url, unique_name("f")))
     store, key = Store("relay"), lock_key("relay", "loans")
     async with connect(events_table) as a, connect(events_table) as b:
