@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support.db import connect
-from tests.support.delivery import Writer, analyse, checkpoint
+from tests.support.delivery import Writer, analyse, append_backlog, checkpoint, wait_for_count
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.postgres import with_address
 from tests.support.proxy import TcpProxy
@@ -264,3 +264,76 @@ async def test_network_cut_holder_fences_itself_and_standby_takes_over(
 
 async def _async(value: bool) -> bool:
     return value
+
+
+@pytest.mark.timeout(120)
+async def test_paused_holder_is_replaced_and_its_resends_are_deduplicated(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """SIGSTOP freezes the holder mid-backlog: keepalives alone would never free its lock.
+
+    The standby sees the heartbeat go stale and ends the frozen session. The new
+    holder re-sends what was published but not checkpointed; JetStream drops
+    those by `Nats-Msg-Id`, so the stream holds every event once.
+    """
+    config, stream = await _setup(
+        events_table,
+        nats_url,
+        tmp_path,
+        check_interval="500ms",
+        check_timeout="500ms",
+        takeover_after="2s",
+    )
+    writer = Writer(events_table)
+    writer.appended = await append_backlog(events_table, 20000, aggregates=40)
+    try:
+        cluster = Cluster(relay_process, config, 2)
+        old = await cluster.holder()
+        await wait_for_count(nats_url, stream, lambda n: n >= 200, interval=0.002)
+        old.pause()
+        paused_at = time.time()
+        new = await cluster.holder([r for r in cluster.replicas if r is not old])
+        took = when(events(new, "lease acquired: relaying")[-1]) - paused_at
+        old.resume()
+        await old.wait_for_log("lease lost: stopped publishing, back to standby")
+        await _all_delivered(nats_url, stream, writer)
+        dups = duplicates_reported(new)
+        print(
+            f"SIGSTOP: standby took over after {took * 1000:.0f} ms; "
+            f"re-sent and absorbed by JetStream dedup: {dups}"
+        )
+        assert dups <= 50 * 2, "at most the batches in flight when the holder froze"
+        assert events(new, "silent holder's session terminated")
+        assert batches(new), "the holder was frozen mid-backlog"
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_max_per_replica_spreads_outboxes(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    stream = unique_name("spread")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    data = config_dict(events_table, nats_url, stream, messages=MESSAGES)
+    second = dict(data["outboxes"]["loans"])
+    data["outboxes"]["loans-copy"] = {
+        **second,
+        "messages": {"BookLent": {**MESSAGES["BookLent"], "destination": f"{stream}.copy"}},
+    }
+    data["lease"] = {"max_per_replica": 1}
+    config = save(tmp_path, data)
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    try:
+        replicas = [relay_process(["run", "--config", str(config)]) for _ in range(2)]
+
+        async def both_held() -> bool:
+            result = run_cli(["status", "--json", "--config", str(config)])
+            rows = json.loads(result.stdout)
+            holders = {row["holder"] for row in rows}
+            return None not in holders and len(holders) == 2
+
+        await eventually(both_held, timeout=20)
+        for replica in replicas:
+            assert len(events(replica, "lease acquired: relaying")) == 1
+    finally:
+        await delete_stream(nats_url, stream)

@@ -51,6 +51,10 @@ class NatsPublisher:
             "servers": c.servers,
             "connect_timeout": c.connect_timeout,
             "allow_reconnect": False,
+            # Give up on a server after one retry; the outbox's backoff decides when to
+            # try again (nats-py would otherwise try 60 times, 2 s apart, per connect).
+            "max_reconnect_attempts": 1,
+            "reconnect_time_wait": 0.1,
             "error_cb": _ignore,
             "name": "outbox-relay",
         }

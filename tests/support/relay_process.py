@@ -73,6 +73,13 @@ class RelayProcess:
     def kill(self) -> None:
         self._send(signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process freezes, its sockets stay open and its kernel keeps ACKing."""
+        self._send(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._send(signal.SIGCONT)
+
     def wait(self, timeout: float = 30.0) -> int:
         """Wait for exit and return the exit code (raises subprocess.TimeoutExpired)."""
         return self._process.wait(timeout)
