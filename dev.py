@@ -56,15 +56,21 @@ def main(argv: list[str]) -> int:
 
 
 def ensure_venv() -> None:
-    """Create .venv and (re)install the project when pyproject.toml changed since last time."""
+    """Create .venv and (re)install when pyproject.toml or requirements.lock changed.
+
+    The lock pins every dependency: without it pip's resolver can spend many minutes
+    backtracking through botocore releases (aioboto3 and moto pin it differently).
+    """
     if not PYTHON.exists():
         print(f"dev.py: creating {VENV}", file=sys.stderr)
         check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256(
+        (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
+    ).hexdigest()
     if STAMP.exists() and STAMP.read_text().strip() == digest:
         return
     print("dev.py: installing the project into .venv", file=sys.stderr)
-    check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]"])
+    check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"])
     STAMP.write_text(digest + "\n")
 
 

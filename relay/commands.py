@@ -86,6 +86,7 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
         rows = {r["outbox"]: r for r in await store.checkpoints(conn)}
         standbys = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
+            " AND datname = current_database()"
         )
         out = []
         for name in config.outboxes:
@@ -115,6 +116,7 @@ async def _holder(conn: asyncpg.Connection, key: int) -> str | None:
     name = await conn.fetchval(
         "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
         " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint",
         key,
     )

@@ -39,6 +39,7 @@ FROM pg_locks l
 LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN {checkpoints} c ON c.outbox = $2
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
 LIMIT 1
 """
@@ -185,6 +186,10 @@ class Lease:
                 await conn.close()
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
             conn.terminate()
+
+    def connection_lost(self) -> bool:
+        """True when the lease connection is gone, and the lock with it."""
+        return self.conn is None or self.conn.is_closed()
 
     def abandon(self) -> None:
         """Drop the connection without a word: the server frees the lock with the session."""

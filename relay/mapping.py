@@ -61,6 +61,7 @@ class _Compiled:
     destination: Template
     key: Template
     id: Template
+    routing_key: Template | None
     payload: Getter
 
 
@@ -77,6 +78,7 @@ class Mapper:
                 destination=compile_template(m.destination),
                 key=compile_template(m.key or config.key),
                 id=compile_template(m.id or config.id),
+                routing_key=compile_template(m.routing_key) if m.routing_key else None,
                 payload=_compile_payload(m.payload),
             )
             for event_type, m in config.messages.items()
@@ -108,6 +110,7 @@ class Mapper:
                 source=self._source,
                 time=event.created_at,
                 position=event.position,
+                routing_key=rule.routing_key(envelope) if rule.routing_key else None,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             where = f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"

@@ -29,6 +29,7 @@ class Message:
     time: datetime | None
     position: int
     content_type: str = "application/json"
+    routing_key: str | None = None  # brokers that route by key (RabbitMQ); else unused
 
 
 Outcome = PublishError | None

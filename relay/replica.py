@@ -107,6 +107,12 @@ class OutboxReplica:
             reason = await self._relay_while_held(session)
         except FencedError as exc:
             reason = str(exc)
+        except DatabaseError as exc:
+            if not self.lease.connection_lost():
+                await self.lease.release()
+                self.budget.give()
+                raise
+            reason = f"lease connection lost: {exc}"
         except BaseException:
             await self.lease.release()
             self.budget.give()

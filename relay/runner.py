@@ -53,7 +53,9 @@ class Relay:
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
         db = Database(self.config.database, self.identity)
-        await self._preflight(db)
+        if not await self._preflight(db):
+            log.info("stopped before the database could be reached", exit_code=0)
+            return 0
         publishers: list[Publisher] = []
         replicas = []
         source = EventSource(self.config.source)
@@ -100,8 +102,11 @@ class Relay:
             for publisher in publishers:
                 await publisher.close()
 
-    async def _preflight(self, db: Database) -> None:
-        """Refuse to start on what no retry can fix: a missing migration, a bad table."""
+    async def _preflight(self, db: Database) -> bool:
+        """Refuse to start on what no retry can fix: a missing migration, a bad table.
+
+        An unreachable database is waited for (False if stopped meanwhile).
+        """
         backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
         while True:
             try:
@@ -109,15 +114,17 @@ class Relay:
                 break
             except DatabaseUnavailable as exc:
                 if self.stop.is_set():
-                    raise
+                    return False
                 attempt += 1
                 log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
-                await asyncio.sleep(backoff.delay(attempt))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), backoff.delay(attempt))
         try:
             await ensure_migrated(conn, self.config.database.schema_)
             await EventSource(self.config.source).check(conn)
         finally:
             await conn.close()
+        return True
 
     async def _supervise(
         self, tasks: dict[asyncio.Task[None], str], listener: asyncio.Task[None]

@@ -36,6 +36,7 @@ SELECT DISTINCT v.virtualxid, v.pid
 FROM pg_locks r
 JOIN pg_locks v ON v.pid = r.pid AND v.locktype = 'virtualxid' AND v.granted
 WHERE r.locktype = 'relation' AND r.relation = $1::regclass
+  AND r.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND r.mode = 'RowExclusiveLock' AND r.granted AND r.pid <> pg_backend_pid()
 """
 _STILL_RUNNING = """

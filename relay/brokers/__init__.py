@@ -16,6 +16,9 @@ from relay.publishing import Publisher
 _ADAPTERS: dict[str, tuple[str, str, str]] = {
     # type: (module, class, extra)
     "nats": ("relay.brokers.nats", "NatsPublisher", "nats"),
+    "kafka": ("relay.brokers.kafka", "KafkaPublisher", "kafka"),
+    "rabbitmq": ("relay.brokers.rabbitmq", "RabbitMqPublisher", "rabbitmq"),
+    "sqs": ("relay.brokers.sqs", "SqsPublisher", "sqs"),
 }
 
 

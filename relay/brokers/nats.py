@@ -65,7 +65,7 @@ class NatsPublisher:
         if c.token:
             options["token"] = c.token.get_secret_value()
         if c.creds_file:
-            options["user_credentials"] = str(c.creds_file)
+            options["user_credentials"] = c.creds_file
         if c.tls:
             options["tls"] = _tls_context(c)
         try:

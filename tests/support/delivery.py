@@ -20,6 +20,7 @@ from tests.support.db import NewEvent, append, append_many
 from tests.support.db import connect as db_connect
 from tests.support.jetstream import Received
 from tests.support.jetstream import connect as nats_connect
+from tests.support.relay_process import RelayProcess
 
 AGGREGATE = "book"
 
@@ -107,10 +108,15 @@ async def wait_for_count(
     url: str,
     stream: str,
     done: Callable[[int], bool],
+    *,
     timeout: float = 20.0,  # noqa: ASYNC109 - one deadline across many polls
     interval: float = 0.01,
+    process: RelayProcess | None = None,
 ) -> int:
-    """Poll the stream's message count until `done(count)`; return that count."""
+    """Poll the stream's message count until `done(count)`; return that count.
+
+    With `process`, fail at once (with its output) if that relay exits meanwhile.
+    """
     deadline = time.monotonic() + timeout
     async with nats_connect(url) as nc:
         js = nc.jetstream()
@@ -118,6 +124,11 @@ async def wait_for_count(
             count = int((await js.stream_info(stream)).state.messages)
             if done(count):
                 return count
+            if process is not None and process.returncode is not None:
+                raise AssertionError(
+                    f"relay exited with {process.returncode} while the stream held {count}\n"
+                    + process.output()
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"stream {stream} holds {count} messages after {timeout}s")
             await asyncio.sleep(interval)
@@ -199,3 +210,24 @@ class Writer:
                 n += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 1 / self.rate)
+
+
+async def wait_for_checkpoint(
+    dsn: str,
+    outbox: str,
+    position: int,
+    timeout: float = 20.0,  # noqa: ASYNC109 - one deadline across many polls
+    schema: str = "relay",
+) -> None:
+    """Poll `<schema>.checkpoints` until the outbox's checkpoint reaches `position`."""
+    deadline = time.monotonic() + timeout
+    async with db_connect(dsn) as conn:
+        while True:
+            current = await conn.fetchval(
+                f'SELECT position FROM "{schema}".checkpoints WHERE outbox = $1', outbox
+            )
+            if current is not None and current >= position:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"checkpoint at {current}, not {position}, after {timeout}s")
+            await asyncio.sleep(0.02)

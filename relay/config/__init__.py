@@ -8,13 +8,10 @@ written here. Every error names the file, the line and the dotted key.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -24,33 +21,30 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from relay.config.base import Duration, Identifier, Model, PositiveDuration
+from relay.config.brokers import (
+    BrokerConfig,
+    KafkaBrokerConfig,
+    NatsBrokerConfig,
+    RabbitMqBrokerConfig,
+    SqsBrokerConfig,
+)
 from relay.errors import ConfigError
 from relay.expressions import ExpressionError, compile_expression, compile_template
 from relay.yaml_file import YamlDocument, load_yaml
 
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)\s*$")
+__all__ = [
+    "BrokerConfig",
+    "KafkaBrokerConfig",
+    "NatsBrokerConfig",
+    "OutboxConfig",
+    "RabbitMqBrokerConfig",
+    "RelayConfig",
+    "SqsBrokerConfig",
+    "load_config",
+]
+
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
-_IDENT = r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$"
-
-
-def _duration(value: Any) -> Any:
-    """Accept `10ms`, `1.5s`, `2m`, or a bare number of seconds."""
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if not match:
-            raise ValueError(f"{value!r} is not a duration; write it like 10ms, 30s or 2m")
-        return float(match.group(1)) * _UNITS[match.group(2)]
-    return value
-
-
-Duration = Annotated[float, BeforeValidator(_duration), Field(ge=0)]
-PositiveDuration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
-Identifier = Annotated[str, Field(pattern=_IDENT)]
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DatabaseConfig(Model):
@@ -86,27 +80,6 @@ class SourceConfig(Model):
     notify_trigger: bool = False  # `relay migrate` installs a NOTIFY trigger
     poll_interval: PositiveDuration = 1.0
     barrier_report_after: Duration = 1.0
-
-
-class NatsTlsConfig(Model):
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-
-
-class NatsBrokerConfig(Model):
-    type: Literal["nats"]
-    servers: list[str] = Field(min_length=1)
-    user: str | None = None
-    password: SecretStr | None = None
-    token: SecretStr | None = None
-    creds_file: Path | None = None
-    tls: NatsTlsConfig | None = None
-    connect_timeout: PositiveDuration = 2.0
-    ack_timeout: PositiveDuration = 5.0
-
-
-BrokerConfig = NatsBrokerConfig
 
 
 class BatchConfig(Model):
@@ -147,9 +120,10 @@ class MessageConfig(Model):
     destination: TemplateStr
     key: TemplateStr | None = None
     id: TemplateStr | None = None
+    routing_key: TemplateStr | None = None  # RabbitMQ only; the message type when absent
     payload: str | dict[str, str] = "data"
 
-    @field_validator("destination", "key", "id")
+    @field_validator("destination", "key", "id", "routing_key")
     @classmethod
     def _templates_compile(cls, value: str | None) -> str | None:
         return None if value is None else _check_template(value)
@@ -307,11 +281,16 @@ def _describe(exc: ValidationError, doc: YamlDocument) -> str:
         loc = _clean_loc(error["loc"], doc)
         msg = error["msg"].removeprefix("Value error, ")
         loc, msg = _point_at_field(loc, msg, doc)
-        key = ".".join(str(p) for p in loc)
         if error["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'")
+            loc = (*loc, field)
+            expected = error.get("ctx", {}).get("expected_tags", "")
+            msg = f"unknown or missing {field} (expected one of: {expected})"
         elif error["type"] == "missing":
             msg = "required key is missing"
+        key = ".".join(str(p) for p in loc)
         lines.append(f"{doc.where(loc)}: {key}: {msg}" if key else f"{doc.path}: {msg}")
     count = len(lines)
     head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "

@@ -1,0 +1,88 @@
+"""Broker connection settings: a union of models chosen by the `type` field.
+
+Secrets are SecretStr (never printed) and are usually written as `${VAR}` so
+that they come from the environment, not the file.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr
+
+from relay.config.base import Model, PositiveDuration, TlsConfig
+
+
+class NatsStreamConfig(Model):
+    """A JetStream stream the relay creates if missing, or verifies if present."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,255}$")]
+    subjects: list[str] = Field(min_length=1)
+    create: bool = True
+    storage: Literal["file", "memory"] = "file"
+    duplicate_window: PositiveDuration = 120.0
+
+
+class NatsBrokerConfig(Model):
+    type: Literal["nats"]
+    servers: list[str] = Field(min_length=1)
+    jetstream: bool = Field(
+        True, description="False publishes with core NATS: no acknowledgement, no dedup."
+    )
+    stream: NatsStreamConfig | None = None
+    user: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = None
+    creds_file: str | None = None
+    tls: TlsConfig | None = None
+    connect_timeout: PositiveDuration = 2.0
+    ack_timeout: PositiveDuration = 5.0
+
+
+class KafkaBrokerConfig(Model):
+    type: Literal["kafka"]
+    bootstrap_servers: list[str] = Field(min_length=1)
+    enable_idempotence: bool = True
+    transactional_id: str | None = None
+    client_id: str = "outbox-relay"
+    compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
+    max_request_size: Annotated[int, Field(ge=1024)] = 1_048_576
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    tls: TlsConfig | None = None
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = 30.0
+
+
+class RabbitMqExchange(Model):
+    name: Annotated[str, Field(min_length=1)]
+    type: Literal["direct", "topic", "fanout", "headers"] = "topic"
+    durable: bool = True
+
+
+class RabbitMqBrokerConfig(Model):
+    type: Literal["rabbitmq"]
+    url: SecretStr = Field(description="amqp:// or amqps:// URL, credentials included.")
+    mandatory: bool = True
+    declare_exchanges: list[RabbitMqExchange] = []
+    tls: TlsConfig | None = None
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = 10.0
+
+
+class SqsBrokerConfig(Model):
+    """Credentials come from the standard AWS chain (environment, profile, role)."""
+
+    type: Literal["sqs"]
+    region: Annotated[str, Field(min_length=1)]
+    endpoint_url: str | None = None
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = 30.0
+
+
+BrokerConfig = Annotated[
+    NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    Field(discriminator="type"),
+]
