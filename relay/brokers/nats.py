@@ -68,9 +68,11 @@ class NatsPublisher:
             options["user_credentials"] = c.creds_file
         if c.tls:
             options["tls"] = _tls_context(c)
+        nc = Client()
         try:
-            nc = await nats.connect(**options)
+            await nc.connect(**options)
         except (OSError, TimeoutError, nats.errors.Error) as exc:
+            _drop_transport(nc)
             raise TransientPublishError(
                 f"broker {self.name!r}: cannot connect: {_text(exc)}"
             ) from exc
@@ -176,6 +178,14 @@ def _tls_context(config: NatsBrokerConfig) -> ssl.SSLContext:
             str(config.tls.cert_file), str(config.tls.key_file) if config.tls.key_file else None
         )
     return context
+
+
+def _drop_transport(nc: Client) -> None:
+    """nats-py leaves the socket open when the handshake times out (a silent server)."""
+    transport = getattr(nc, "_transport", None)
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
 
 
 def _text(exc: BaseException) -> str:

@@ -1,0 +1,67 @@
+"""NATS JetStream harness: the machine's server, reached through a proxy."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tests.contract.harness import Consumed
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.proxy import TcpProxy
+
+
+class NatsHarness:
+    kind = "nats"
+
+    def __init__(self, nats_url: str) -> None:
+        host, port = nats_url.removeprefix("nats://").split(":")
+        self.url = nats_url
+        self.proxy = TcpProxy(host, int(port))
+        self.stream = unique_name("contract")
+
+    def broker_config(self) -> dict[str, Any]:
+        return {
+            "type": "nats",
+            "servers": [f"nats://{self.proxy.host}:{self.proxy.port}"],
+            "ack_timeout": "1s",
+            "connect_timeout": "1s",
+        }
+
+    def destination(self) -> str:
+        return f"{self.stream}.loans"
+
+    async def prepare(self) -> None:
+        await create_stream(self.url, self.stream, [f"{self.stream}.>"])
+
+    async def consume(self, expected: int, timeout: float = 30.0) -> list[Consumed]:  # noqa: ASYNC109
+        received = await fetch_all(self.url, self.stream, expected=expected, timeout=timeout)
+        return [
+            Consumed(
+                id=m.headers["Nats-Msg-Id"],
+                type=m.headers["ce-type"],
+                key=m.headers.get("ce-partitionkey"),
+                body=m.data,
+            )
+            for m in received
+        ]
+
+    @contextlib.asynccontextmanager
+    async def outage(self) -> AsyncIterator[None]:
+        self.proxy.pause()
+        self.proxy.cut()
+        try:
+            yield
+        finally:
+            self.proxy.resume()
+
+    def oversized(self) -> int:
+        return 2 * 1024 * 1024  # above the server's default 1 MB max_payload
+
+    async def close(self) -> None:
+        self.proxy.close()
+        await delete_stream(self.url, self.stream)
+
+
+async def start(request: Any) -> NatsHarness:
+    return NatsHarness(request.getfixturevalue("nats_url"))

@@ -1,0 +1,47 @@
+"""What every broker's test harness provides to the shared contract suite.
+
+A harness runs (or reaches) a real server, prepares a destination, reads back
+what the relay published, and can make the broker unreachable. The outage is
+made with a TCP proxy between the relay and the server, never by stopping a
+service shared with other tests.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """A message as a consumer sees it, in the broker's delivery order."""
+
+    id: str  # the message id as carried in the broker's own metadata
+    type: str  # the integration event type, from the broker's metadata
+    key: str | None  # the ordering key where the broker has one (Kafka key, SQS group)
+    body: bytes
+
+
+class BrokerHarness(Protocol):
+    kind: str  # the broker `type` in the relay's config
+
+    def broker_config(self) -> dict[str, Any]:
+        """The `brokers.<name>` entry; it must reach the server through the outage proxy."""
+
+    def destination(self) -> str:
+        """The outbox's `destination` for every message (a topic, subject, exchange, queue)."""
+
+    async def prepare(self) -> None:
+        """Create what the destination needs (topic, stream, queue and binding)."""
+
+    async def consume(self, expected: int, timeout: float = 30.0) -> list[Consumed]:  # noqa: ASYNC109
+        """Everything published so far, waiting until at least `expected` have arrived."""
+
+    def outage(self) -> AbstractAsyncContextManager[None]:
+        """Inside the block, the relay cannot reach the broker."""
+
+    def oversized(self) -> int:
+        """A body size in bytes that this broker rejects for good."""
+
+    async def close(self) -> None: ...
