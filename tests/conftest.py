@@ -21,6 +21,13 @@ from tests.support.relay_process import RelayProcess
 
 FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
 
+# Each broker's test server lives in its own module, beside the adapter it tests.
+pytest_plugins = [
+    "tests.support.kafka_server",
+    "tests.support.rabbitmq_server",
+    "tests.support.sqs_server",
+]
+
 
 # -- Postgres -------------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Pytest fixtures for the rabbitmq test server; filled in with the rabbitmq adapter."""

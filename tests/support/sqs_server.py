@@ -1,0 +1,1 @@
+"""Pytest fixtures for the sqs test server; filled in with the sqs adapter."""
