@@ -8,7 +8,7 @@ from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
 from relay.errors import PermanentPublishError, TransientPublishError
 from relay.publishing import Message
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.jetstream import connect, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.net import free_port
 
 
@@ -95,3 +95,40 @@ async def test_unreachable_server_is_transient_and_names_the_broker() -> None:
         assert "broker 'nats': cannot connect" in str(outcomes[0])
     finally:
         await pub.close()
+
+
+async def test_stream_is_created_from_the_config(nats_url: str) -> None:
+    name = unique_name("provisioned")
+    config = NatsBrokerConfig(
+        type="nats",
+        servers=[nats_url],
+        stream={"name": name, "subjects": [f"{name}.>"], "duplicate_window": 30},
+    )
+    pub = NatsPublisher("nats", config)
+    try:
+        assert await pub.publish([message(f"{name}.loans", 1)]) == [None]
+        received = await fetch_all(nats_url, name, expected=1)
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
+        await pub.close()
+        # An existing stream is verified and reused, not recreated (its message stays).
+        assert await pub.publish([message(f"{name}.loans", 2)]) == [None]
+        assert len(await fetch_all(nats_url, name, expected=2)) == 2
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, name)
+
+
+async def test_core_nats_publishes_without_acknowledgements(nats_url: str) -> None:
+    subject = unique_name("core")
+    pub = NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=False))
+    async with connect(nats_url) as nc:
+        sub = await nc.subscribe(f"{subject}.>")
+        await nc.flush()
+        try:
+            batch = [message(f"{subject}.loans", n) for n in range(1, 6)]
+            assert await pub.publish(batch) == [None] * 5
+            got = [await sub.next_msg(timeout=5) for _ in range(5)]
+            assert [m.headers["ce-id"] for m in got if m.headers] == [m.id for m in batch]
+        finally:
+            await sub.unsubscribe()
+            await pub.close()

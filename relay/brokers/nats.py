@@ -1,4 +1,4 @@
-"""NATS JetStream publisher.
+"""NATS publisher: JetStream by default, core NATS on request.
 
 Messages are written to the socket in order and all of a batch's PubAcks are
 awaited together, so a batch costs about one round trip. The message id goes
@@ -8,12 +8,16 @@ duplicate window; a PubAck marked duplicate counts as published.
 The client does not reconnect by itself: a lost connection fails the batch
 as transient, and the outbox's backoff decides when to connect again. That
 keeps one retry policy, visible in `status`, for every broker.
+
+Core NATS (`jetstream: false`) has no acknowledgement: a flush proves the
+server read the batch, not that anyone received it. The relay warns at start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -21,12 +25,16 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.api import StorageType, StreamConfig
 
-from relay.config import NatsBrokerConfig
+from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 from relay.publishing import Message, Outcome
+
+log = structlog.get_logger("relay.brokers.nats")
 
 # JetStream API error codes that no retry can fix.
 _PERMANENT_CODES = {
@@ -77,25 +85,61 @@ class NatsPublisher:
                 f"broker {self.name!r}: cannot connect: {_text(exc)}"
             ) from exc
         self._nc, self._js = nc, nc.jetstream(timeout=c.ack_timeout)
+        if not c.jetstream:
+            log.warning(
+                "core NATS has no acknowledgements: a message nobody is subscribed to is lost",
+                broker=self.name,
+            )
+            return
         try:
             # One API round trip: proves JetStream is on, and sets up reply
             # subscriptions before the first batch so its order is kept.
             await self._js.account_info()
+            if c.stream is not None:
+                await self._provision_stream(c.stream)
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             await self.close()
             raise TransientPublishError(
                 f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"
             ) from exc
 
+    async def _provision_stream(self, wanted: NatsStreamConfig) -> None:
+        """Create the configured stream if missing; say so if it differs from the config."""
+        assert self._js is not None
+        try:
+            info = await self._js.stream_info(wanted.name)
+        except nats.js.errors.NotFoundError:
+            if not wanted.create:
+                log.warning("stream not found and stream.create is false", stream=wanted.name)
+                return
+            await self._js.add_stream(
+                StreamConfig(
+                    name=wanted.name,
+                    subjects=wanted.subjects,
+                    storage=StorageType(wanted.storage),
+                    duplicate_window=wanted.duplicate_window,
+                )
+            )
+            log.info("stream created", broker=self.name, stream=wanted.name)
+            return
+        missing = set(wanted.subjects) - set(info.config.subjects or [])
+        if missing:
+            log.warning(
+                "stream exists without some configured subjects; it is left unchanged",
+                stream=wanted.name,
+                missing_subjects=sorted(missing),
+            )
+
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         try:
             await self.connect()
         except TransientPublishError as exc:
             return [exc] * len(messages)
+        if not self._config.jetstream:
+            return await self._publish_core(messages)
         assert self._js is not None
         futures: list[asyncio.Future[Any]] = []
-        outcomes: list[Outcome] = []
-        for message in messages:
+        for i, message in enumerate(messages):
             try:
                 futures.append(
                     await self._js.publish_async(
@@ -103,14 +147,28 @@ class NatsPublisher:
                     )
                 )
             except Exception as exc:
-                outcomes = [None] * len(futures) + [self._classify(exc)]
-                break
-        results = await self._acks(futures)
-        if outcomes:
-            failed = outcomes[-1]
-            not_sent = TransientPublishError("not sent: an earlier message of the batch failed")
-            return results + [failed] + [not_sent] * (len(messages) - len(results) - 1)
-        return results
+                # Nothing after a failed message is sent, so order is kept on retry.
+                not_sent = TransientPublishError("not sent: an earlier message of the batch failed")
+                return [
+                    *await self._acks(futures),
+                    self._classify(exc),
+                    *[not_sent] * (len(messages) - i - 1),
+                ]
+        return await self._acks(futures)
+
+    async def _publish_core(self, messages: Sequence[Message]) -> list[Outcome]:
+        """Core NATS: written in order, then one PING/PONG proves the server read them."""
+        assert self._nc is not None
+        try:
+            for message in messages:
+                await self._nc.publish(message.destination, message.body, headers=_headers(message))
+            await self._nc.flush(timeout=math.ceil(self._config.ack_timeout))
+        except Exception as exc:
+            failure = self._classify(exc)
+            if not isinstance(failure, PermanentPublishError):
+                await self.close()
+            return [failure] * len(messages)
+        return [None] * len(messages)
 
     async def _acks(self, futures: list[asyncio.Future[Any]]) -> list[Outcome]:
         if not futures:
