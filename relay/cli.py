@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -139,6 +140,200 @@ def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
             "blocking_transaction",
         ],
     )
+
+
+WaitOption = Annotated[
+    float,
+    typer.Option("--timeout", min=0.1, help="Seconds to wait for the lease holder to act."),
+]
+
+
+@app.command()
+def replay(
+    outbox: Annotated[str, typer.Argument(help="The outbox to replay.")],
+    from_position: Annotated[
+        int | None, typer.Option("--from", min=1, help="Publish again from this position.")
+    ] = None,
+    from_start: Annotated[bool, typer.Option("--from-start", help="From the first event.")] = False,
+    from_time: Annotated[
+        datetime | None,
+        typer.Option("--from-time", help="From the first event written at or after this time."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count the events.")] = False,
+    wait: WaitOption = 30.0,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
+    from relay.control_client import Controller, ReplayFrom
+    from relay.runner import identity
+
+    chosen = [from_position is not None, from_start, from_time is not None]
+    if sum(chosen) != 1:
+        typer.echo("error: give exactly one of --from, --from-start, --from-time", err=True)
+        raise typer.Exit(2)
+    if from_time is not None and from_time.tzinfo is None:
+        from_time = from_time.replace(tzinfo=UTC)
+    cfg = _load(config)
+    spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
+
+    async def work() -> dict[str, Any]:
+        controller = Controller(cfg, outbox, identity())
+        target, current = await controller.replay_target(spec)
+        count = await controller.count(target, current)
+        result: dict[str, Any] = {
+            "outbox": outbox,
+            "from_position": target + 1,
+            "checkpoint": current,
+            "events": count,
+            "dry_run": dry_run,
+        }
+        if not dry_run:
+            outcome = await controller.run("replay", {"to": target}, wait)
+            result.update(
+                ok=outcome.ok,
+                executed_by=outcome.executed_by,
+                direct=outcome.direct,
+                detail=outcome.detail,
+            )
+        return result
+
+    result = _run(work)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    elif dry_run:
+        typer.echo(
+            f"dry run: {result['events']} event(s) of {outbox} would be published again "
+            f"(positions {result['from_position']}..{result['checkpoint']})"
+        )
+    else:
+        _say_outcome(
+            result,
+            f"replay of {outbox} from position {result['from_position']}: "
+            f"{result['events']} event(s) will be published again",
+        )
+    if not dry_run and not result["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command("retry-parked")
+def retry_parked(
+    outbox: Annotated[str, typer.Argument(help="The outbox whose parked messages to retry.")],
+    ids: Annotated[list[int] | None, typer.Option("--id", help="A parked message id.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every parked message.")] = False,
+    wait: WaitOption = 30.0,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Map parked messages again with the current config and publish them."""
+    from relay.control_client import Controller
+    from relay.runner import identity
+
+    if bool(ids) == all_:
+        typer.echo("error: give --id ID (repeatable) or --all", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config)
+
+    async def work() -> dict[str, Any]:
+        outcome = await Controller(cfg, outbox, identity()).run(
+            "retry-parked", {"ids": ids or None}, wait
+        )
+        return {
+            "outbox": outbox,
+            "ok": outcome.ok,
+            "executed_by": outcome.executed_by,
+            "direct": outcome.direct,
+            "detail": outcome.detail,
+        }
+
+    result = _run(work)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    else:
+        detail = result["detail"] or {}
+        _say_outcome(
+            result,
+            f"retry-parked {outbox}: {len(detail.get('published', []))} "
+            f"published, {len(detail.get('still_parked', {}))} still parked",
+        )
+        for id_, error in (detail.get("still_parked") or {}).items():
+            typer.echo(f"  #{id_}: {error}")
+    still = (result["detail"] or {}).get("still_parked")
+    if not result["ok"] or still:
+        raise typer.Exit(1)
+
+
+def _say_outcome(result: dict[str, Any], text: str) -> None:
+    who = "this command (no replica held the lease)" if result["direct"] else result["executed_by"]
+    if result["ok"]:
+        typer.echo(f"{text}; carried out by {who}")
+    else:
+        typer.echo(f"failed, carried out by {who}: {result['detail']}", err=True)
+
+
+parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)
+app.add_typer(parked_app, name="parked")
+
+
+@parked_app.command("list")
+def parked_list(
+    outbox: Annotated[str, typer.Argument()],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Parked messages of OUTBOX, in position order."""
+    from relay.commands import parked_list as read
+
+    cfg = _load(config)
+    rows = _run(lambda: read(cfg, outbox))
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    _table(rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"])
+
+
+@parked_app.command("show")
+def parked_show(
+    id_: Annotated[int, typer.Argument(metavar="ID")],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """One parked message, whole."""
+    from relay.commands import parked_show as read
+
+    cfg = _load(config)
+    row = _run(lambda: read(cfg, id_))
+    if as_json:
+        typer.echo(json.dumps(row, indent=2, default=str))
+        return
+    for key, value in row.items():
+        typer.echo(f"{key}: {value}")
+
+
+@parked_app.command("drop")
+def parked_drop(
+    ids: Annotated[list[int] | None, typer.Argument(metavar="[ID]...")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Drop every parked message.")] = False,
+    outbox: Annotated[str | None, typer.Option("--outbox", help="Only this outbox.")] = None,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
+    from relay.commands import parked_drop as drop
+
+    if bool(ids) == all_:
+        typer.echo("error: give parked message ids, or --all", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config)
+    dropped = _run(lambda: drop(cfg, ids or None, outbox))
+    if as_json:
+        typer.echo(json.dumps({"dropped": dropped}))
+        return
+    typer.echo(f"dropped {len(dropped)} parked message(s): {', '.join(map(str, dropped)) or '-'}")
+    if ids and len(dropped) < len(ids):
+        missing = sorted(set(ids) - set(dropped))
+        typer.echo(f"error: no parked message with id {', '.join(map(str, missing))}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

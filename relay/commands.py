@@ -11,7 +11,7 @@ import asyncpg
 
 from relay.config import RelayConfig
 from relay.database import Database
-from relay.errors import MappingError
+from relay.errors import ConfigError, MappingError, RelayError
 from relay.lease import lock_key
 from relay.mapping import Event, Mapper
 from relay.migrations import ensure_migrated
@@ -160,3 +160,51 @@ async def _lag_seconds(conn: asyncpg.Connection, config: RelayConfig, checkpoint
         checkpoint,
     )
     return round(max(age or 0.0, 0.0), 3)
+
+
+async def parked_list(config: RelayConfig, outbox: str) -> list[dict[str, Any]]:
+    _known(config, outbox)
+    async with _connection(config, "cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        rows = await Store(config.database.schema_).parked(conn, outbox)
+    return [_parked_summary(r) for r in rows]
+
+
+async def parked_show(config: RelayConfig, id_: int) -> dict[str, Any]:
+    async with _connection(config, "cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        row = await Store(config.database.schema_).parked_by_id(conn, id_)
+    if row is None:
+        raise RelayError(f"no parked message with id {id_}")
+    body = row.pop("body")
+    row["body"] = body.decode("utf-8", "replace") if body is not None else None
+    return row
+
+
+async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
+    if outbox is not None:
+        _known(config, outbox)
+    outboxes = [outbox] if outbox else list(config.outboxes)
+    async with _connection(config, "cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        return await Store(config.database.schema_).drop_parked(conn, ids, outboxes)
+
+
+def _parked_summary(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "position": row["position"],
+        "event": f"{row['aggregate_type']}/{row['aggregate_id']}@{row['version']}",
+        "event_type": row["event_type"],
+        "message_id": row["message_id"],
+        "reason": row["reason"],
+        "attempts": row["attempts"],
+        "parked_at": row["parked_at"],
+        "error": row["error"],
+    }
+
+
+def _known(config: RelayConfig, outbox: str) -> None:
+    if outbox not in config.outboxes:
+        known = ", ".join(sorted(config.outboxes))
+        raise ConfigError(f"unknown outbox {outbox!r} (configured: {known})")

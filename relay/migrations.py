@@ -52,6 +52,22 @@ STEPS: tuple[str, ...] = (
     """
     ALTER TABLE {schema}.checkpoints ADD COLUMN heartbeat timestamptz;
     """,
+    """
+    CREATE TABLE {schema}.commands (
+      id            bigserial   PRIMARY KEY,
+      outbox        text        NOT NULL,
+      kind          text        NOT NULL CHECK (kind IN ('replay', 'retry-parked')),
+      args          jsonb       NOT NULL DEFAULT '{{}}',
+      requested_by  text        NOT NULL,
+      requested_at  timestamptz NOT NULL DEFAULT now(),
+      state         text        NOT NULL DEFAULT 'pending'
+                    CHECK (state IN ('pending', 'running', 'done', 'failed', 'expired')),
+      executed_by   text,
+      finished_at   timestamptz,
+      outcome       jsonb
+    );
+    CREATE INDEX ON {schema}.commands (outbox, id) WHERE state = 'pending';
+    """,
 )
 
 LATEST = len(STEPS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,13 +20,14 @@ import asyncpg
 import structlog
 
 from relay.config import OutboxConfig
-from relay.errors import DatabaseError, MappingError, PublishError
+from relay.control import CommandQueue, Operations
+from relay.errors import DatabaseError, MappingError, PublishError, RelayError
 from relay.mapping import Event, Mapper
 from relay.publishing import Message, Publisher
 from relay.retry import Backoff
 from relay.source import Blocker, EventSource
 from relay.state import OutboxState
-from relay.store import ClaimedOutbox
+from relay.store import ClaimedOutbox, Store
 
 # Driver errors that mean "the database went away": retry, never crash.
 DB_ERRORS = (
@@ -79,6 +81,10 @@ class OutboxRelay:
         state: OutboxState,
         wake: asyncio.Event,
         stop: asyncio.Event,
+        store: Store,
+        commands: CommandQueue,
+        command_wake: asyncio.Event,
+        identity: str,
     ) -> None:
         self.name = name
         self.config = config
@@ -92,6 +98,11 @@ class OutboxRelay:
         self._types = list(config.messages)
         self._horizon = 0
         self._duplicates_seen = 0
+        self.commands = commands
+        self.command_wake = command_wake
+        self.identity = identity
+        self.operations = Operations(store, source, self.mapper, publisher)
+        self._commands_checked = 0.0
 
     async def run(self, session: Session) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
@@ -104,6 +115,7 @@ class OutboxRelay:
     async def _relay(self, s: Session) -> None:
         position = s.position
         while not self.stop.is_set():
+            position = await self._carry_out_commands(s, position)
             batch = await self._next_batch(s, position)
             if batch is None:
                 return
@@ -115,6 +127,38 @@ class OutboxRelay:
                 self.state.set(checkpoint=position, activity="relaying", attempts=0)
             if not batch.full:
                 await self._idle()
+
+    async def _carry_out_commands(self, s: Session, position: int) -> int:
+        """Between batches: run operators' commands (NOTIFY wakes us; polling covers)."""
+        now = time.monotonic()
+        due = now - self._commands_checked >= self.source.config.poll_interval
+        if not (self.command_wake.is_set() or due):
+            return position
+        self.command_wake.clear()
+        self._commands_checked = now
+        claim, writer = s.checkpoint.claim, s.checkpoint.writer
+        while not self.stop.is_set():
+            async with writer.statement() as conn:
+                command = await self.commands.take(conn, claim, self.identity)
+            if command is None:
+                break
+            log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
+            log.info("carrying out command", args=command.args)
+            ok, outcome = True, {}
+            try:
+                if command.kind == "replay":
+                    outcome = await self.operations.replay(writer, claim, int(command.args["to"]))
+                    position = int(command.args["to"])
+                    self.state.set(checkpoint=position)
+                else:
+                    ids = command.args.get("ids")
+                    outcome = await self.operations.retry_parked(writer, s.reader, claim, ids)
+            except RelayError as exc:
+                ok, outcome = False, {"error": str(exc)}
+            async with writer.statement() as conn:
+                await self.commands.finish(conn, command.id, ok, outcome)
+            log.info("command done" if ok else "command failed", outcome=outcome)
+        return position
 
     async def _next_batch(self, s: Session, position: int) -> Batch | None:
         if position >= self._horizon:
@@ -242,14 +286,13 @@ class OutboxRelay:
             await self._sleep(self.config.batch.linger)
 
     async def _woken_or_stopped(self) -> None:
-        stop = asyncio.ensure_future(self.stop.wait())
-        wake = asyncio.ensure_future(self.wake.wait())
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.wake, self.command_wake)]
         try:
-            await asyncio.wait({stop, wake}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stop, wake):
+            for task in waits:
                 task.cancel()
-            await asyncio.gather(stop, wake, return_exceptions=True)
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; True if the sleep ran its course."""

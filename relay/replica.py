@@ -138,6 +138,7 @@ class OutboxReplica:
             claim = await self.store.claim(
                 conn, self.name, self.lease.identity, start, self.lease.key
             )
+            await self.relay.commands.abandon_running(conn, self.name)
         reader = await self.db.connect("reader")
         self.state.set(
             role="holder",

@@ -22,6 +22,7 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
+from relay.control import COMMAND_CHANNEL, CommandQueue
 from relay.database import Database, DatabaseUnavailable
 from relay.errors import DatabaseError
 from relay.lease import LEASE_CHANNEL, Lease, LeaseBudget
@@ -63,6 +64,8 @@ class Relay:
         budget = LeaseBudget(self.config.lease.max_per_replica)
         wakes: dict[str, asyncio.Event] = {}
         lease_wakes: dict[str, asyncio.Event] = {}
+        command_wakes = {name: asyncio.Event() for name in self.config.outboxes}
+        commands = CommandQueue(self.config.database.schema_)
         for name, outbox in self.config.outboxes.items():
             publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
             publishers.append(publisher)
@@ -78,6 +81,10 @@ class Relay:
                 state=self.states[name],
                 wake=wakes[name],
                 stop=self.stop,
+                store=store,
+                commands=commands,
+                command_wake=command_wakes[name],
+                identity=self.identity,
             )
             replicas.append(
                 OutboxReplica(
@@ -94,7 +101,7 @@ class Relay:
             )
         tasks = {asyncio.create_task(r.run(), name=f"outbox:{r.name}"): r.name for r in replicas}
         listener = asyncio.create_task(
-            self._listen(db, list(wakes.values()), lease_wakes), name="listener"
+            self._listen(db, list(wakes.values()), lease_wakes, command_wakes), name="listener"
         )
         try:
             return await self._supervise(tasks, listener)
@@ -157,7 +164,11 @@ class Relay:
         return code
 
     async def _listen(
-        self, db: Database, wakes: list[asyncio.Event], lease_wakes: dict[str, asyncio.Event]
+        self,
+        db: Database,
+        wakes: list[asyncio.Event],
+        lease_wakes: dict[str, asyncio.Event],
+        command_wakes: dict[str, asyncio.Event],
     ) -> None:
         """LISTEN for wake-up hints; polling covers any gap while reconnecting.
 
@@ -173,6 +184,10 @@ class Relay:
             if payload in lease_wakes:
                 lease_wakes[payload].set()
 
+        def command_sent(_c: object, _pid: int, _channel: str, payload: str) -> None:
+            if payload in command_wakes:
+                command_wakes[payload].set()
+
         backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
         while not self.stop.is_set():
             conn: asyncpg.Connection | None = None
@@ -180,6 +195,7 @@ class Relay:
                 conn = await db.connect("listener")
                 await conn.add_listener(channel, wake)
                 await conn.add_listener(LEASE_CHANNEL, lease_released)
+                await conn.add_listener(COMMAND_CHANNEL, command_sent)
                 attempt = 0
                 lost = asyncio.Event()
                 conn.add_termination_listener(_setter(lost))

@@ -23,6 +23,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import asyncpg
 
@@ -99,6 +100,17 @@ class EventSource:
             f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
         )
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
+        self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
+        self._count_sql = (
+            f"SELECT count(*) FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2"
+            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
+            f" AND {quote(cols.type)} = ANY($4::text[])"
+        )
+        self._since_sql = (
+            f"SELECT min({pos}) FROM {self.table} WHERE {quote(cols.created_at)} >= $1"
+            if cols.created_at
+            else None
+        )
         self._sequence: str | None = None
 
     async def check(self, conn: asyncpg.Connection) -> None:
@@ -208,6 +220,32 @@ class EventSource:
         """Events in (after, upto] that the outbox maps, in position order."""
         rows = await conn.fetch(self._read_sql, after, upto, limit, aggregates, list(types))
         return [_event(r) for r in rows]
+
+    async def events_at(self, conn: asyncpg.Connection, positions: Sequence[int]) -> list[Event]:
+        """The events at these positions that still exist, in position order."""
+        rows = await conn.fetch(self._read_at_sql, list(positions))
+        return sorted((_event(r) for r in rows), key=lambda e: e.position)
+
+    async def count(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        after: int,
+        upto: int,
+        aggregates: Sequence[str] | None,
+        types: Sequence[str],
+    ) -> int:
+        """How many events in (after, upto] an outbox would publish."""
+        return int(await conn.fetchval(self._count_sql, after, upto, aggregates, list(types)))
+
+    async def first_position_since(self, conn: asyncpg.Connection, when: datetime) -> int | None:
+        """The first position written at or after `when` (needs a created_at column)."""
+        if self._since_sql is None:
+            raise SourceError(
+                "source.columns.created_at is not set: --from-time needs a created_at column"
+            )
+        value = await conn.fetchval(self._since_sql, when)
+        return None if value is None else int(value)
 
     async def latest(self, conn: asyncpg.Connection, count: int) -> list[Event]:
         """The last `count` events, oldest first; for `relay check`."""

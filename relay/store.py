@@ -79,6 +79,25 @@ class Store:
         )
         _fenced_unless_updated(status, claim, f"moving the checkpoint to {position}")
 
+    async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
+        """Move the checkpoint back, for `relay replay` only; returns where it was."""
+        previous = await conn.fetchval(
+            f"UPDATE {self._checkpoints} c SET position = $3, updated_at = now()"
+            f" FROM {self._checkpoints} old"
+            " WHERE c.outbox = $1 AND old.outbox = c.outbox AND c.epoch = $2"
+            f" AND c.position >= $3 AND {holds_lock('$4')} RETURNING old.position",
+            claim.outbox,
+            claim.epoch,
+            position,
+            claim.key,
+        )
+        if previous is None:
+            raise FencedError(
+                f"outbox {claim.outbox!r}: replay to {position} refused: this replica lost the"
+                " lease, or the checkpoint is already before that position"
+            )
+        return int(previous)
+
     async def report(
         self,
         conn: asyncpg.Connection,
@@ -167,11 +186,60 @@ class Store:
         )
         return [dict(r) for r in rows]
 
-    async def parked(self, conn: asyncpg.Connection, outbox: str) -> list[dict[str, Any]]:
+    async def parked(
+        self, conn: asyncpg.Connection, outbox: str, ids: list[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """Parked messages of `outbox` in position order; only `ids` when given."""
         rows = await conn.fetch(
-            f"SELECT * FROM {self._parked} WHERE outbox = $1 ORDER BY position", outbox
+            f"SELECT * FROM {self._parked} WHERE outbox = $1"
+            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position",
+            outbox,
+            ids,
         )
         return [dict(r) for r in rows]
+
+    async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> dict[str, Any] | None:
+        row = await conn.fetchrow(f"SELECT * FROM {self._parked} WHERE id = $1", id_)
+        return dict(row) if row else None
+
+    async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
+        return int(
+            await conn.fetchval(f"SELECT count(*) FROM {self._parked} WHERE outbox = $1", outbox)
+        )
+
+    async def drop_parked(
+        self, conn: asyncpg.Connection, ids: list[int] | None, outboxes: list[str]
+    ) -> list[int]:
+        """Delete parked messages by id, or all of `outboxes` when `ids` is None."""
+        rows = await conn.fetch(
+            f"DELETE FROM {self._parked} WHERE outbox = ANY($2::text[])"
+            " AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) RETURNING id",
+            ids,
+            outboxes,
+        )
+        return sorted(r["id"] for r in rows)
+
+    async def unpark(self, conn: asyncpg.Connection, claim: Claim, id_: int) -> None:
+        """The parked message was published: forget it (holder only)."""
+        await conn.execute(
+            f"DELETE FROM {self._parked} WHERE id = $1 AND outbox = $2 AND {holds_lock('$3')}",
+            id_,
+            claim.outbox,
+            claim.key,
+        )
+
+    async def still_parked(
+        self, conn: asyncpg.Connection, claim: Claim, id_: int, error: str, reason: str
+    ) -> None:
+        await conn.execute(
+            f"UPDATE {self._parked} SET attempts = attempts + 1, error = $3, reason = $4"
+            f" WHERE id = $1 AND outbox = $2 AND {holds_lock('$5')}",
+            id_,
+            claim.outbox,
+            error,
+            reason,
+            claim.key,
+        )
 
 
 class Writer(Protocol):

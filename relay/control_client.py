@@ -1,0 +1,212 @@
+"""The CLI's side of operator commands: hand them to the lease holder, or do them directly.
+
+See control.py for the protocol. A command is written to the commands table and
+signalled with NOTIFY; the CLI waits for the holder's recorded outcome. With no
+holder, the CLI takes the outbox's lease itself, so two operators (or an
+operator and a replica starting up) are serialised by the same lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import structlog
+
+from relay.brokers import create_publisher
+from relay.config import RelayConfig
+from relay.control import CommandQueue, Operations
+from relay.database import Database
+from relay.errors import ConfigError, PublishError, RelayError
+from relay.lease import Lease
+from relay.mapping import Mapper
+from relay.migrations import ensure_migrated
+from relay.publishing import Message
+from relay.source import EventSource
+from relay.sql import quote
+from relay.store import Store
+
+log = structlog.get_logger("relay.control")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the CLI reports: who carried the command out, and how it went."""
+
+    ok: bool
+    executed_by: str | None
+    detail: dict[str, Any]
+    direct: bool
+
+
+class Controller:
+    """The CLI's side: hand a command to the holder, or do it under the lease itself."""
+
+    def __init__(self, config: RelayConfig, outbox: str, identity: str) -> None:
+        if outbox not in config.outboxes:
+            known = ", ".join(sorted(config.outboxes))
+            raise ConfigError(f"unknown outbox {outbox!r} (configured: {known})")
+        self.config = config
+        self.outbox = outbox
+        self.identity = identity
+        self.db = Database(config.database, identity)
+        self.store = Store(config.database.schema_)
+        self.source = EventSource(config.source)
+        self.queue = CommandQueue(config.database.schema_)
+
+    async def run(self, kind: str, args: dict[str, Any], wait: float) -> Outcome:
+        lease = Lease(
+            self.db, self.config.lease, self.outbox, self.config.database.schema_, self.identity
+        )
+        try:
+            if await lease.try_acquire():
+                return await self._directly(lease, kind, args)
+        finally:
+            await lease.release()
+        return await self._through_holder(kind, args, wait)
+
+    async def _through_holder(self, kind: str, args: dict[str, Any], wait: float) -> Outcome:
+        conn = await self.db.connect("cli")
+        try:
+            command_id = await self.queue.submit(conn, self.outbox, kind, args, self.identity)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                result = await self.queue.result(conn, command_id)
+                if result["state"] in ("done", "failed"):
+                    return Outcome(
+                        result["state"] == "done", result["executed_by"], result["outcome"], False
+                    )
+                await asyncio.sleep(0.1)
+            if await self.queue.expire(conn, command_id):
+                raise CommandTimeout(
+                    f"no lease holder carried out command {command_id} within {wait:g}s;"
+                    " it was withdrawn and nothing was changed"
+                )
+            raise CommandTimeout(
+                f"command {command_id} is still running on the holder after {wait:g}s;"
+                " its outcome will be recorded in the commands table"
+            )
+        finally:
+            await conn.close()
+
+    async def _directly(self, lease: Lease, kind: str, args: dict[str, Any]) -> Outcome:
+        """No replica holds the lease: take it, do the work, record it, let go."""
+        outbox = self.config.outboxes[self.outbox]
+        reader = await self.db.connect("cli")
+        publisher = None
+        try:
+            async with lease.statement() as conn:
+                await self.source.check(conn)
+                start = 0 if outbox.start == "beginning" else await self.source.head(conn)
+                claim = await self.store.claim(conn, self.outbox, self.identity, start, lease.key)
+                await self.queue.abandon_running(conn, self.outbox)
+            log.info(
+                "no holder: carrying out the command under the lease",
+                kind=kind,
+                outbox=self.outbox,
+                epoch=claim.epoch,
+            )
+            if kind == "retry-parked":
+                publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
+            operations = Operations(
+                self.store, self.source, Mapper(self.outbox, outbox), publisher or _NoPublisher()
+            )
+            try:
+                if kind == "replay":
+                    detail = await operations.replay(lease, claim, int(args["to"]))
+                else:
+                    detail = await operations.retry_parked(lease, reader, claim, args.get("ids"))
+                ok = True
+            except RelayError as exc:
+                ok, detail = False, {"error": str(exc)}
+            async with lease.statement() as conn:
+                command_id = await self.queue.submit(conn, self.outbox, kind, args, self.identity)
+                await conn.execute(
+                    f"UPDATE {self.queue.table} SET executed_by = $2 WHERE id = $1",
+                    command_id,
+                    self.identity,
+                )
+                await self.queue.finish(conn, command_id, ok, detail)
+            return Outcome(ok, self.identity, detail, True)
+        finally:
+            if publisher is not None:
+                await publisher.close()
+            await reader.close()
+
+    async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
+        """(the position to move back to, the current checkpoint)."""
+        conn = await self.db.connect("cli")
+        try:
+            await ensure_migrated(conn, self.config.database.schema_)
+            current = await conn.fetchval(
+                f"SELECT position FROM {quote(self.config.database.schema_)}.checkpoints"
+                " WHERE outbox = $1",
+                self.outbox,
+            )
+            if current is None:
+                raise CommandRefused(f"outbox {self.outbox!r} has never relayed: nothing to replay")
+            if spec.start:
+                target = 0
+            elif spec.time is not None:
+                first = await self.source.first_position_since(conn, spec.time)
+                target = current if first is None else first - 1
+            else:
+                assert spec.position is not None
+                target = spec.position - 1
+            if target > current:
+                raise CommandRefused(
+                    f"replay only moves back: position {target + 1} is after the checkpoint"
+                    f" ({current}); those events have not been published yet"
+                )
+            return max(target, 0), int(current)
+        finally:
+            await conn.close()
+
+    async def count(self, after: int, upto: int) -> int:
+        outbox = self.config.outboxes[self.outbox]
+        conn = await self.db.connect("cli")
+        try:
+            return await self.source.count(
+                conn,
+                after=after,
+                upto=upto,
+                aggregates=outbox.aggregates,
+                types=list(outbox.messages),
+            )
+        finally:
+            await conn.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayFrom:
+    position: int | None = None
+    start: bool = False
+    time: datetime | None = None
+
+
+class CommandTimeout(RelayError):
+    """The holder did not carry out the command in time."""
+
+
+class CommandRefused(RelayError):
+    """The command makes no sense for this outbox (e.g. a replay forwards)."""
+
+
+class _NoPublisher:
+    """Replay publishes nothing itself: the holder's loop does, afterwards."""
+
+    name = "none"
+    duplicates = 0
+
+    async def connect(self) -> None:
+        return None
+
+    async def publish(self, messages: Sequence[Message]) -> list[PublishError | None]:
+        raise AssertionError("replay does not publish")
+
+    async def close(self) -> None:
+        return None
