@@ -226,6 +226,7 @@ def relay_config(
             }
         },
         "logging": {"level": "warning", "format": "json"},
+        "http": {"enabled": False},
         "shutdown": {"grace_period": "5s"},
     }
     return RelayConfig(**data)
@@ -682,11 +683,11 @@ async def latency_phases(
 async def cleanup(args: argparse.Namespace, name: str) -> None:
     try:
         await delete_stream(args.nats, name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - clean-up reports and goes on
         say(f"warning: could not delete stream {name}: {exc!r}")
     try:
         await admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - clean-up reports and goes on
         say(f"warning: could not drop database {name}: {exc!r}")
 
 

@@ -14,7 +14,7 @@ import typer
 
 from relay import __version__
 from relay.config import RelayConfig, load_config
-from relay.errors import ConfigError, RelayError
+from relay.errors import ConfigError, RelayError, UsageError
 from relay.logs import configure, redact
 
 app = typer.Typer(
@@ -49,7 +49,7 @@ def _run(work: Callable[[], Awaitable[T]]) -> T:
     """Run a coroutine; a RelayError is a one-line message and exit 1 (2 for config)."""
     try:
         return asyncio.run(work())  # type: ignore[arg-type]
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         typer.echo(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(2) from None
     except RelayError as exc:
@@ -58,14 +58,20 @@ def _run(work: Callable[[], Awaitable[T]]) -> T:
 
 
 @app.command()
-def run(config: ConfigOption = None) -> None:
+def run(
+    config: ConfigOption = None,
+    http_port: Annotated[
+        int | None,
+        typer.Option("--http-port", min=0, max=65535, help="Overrides http.port (0: any free)."),
+    ] = None,
+) -> None:
     """Relay every configured outbox until SIGTERM or SIGINT."""
     from relay.runner import Relay, install_signal_handlers
 
     cfg = _load(config)
 
     async def main() -> int:
-        relay = Relay(cfg)
+        relay = Relay(cfg, http_port=http_port)
         install_signal_handlers(relay, asyncio.get_running_loop())
         return await relay.run()
 

@@ -21,7 +21,7 @@ from relay.brokers import create_publisher
 from relay.config import RelayConfig
 from relay.control import CommandQueue, Operations
 from relay.database import Database
-from relay.errors import ConfigError, PublishError, RelayError
+from relay.errors import ConfigError, PublishError, RelayError, UsageError
 from relay.lease import Lease
 from relay.mapping import Mapper
 from relay.migrations import ensure_migrated
@@ -59,27 +59,36 @@ class Controller:
         self.queue = CommandQueue(config.database.schema_)
 
     async def run(self, kind: str, args: dict[str, Any], wait: float) -> Outcome:
-        lease = Lease(
-            self.db, self.config.lease, self.outbox, self.config.database.schema_, self.identity
-        )
-        try:
-            if await lease.try_acquire():
-                return await self._directly(lease, kind, args)
-        finally:
-            await lease.release()
-        return await self._through_holder(kind, args, wait)
+        """Do it under the lease if free; else ask its holder, and take over if it leaves."""
+        deadline = time.monotonic() + wait
+        while True:
+            lease = Lease(
+                self.db, self.config.lease, self.outbox, self.config.database.schema_, self.identity
+            )
+            try:
+                if await lease.try_acquire():
+                    return await self._directly(lease, kind, args)
+                outcome = await self._through_holder(lease, kind, args, deadline, wait)
+            finally:
+                await lease.release()
+            if outcome is not None:
+                return outcome
 
-    async def _through_holder(self, kind: str, args: dict[str, Any], wait: float) -> Outcome:
+    async def _through_holder(
+        self, lease: Lease, kind: str, args: dict[str, Any], deadline: float, wait: float
+    ) -> Outcome | None:
+        """The holder's outcome; None if the lease fell free first (command withdrawn)."""
         conn = await self.db.connect("cli")
         try:
             command_id = await self.queue.submit(conn, self.outbox, kind, args, self.identity)
-            deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 result = await self.queue.result(conn, command_id)
                 if result["state"] in ("done", "failed"):
                     return Outcome(
                         result["state"] == "done", result["executed_by"], result["outcome"], False
                     )
+                if await lease.holder() is None and await self.queue.expire(conn, command_id):
+                    return None  # nobody holds it now: do the work ourselves
                 await asyncio.sleep(0.1)
             if await self.queue.expire(conn, command_id):
                 raise CommandTimeout(
@@ -192,7 +201,7 @@ class CommandTimeout(RelayError):
     """The holder did not carry out the command in time."""
 
 
-class CommandRefused(RelayError):
+class CommandRefused(UsageError):
     """The command makes no sense for this outbox (e.g. a replay forwards)."""
 
 

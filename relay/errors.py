@@ -15,6 +15,10 @@ class ConfigError(RelayError):
     """The configuration is invalid; the message names the file and key."""
 
 
+class UsageError(RelayError):
+    """The command makes no sense as asked (exit code 2, like bad config)."""
+
+
 class DatabaseError(RelayError):
     """Postgres could not be reached or refused a statement."""
 

@@ -156,6 +156,7 @@ class Lease:
             OSError,
             asyncpg.PostgresError,
             asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
             DatabaseError,
         ) as exc:
             raise LeaseLost(f"lease check failed: {type(exc).__name__}: {exc}") from exc
@@ -184,7 +185,7 @@ class Lease:
                     await conn.execute("SELECT pg_advisory_unlock($1)", self.key)
                     await conn.execute("SELECT pg_notify($1, $2)", LEASE_CHANNEL, self.channel_key)
                 await conn.close()
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except Exception:  # noqa: BLE001 - any failure here means: drop the socket
             conn.terminate()
 
     def connection_lost(self) -> bool:

@@ -23,6 +23,7 @@ from relay.config import OutboxConfig
 from relay.control import CommandQueue, Operations
 from relay.errors import DatabaseError, MappingError, PublishError, RelayError
 from relay.mapping import Event, Mapper
+from relay.metrics import Metrics
 from relay.publishing import Message, Publisher
 from relay.retry import Backoff
 from relay.source import Blocker, EventSource
@@ -37,6 +38,7 @@ DB_ERRORS = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
+    asyncpg.InternalClientError,  # a connection left mid-operation by a cancelled statement
 )
 
 
@@ -85,6 +87,7 @@ class OutboxRelay:
         commands: CommandQueue,
         command_wake: asyncio.Event,
         identity: str,
+        metrics: Metrics,
     ) -> None:
         self.name = name
         self.config = config
@@ -103,6 +106,14 @@ class OutboxRelay:
         self.identity = identity
         self.operations = Operations(store, source, self.mapper, publisher)
         self._commands_checked = 0.0
+        self.metrics = metrics
+        self._lag_measured = 0.0
+        # Destination templates, not rendered destinations, label the metric: bounded.
+        self._published_to = {
+            event_type: metrics.published.labels(name, rule.destination)
+            for event_type, rule in config.messages.items()
+        }
+        metrics.register_outbox(name)
 
     async def run(self, session: Session) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
@@ -163,10 +174,13 @@ class OutboxRelay:
     async def _next_batch(self, s: Session, position: int) -> Batch | None:
         if position >= self._horizon:
             self.wake.clear()
+            started = time.monotonic()
             horizon = await self.source.barrier(s.reader, self._blocked(s), self.stop)
             if horizon is None:
                 return None
+            self.metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
             self._horizon = horizon
+            await self._measure_lag(s, position)
         if self._horizon <= position:
             return Batch([], position, full=False)
         limit = self.config.batch.max_messages
@@ -178,9 +192,21 @@ class OutboxRelay:
             aggregates=self.config.aggregates,
             types=self._types,
         )
+        self.metrics.events_read.labels(self.name).inc(len(events))
         full = len(events) == limit
         upto = events[-1].position if full else self._horizon
         return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
+
+    async def _measure_lag(self, s: Session, position: int) -> None:
+        """Lag gauges, by the database's clock, at most once a second."""
+        now = time.monotonic()
+        if now - self._lag_measured < 1.0:
+            return
+        self._lag_measured = now
+        behind = self._horizon - position
+        self.metrics.lag_events.labels(self.name).set(behind)
+        age = await self.source.pending_age(s.reader, position) if behind > 0 else 0.0
+        self.metrics.lag_seconds.labels(self.name).set(age)
 
     def _item(self, event: Event) -> Item:
         try:
@@ -219,7 +245,7 @@ class OutboxRelay:
                 if item.message is None:
                     break
                 sendable.append(item.message)
-            outcomes = await self.publisher.publish(sendable) if sendable else []
+            outcomes = await self._publish(sendable) if sendable else []
             acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
             if acked:
                 done, pending = pending[:acked], pending[acked:]
@@ -230,6 +256,7 @@ class OutboxRelay:
             if not pending:
                 break
             failure = _failure(outcomes, acked, pending[0])
+            self.metrics.failures.labels(self.name, failure.reason).inc()
             attempt += 1
             rejections += failure.permanent
             if failure.permanent and rejections >= self.config.park_after:
@@ -241,10 +268,24 @@ class OutboxRelay:
                 return False
         return True
 
+    async def _publish(self, messages: list[Message]) -> list[PublishError | None]:
+        started = time.monotonic()
+        outcomes = await self.publisher.publish(messages)
+        self.metrics.publish_duration.labels(self.name).observe(time.monotonic() - started)
+        self.metrics.batch_messages.labels(self.name).observe(len(messages))
+        return outcomes
+
     def _acknowledged(self, done: list[Item], attempt: int) -> None:
         duplicates = self.publisher.duplicates - self._duplicates_seen
         self._duplicates_seen = self.publisher.duplicates
         self.state.published += len(done)
+        self.metrics.retrying.labels(self.name).set(0)
+        db_now = time.time() + self.source.clock_offset
+        latency = self.metrics.end_to_end.labels(self.name)
+        for item in done:
+            self._published_to[item.event.type].inc()
+            if item.event.created_at is not None:
+                latency.observe(max(db_now - item.event.created_at.timestamp(), 0.0))
         self.log.debug(
             "batch acknowledged",
             first_position=done[0].event.position,
@@ -256,6 +297,7 @@ class OutboxRelay:
 
     async def _retrying(self, s: Session, head: Item, failure: PublishError, attempt: int) -> None:
         self.state.set(activity="retrying", attempts=attempt, last_error=str(failure))
+        self.metrics.retrying.labels(self.name).set(1)
         self.log.warning(
             "publish failed, retrying",
             position=head.event.position,
@@ -269,6 +311,8 @@ class OutboxRelay:
         e = item.event
         await s.checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
         self.state.parked += 1
+        self.metrics.parked_total.labels(self.name, failure.reason).inc()
+        self.metrics.parked.labels(self.name).inc()
         self.log.error(
             "message parked",
             position=e.position,

@@ -107,6 +107,7 @@ class OutboxReplica:
             reason = await self._relay_while_held(session)
         except FencedError as exc:
             reason = str(exc)
+            self._transition("fenced")
         except DatabaseError as exc:
             if not self.lease.connection_lost():
                 await self.lease.release()
@@ -121,11 +122,13 @@ class OutboxReplica:
             await self.lease.release()
             self.budget.give()
             self.log.info("lease released")
+            self._transition("released")
             return
         self.lease.abandon()
         self.budget.give()
         self.state.set(role="standby", activity="idle", holder=None, last_error=reason)
         self.log.error("lease lost: stopped publishing, back to standby", reason=reason)
+        self._transition("lost")
         # A replica that just lost its lease is the suspect one: let a healthy standby
         # (which retries every retry_interval) take over first.
         with contextlib.suppress(TimeoutError):
@@ -150,6 +153,10 @@ class OutboxReplica:
             last_error=None,
         )
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
+        self._transition("acquired")
+        async with self.lease.statement() as conn:
+            parked = await self.store.parked_count(conn, self.name)
+        self.relay.metrics.parked.labels(self.name).set(parked)
         return Session(reader=reader, checkpoint=ClaimedOutbox(self.store, self.lease, claim))
 
     async def _relay_while_held(self, session: Session) -> str | None:
@@ -178,7 +185,21 @@ class OutboxReplica:
             await asyncio.gather(relaying, watching, return_exceptions=True)
             await _close(session.reader)
 
+    def _transition(self, event: str) -> None:
+        """Count the lease change; only a holder reports lag and parked gauges."""
+        metrics = self.relay.metrics
+        metrics.lease_transitions.labels(self.name, event).inc()
+        holding = event == "acquired"
+        metrics.lease_held.labels(self.name).set(1 if holding else 0)
+        if not holding:
+            for gauge in (metrics.lag_events, metrics.lag_seconds, metrics.parked):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(self.name)
+            metrics.retrying.labels(self.name).set(0)
+
     async def _disconnected(self, exc: BaseException, delay: float, attempt: int) -> None:
+        if self.state.role == "holder":
+            self._transition("released")
         self.lease.abandon()
         self.state.set(role="standby", activity="disconnected", last_error=str(exc))
         self.log.warning(
@@ -203,5 +224,5 @@ class OutboxReplica:
 async def _close(conn: asyncpg.Connection) -> None:
     try:
         await asyncio.wait_for(conn.close(), timeout=2)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken reader is dropped either way
         conn.terminate()

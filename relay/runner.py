@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +26,11 @@ from relay.config import RelayConfig
 from relay.control import COMMAND_CHANNEL, CommandQueue
 from relay.database import Database, DatabaseUnavailable
 from relay.errors import DatabaseError
+from relay.http import Health, HttpServer
 from relay.lease import LEASE_CHANNEL, Lease, LeaseBudget
+from relay.metrics import Metrics
 from relay.migrations import ensure_migrated
 from relay.outbox import DB_ERRORS, OutboxRelay
-from relay.publishing import Publisher
 from relay.replica import OutboxReplica
 from relay.retry import Backoff
 from relay.source import EventSource
@@ -50,64 +52,125 @@ class Relay:
     identity: str = field(default_factory=identity)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     states: dict[str, OutboxState] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
+    http_port: int | None = None  # `relay run --http-port` beats `http.port`
+
+    def __post_init__(self) -> None:
+        self._budget = LeaseBudget(self.config.lease.max_per_replica)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._db_seen = float("-inf")
 
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
         db = Database(self.config.database, self.identity)
-        if not await self._preflight(db):
-            log.info("stopped before the database could be reached", exit_code=0)
-            return 0
-        publishers: list[Publisher] = []
-        replicas = []
-        source = EventSource(self.config.source)
-        store = Store(self.config.database.schema_)
-        budget = LeaseBudget(self.config.lease.max_per_replica)
-        wakes: dict[str, asyncio.Event] = {}
+        http = self._http()
+        if http is not None:
+            await http.start()  # before the database: liveness must answer during an outage
+        try:
+            if not await self._preflight(db):
+                log.info("stopped before the database could be reached", exit_code=0)
+                return 0
+            return await self._relay_all(db)
+        finally:
+            if http is not None:
+                await http.close()
+
+    async def _relay_all(self, db: Database) -> int:
+        wakes = {name: asyncio.Event() for name in self.config.outboxes}
         lease_wakes: dict[str, asyncio.Event] = {}
         command_wakes = {name: asyncio.Event() for name in self.config.outboxes}
-        commands = CommandQueue(self.config.database.schema_)
-        for name, outbox in self.config.outboxes.items():
-            publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
-            publishers.append(publisher)
-            self.states[name] = OutboxState(name)
-            wakes[name] = asyncio.Event()
-            lease = Lease(db, self.config.lease, name, self.config.database.schema_, self.identity)
-            lease_wakes[lease.channel_key] = asyncio.Event()
-            relay = OutboxRelay(
-                name,
-                outbox,
-                source=source,
-                publisher=publisher,
-                state=self.states[name],
-                wake=wakes[name],
-                stop=self.stop,
-                store=store,
-                commands=commands,
-                command_wake=command_wakes[name],
-                identity=self.identity,
-            )
-            replicas.append(
-                OutboxReplica(
-                    relay,
-                    config=outbox,
-                    lease=lease,
-                    budget=budget,
-                    db=db,
-                    store=store,
-                    source=source,
-                    lease_wake=lease_wakes[lease.channel_key],
-                    stop=self.stop,
-                )
-            )
+        replicas = [
+            self._replica(db, name, wakes[name], lease_wakes, command_wakes[name])
+            for name in self.config.outboxes
+        ]
         tasks = {asyncio.create_task(r.run(), name=f"outbox:{r.name}"): r.name for r in replicas}
-        listener = asyncio.create_task(
-            self._listen(db, list(wakes.values()), lease_wakes, command_wakes), name="listener"
-        )
+        self._tasks = [*tasks]
+        helpers = [
+            asyncio.create_task(
+                self._listen(db, list(wakes.values()), lease_wakes, command_wakes),
+                name="listener",
+            ),
+            asyncio.create_task(self._probe(db), name="database-probe"),
+        ]
+        self._tasks += helpers
         try:
-            return await self._supervise(tasks, listener)
+            return await self._supervise(tasks, helpers)
         finally:
-            for publisher in publishers:
-                await publisher.close()
+            for replica in replicas:
+                await replica.relay.publisher.close()
+
+    def _replica(
+        self,
+        db: Database,
+        name: str,
+        wake: asyncio.Event,
+        lease_wakes: dict[str, asyncio.Event],
+        command_wake: asyncio.Event,
+    ) -> OutboxReplica:
+        outbox = self.config.outboxes[name]
+        schema = self.config.database.schema_
+        source, store = EventSource(self.config.source), Store(schema)
+        self.states[name] = OutboxState(name)
+        lease = Lease(db, self.config.lease, name, schema, self.identity)
+        lease_wakes[lease.channel_key] = asyncio.Event()
+        relay = OutboxRelay(
+            name,
+            outbox,
+            source=source,
+            publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
+            state=self.states[name],
+            wake=wake,
+            stop=self.stop,
+            store=store,
+            commands=CommandQueue(schema),
+            command_wake=command_wake,
+            identity=self.identity,
+            metrics=self.metrics,
+        )
+        return OutboxReplica(
+            relay,
+            config=outbox,
+            lease=lease,
+            budget=self._budget,
+            db=db,
+            store=store,
+            source=source,
+            lease_wake=lease_wakes[lease.channel_key],
+            stop=self.stop,
+        )
+
+    def _http(self) -> HttpServer | None:
+        c = self.config.http
+        if not c.enabled:
+            return None
+        port = self.http_port if self.http_port is not None else c.port
+        health = Health(
+            tasks_alive=lambda: all(not t.done() for t in self._tasks),
+            database_ok=lambda: time.monotonic() - self._db_seen < c.ready_after_database_silence,
+            states=lambda: {n: s.role for n, s in self.states.items()},
+        )
+        return HttpServer(c.host, port, self.metrics, health)
+
+    async def _probe(self, db: Database) -> None:
+        """Readiness: ask the database every few seconds; never fail, never block the loop."""
+        interval = self.config.http.database_probe_interval
+        while not self.stop.is_set():
+            conn = None
+            try:
+                conn = await db.connect("probe")
+                while not self.stop.is_set():
+                    async with asyncio.timeout(interval):
+                        await conn.fetchval("SELECT 1")
+                    self._db_seen = time.monotonic()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), interval)
+            except (DatabaseError, *DB_ERRORS) as exc:
+                log.debug("database probe failed", error=str(exc))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), interval)
+            finally:
+                if conn is not None:
+                    conn.terminate()
 
     async def _preflight(self, db: Database) -> bool:
         """Refuse to start on what no retry can fix: a missing migration, a bad table.
@@ -118,6 +181,7 @@ class Relay:
         while True:
             try:
                 conn = await db.connect("preflight")
+                self._db_seen = time.monotonic()
                 break
             except DatabaseUnavailable as exc:
                 if self.stop.is_set():
@@ -134,10 +198,11 @@ class Relay:
         return True
 
     async def _supervise(
-        self, tasks: dict[asyncio.Task[None], str], listener: asyncio.Task[None]
+        self, tasks: dict[asyncio.Task[None], str], helpers: list[asyncio.Task[None]]
     ) -> int:
+        """Wait for stop, or for any task to die (then stop everything and say why)."""
         stopper: asyncio.Task[object] = asyncio.create_task(self.stop.wait(), name="stop")
-        pending: set[asyncio.Task[object]] = {*tasks, listener, stopper}
+        pending: set[asyncio.Task[object]] = {*tasks, *helpers, stopper}
         code = 0
         while not self.stop.is_set():
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -157,9 +222,9 @@ class Relay:
         for task in late:
             log.warning("grace period over, abandoning the in-flight batch", task=task.get_name())
             task.cancel()
-        listener.cancel()
-        stopper.cancel()
-        await asyncio.gather(*tasks, listener, stopper, return_exceptions=True)
+        for helper in (*helpers, stopper):
+            helper.cancel()
+        await asyncio.gather(*tasks, *helpers, stopper, return_exceptions=True)
         log.info("stopped", exit_code=code)
         return code
 

@@ -106,12 +106,19 @@ class EventSource:
             f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
             f" AND {quote(cols.type)} = ANY($4::text[])"
         )
+        self._age_sql = (
+            f"SELECT extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8"
+            f" FROM {self.table} WHERE {pos} > $1 ORDER BY {pos} LIMIT 1"
+            if cols.created_at
+            else None
+        )
         self._since_sql = (
             f"SELECT min({pos}) FROM {self.table} WHERE {quote(cols.created_at)} >= $1"
             if cols.created_at
             else None
         )
         self._sequence: str | None = None
+        self.clock_offset = 0.0  # database clock minus this host's, from the last head()
 
     async def check(self, conn: asyncpg.Connection) -> None:
         """Fail at start-up on what would silently break the gap-free read."""
@@ -162,8 +169,14 @@ class EventSource:
         """The last position handed out (committed or not), 0 for an empty log."""
         if self._sequence is None:
             await self.check(conn)
-        value = await conn.fetchval("SELECT pg_sequence_last_value($1::regclass)", self._sequence)
-        return int(value or 0)
+        row = await conn.fetchrow(
+            "SELECT pg_sequence_last_value($1::regclass),"
+            " extract(epoch FROM clock_timestamp())::float8",
+            self._sequence,
+        )
+        # Latency and lag are measured by the database's clock, never this host's.
+        self.clock_offset = row[1] - time.time()
+        return int(row[0] or 0)
 
     async def barrier(
         self, conn: asyncpg.Connection, on_blocked: OnBlocked, stop: asyncio.Event
@@ -220,6 +233,13 @@ class EventSource:
         """Events in (after, upto] that the outbox maps, in position order."""
         rows = await conn.fetch(self._read_sql, after, upto, limit, aggregates, list(types))
         return [_event(r) for r in rows]
+
+    async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
+        """Seconds since the oldest event after `after` was written (database clock)."""
+        if self._age_sql is None:
+            return 0.0
+        age = await conn.fetchval(self._age_sql, after)
+        return max(float(age or 0.0), 0.0)
 
     async def events_at(self, conn: asyncpg.Connection, positions: Sequence[int]) -> list[Event]:
         """The events at these positions that still exist, in position order."""

@@ -146,7 +146,7 @@ class NatsPublisher:
                         message.destination, message.body, headers=_headers(message)
                     )
                 )
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 # Nothing after a failed message is sent, so order is kept on retry.
                 not_sent = TransientPublishError("not sent: an earlier message of the batch failed")
                 return [
@@ -163,7 +163,7 @@ class NatsPublisher:
             for message in messages:
                 await self._nc.publish(message.destination, message.body, headers=_headers(message))
             await self._nc.flush(timeout=math.ceil(self._config.ack_timeout))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classified, not swallowed
             failure = self._classify(exc)
             if not isinstance(failure, PermanentPublishError):
                 await self.close()

@@ -206,6 +206,16 @@ class LeaseConfig(Model):
         return self
 
 
+class HttpConfig(Model):
+    """/metrics, /healthz and /readyz."""
+
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=0, le=65535)] = 9464
+    database_probe_interval: PositiveDuration = 5.0
+    ready_after_database_silence: PositiveDuration = 15.0
+
+
 class LoggingConfig(Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -231,6 +241,7 @@ class RelayConfig(BaseSettings):
     brokers: dict[Annotated[str, Field(pattern=_NAME)], BrokerConfig] = Field(min_length=1)
     outboxes: dict[Annotated[str, Field(pattern=_NAME)], OutboxConfig] = Field(min_length=1)
     lease: LeaseConfig = LeaseConfig()
+    http: HttpConfig = HttpConfig()
     logging: LoggingConfig = LoggingConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
 

@@ -47,6 +47,7 @@ def relay_config(dsn: str, broker: BrokerHarness) -> dict[str, Any]:
             }
         },
         "logging": {"level": "warning", "format": "json"},
+        "http": {"port": 0, "host": "127.0.0.1"},
     }
 
 

@@ -23,7 +23,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     def target() -> None:
         try:
             result.append(asyncio.run(coro))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             error.append(exc)
 
     thread = threading.Thread(target=target, name="run_sync")

@@ -63,6 +63,7 @@ def config_dict(
         "brokers": {"nats": {"type": "nats", "servers": [nats_url], "ack_timeout": "1s"}},
         "outboxes": {outbox: {"broker": "nats", "messages": rendered, **options}},
         "logging": {"level": "debug", "format": "json"},
+        "http": {"port": 0, "host": "127.0.0.1"},
         "shutdown": {"grace_period": "5s"},
     }
 
