@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -51,6 +53,7 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     ensure_venv()
     if argv[0] == "test":
+        ensure_promtool()
         return test(argv[1:])
     return run()
 
@@ -72,6 +75,30 @@ def ensure_venv() -> None:
     print("dev.py: installing the project into .venv", file=sys.stderr)
     check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"])
     STAMP.write_text(digest + "\n")
+
+
+def ensure_promtool() -> None:
+    """promtool (Prometheus's checker) is not on PyPI: take it from Debian's package.
+
+    The metrics and alert-rule tests need it; without apt-get they say how to get it.
+    """
+    if (BIN / "promtool").exists() or shutil.which("promtool"):
+        return
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        print(
+            "dev.py: promtool not found and no apt-get: install Prometheus's promtool",
+            file=sys.stderr,
+        )
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        download = ["apt-get", "download", "prometheus"]
+        if subprocess.call(download, cwd=tmp, stdout=subprocess.DEVNULL) != 0:
+            check(["apt-get", "update", "-qq"], label="apt-get update (for promtool)")
+            check(download, label="apt-get download prometheus", cwd=tmp)
+        (deb,) = Path(tmp).glob("prometheus_*.deb")
+        check(["dpkg-deb", "-x", str(deb), tmp], label="unpack promtool")
+        shutil.copy(Path(tmp) / "usr" / "bin" / "promtool", BIN / "promtool")
+    print(f"dev.py: installed {BIN / 'promtool'}", file=sys.stderr)
 
 
 def test(pytest_args: list[str]) -> int:
@@ -109,11 +136,16 @@ def venv_environ() -> dict[str, str]:
     return env
 
 
-def check(command: list[str], env: dict[str, str] | None = None, label: str = "") -> None:
+def check(
+    command: list[str],
+    env: dict[str, str] | None = None,
+    label: str = "",
+    cwd: str | Path = ROOT,
+) -> None:
     """Run a command; on failure say which one and exit with its code."""
     label = label or " ".join(command)
     print(f"dev.py: $ {label}", file=sys.stderr, flush=True)
-    code = subprocess.call(command, cwd=ROOT, env=env or venv_environ())
+    code = subprocess.call(command, cwd=cwd, env=env or venv_environ())
     if code != 0:
         print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr)
         sys.exit(code)

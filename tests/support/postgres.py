@@ -128,6 +128,15 @@ class EmbeddedPostgres:
         self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
         return self.dsn
 
+    def halt(self) -> None:
+        """Stop the server but keep its data, for an outage that `resume` ends."""
+        self._pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self._user)
+
+    def resume(self) -> None:
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}"
+        log = str(self.pgdata / "server.log")
+        self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
+
     def stop(self) -> None:
         """Stop the server (fast shutdown) and delete its files."""
         try:

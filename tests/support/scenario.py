@@ -63,7 +63,12 @@ def config_dict(
         "brokers": {"nats": {"type": "nats", "servers": [nats_url], "ack_timeout": "1s"}},
         "outboxes": {outbox: {"broker": "nats", "messages": rendered, **options}},
         "logging": {"level": "debug", "format": "json"},
-        "http": {"port": 0, "host": "127.0.0.1"},
+        "http": {
+            "port": 0,
+            "host": "127.0.0.1",
+            "database_probe_interval": "500ms",
+            "ready_after_database_silence": "2s",
+        },
         "shutdown": {"grace_period": "5s"},
     }
 

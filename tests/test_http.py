@@ -1,0 +1,160 @@
+"""/metrics, /healthz and /readyz of a real `relay run` process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.db import NewEvent, append_many, connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.scenario import config_dict, eventually, save
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def promtool() -> str:
+    for candidate in (ROOT / ".venv" / "bin" / "promtool", Path("/usr/bin/promtool")):
+        if candidate.exists():
+            return str(candidate)
+    pytest.fail("promtool not found: `python3 dev.py test` installs it from Debian's package")
+
+
+async def get(port: int, path: str) -> tuple[int, str]:
+    def fetch() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode()
+
+    return await asyncio.to_thread(fetch)
+
+
+async def http_port(process: RelayProcess) -> int:
+    record = await process.wait_for_log("http listening")
+    return int(record["port"])
+
+
+async def test_metrics_pass_promtool_and_tell_the_story(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    stream = unique_name("metrics")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    config = save(tmp_path, config_dict(events_table, nats_url, stream))
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    try:
+        async with connect(events_table) as conn:
+            await append_many(
+                conn,
+                [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(20)]
+                + [NewEvent("book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})],
+            )
+        relay = relay_process(["run", "--config", str(config), "--http-port", "0"])
+        port = await http_port(relay)
+        await fetch_all(nats_url, stream, expected=20)
+
+        async def parked_counted() -> bool:
+            return 'relay_parked_messages{outbox="loans"} 1.0' in (await get(port, "/metrics"))[1]
+
+        await eventually(parked_counted, timeout=20)
+        status, text = await get(port, "/metrics")
+        assert status == 200
+        check = subprocess.run(
+            [promtool(), "check", "metrics"],
+            input=text,
+            text=True,
+            capture_output=True,
+            check=False,
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        destination = f"{stream}.{{aggregate_type}}"
+        assert samples[("relay_lease_held", (("outbox", "loans"),))] == 1
+        assert (
+            samples[
+                (
+                    "relay_messages_published_total",
+                    (("destination", destination), ("outbox", "loans")),
+                )
+            ]
+            == 20
+        )
+        assert samples[("relay_events_read_total", (("outbox", "loans"),))] == 21
+        assert (
+            samples[("relay_messages_parked_total", (("outbox", "loans"), ("reason", "rejected")))]
+            == 1
+        )
+        assert (
+            samples[("relay_publish_failures_total", (("outbox", "loans"), ("reason", "rejected")))]
+            == 3
+        )
+        assert samples[("relay_end_to_end_latency_seconds_count", (("outbox", "loans"),))] == 20
+        assert (
+            samples[("relay_lease_transitions_total", (("event", "acquired"), ("outbox", "loans")))]
+            == 1
+        )
+        assert ("relay_barrier_wait_seconds_count", (("outbox", "loans"),)) in samples
+        assert ("relay_lag_seconds", (("outbox", "loans"),)) in samples
+        assert any(name == "relay_build_info" for name, _ in samples)
+        assert "postgres://" not in text and "postgresql://" not in text
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_healthz_stays_up_while_postgres_is_down(
+    private_postgres: EmbeddedPostgres, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    dsn = private_postgres.dsn
+    run_sql_file(dsn, EVENTS_SQL)
+    config = save(tmp_path, config_dict(dsn, nats_url, unique_name("health")))
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    relay = relay_process(["run", "--config", str(config)])
+    port = await http_port(relay)
+
+    async def ready() -> bool:
+        return (await get(port, "/readyz"))[0] == 200
+
+    await eventually(ready, timeout=20)
+    assert (await get(port, "/healthz"))[0] == 200
+
+    await asyncio.to_thread(private_postgres.halt)
+
+    async def not_ready() -> bool:
+        return (await get(port, "/readyz"))[0] == 503
+
+    await eventually(not_ready, timeout=40)
+    for _ in range(5):  # a database outage never fails liveness
+        status, body = await get(port, "/healthz")
+        assert status == 200, body
+        await asyncio.sleep(0.3)
+    assert relay.returncode is None
+
+    await asyncio.to_thread(private_postgres.resume)
+    await eventually(ready, timeout=40)
+    relay.terminate()
+    assert await relay.wait_async(15) == 0

@@ -1,0 +1,221 @@
+"""Operations from the CLI, against real Postgres and NATS and real `relay run` processes.
+
+Replay and retry-parked go to the lease holder through the commands table, or
+are done by the CLI itself under the lease when no replica runs; a standby
+never acts. Every command is run as a separate process, as an operator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.support.db import NewEvent, append_many, connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, save
+
+LENT = LIBRARY_MESSAGES["BookLent"]
+
+
+def cli(config: Path, *args: str) -> Any:
+    """Run `relay ARGS --config F --json`; return the parsed output (exit code 0 required)."""
+    result = run_cli([*args, "--config", str(config), "--json"])
+    assert result.returncode == 0, f"{args}: exit {result.returncode}\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+def loans(count: int) -> list[NewEvent]:
+    return [
+        NewEvent("book", f"b{i % 3}", i // 3 + 1, "BookLent", {"loanId": f"L{i}"})
+        for i in range(count)
+    ]
+
+
+async def _setup(
+    events_table: str, nats_url: str, tmp_path: Path, **options: Any
+) -> tuple[Path, str]:
+    stream = unique_name("ops")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    config = save(tmp_path, config_dict(events_table, nats_url, stream, **options))
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    return config, stream
+
+
+def _holds(process: RelayProcess) -> bool:
+    return any(r.get("event") == "lease acquired: relaying" for r in process.logs())
+
+
+async def _relayed_up_to(config: Path, position: int) -> None:
+    async def caught_up() -> bool:
+        return cli(config, "status")[0]["checkpoint"] == position
+
+    await eventually(caught_up, timeout=20)
+
+
+async def test_replay_is_carried_out_by_the_holder_never_the_standby(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await _setup(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(30))
+        first = relay_process(["run", "--config", str(config)])
+        await eventually(lambda: asyncio.sleep(0, _holds(first)), timeout=20)
+        second = relay_process(["run", "--config", str(config)])
+        await second.wait_for_log("standing by")
+        await _relayed_up_to(config, positions[-1])
+
+        dry = cli(config, "replay", "loans", "--from", str(positions[10]), "--dry-run")
+        assert dry["events"] == 20 and dry["dry_run"] is True
+        done = cli(config, "replay", "loans", "--from", str(positions[10]))
+        assert done["ok"] is True and done["direct"] is False
+        assert done["executed_by"].endswith(f":{first.pid}")
+        assert done["detail"] == {"checkpoint": positions[9], "previous_checkpoint": positions[-1]}
+
+        # The holder publishes the 20 again; JetStream's dedup absorbs them (same ids).
+        async def republished() -> bool:
+            return sum(r.get("duplicates", 0) for r in first.logs()) == 20
+
+        await eventually(republished, timeout=20)
+        assert len(await fetch_all(nats_url, stream, expected=30)) == 30
+        assert any(r.get("event") == "carrying out command" for r in first.logs())
+        assert not [r for r in second.logs() if r.get("event") == "carrying out command"]
+        await _relayed_up_to(config, positions[-1])
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_cli_replays_under_the_lease_when_no_replica_runs(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await _setup(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(12))
+        relay = relay_process(["run", "--config", str(config)])
+        await _relayed_up_to(config, positions[-1])
+        relay.terminate()
+        assert await relay.wait_async(15) == 0
+
+        status = cli(config, "status")[0]
+        assert status["state"] == "no holder" and status["holder"] is None
+        done = cli(config, "replay", "loans", "--from-start")
+        assert done["ok"] is True and done["direct"] is True
+        assert cli(config, "status")[0]["checkpoint"] == 0
+        async with connect(events_table) as conn:
+            row = await conn.fetchrow("SELECT state, executed_by FROM relay.commands")
+        assert row["state"] == "done"  # recorded for the audit trail, like any command
+
+        forward = run_cli(["replay", "loans", "--from", "999", "--config", str(config)])
+        assert forward.returncode == 2 and "only moves back" in forward.stderr
+        both = run_cli(["replay", "loans", "--from", "1", "--from-start", "--config", str(config)])
+        assert both.returncode == 2
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_retry_parked_after_the_config_is_fixed(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    broken = {
+        **LIBRARY_MESSAGES,
+        "FineCharged": {
+            "type": "library.fine-charged.v1",
+            "destination": "{subject}.fines",
+            "payload": {"amount": "abs(data.amount)"},  # fails at run time on a string
+        },
+    }
+    config, stream = await _setup(events_table, nats_url, tmp_path, messages=broken)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(
+                conn,
+                [
+                    NewEvent("book", "b1", 1, "FineCharged", {"amount": "three"}),
+                    NewEvent("book", "b1", 2, "FineCharged", {"amount": -2}),
+                ],
+            )
+        relay = relay_process(["run", "--config", str(config)])
+        await _relayed_up_to(config, positions[-1])
+        relay.terminate()
+        assert await relay.wait_async(15) == 0
+        (parked,) = cli(config, "parked", "list", "loans")
+        assert parked["position"] == positions[0] and parked["reason"] == "mapping"
+        shown = cli(config, "parked", "show", str(parked["id"]))
+        assert "abs" in shown["error"] and shown["event_type"] == "FineCharged"
+
+        # Still broken: the message stays parked and its attempt count goes up.
+        again = run_cli(["retry-parked", "loans", "--all", "--config", str(config), "--json"])
+        assert again.returncode == 1
+        assert cli(config, "parked", "list", "loans")[0]["attempts"] == parked["attempts"] + 1
+
+        # The operator fixes the mapping; a replica runs the new config.
+        fixed = json.loads(json.dumps(broken).replace("abs(data.amount)", "data.amount"))
+        fixed_config = save(
+            tmp_path, config_dict(events_table, nats_url, stream, messages=fixed), "fixed.yaml"
+        )
+        holder = relay_process(["run", "--config", str(fixed_config)])
+        await eventually(lambda: asyncio.sleep(0, _holds(holder)), timeout=20)
+        done = cli(fixed_config, "retry-parked", "loans", "--id", str(parked["id"]))
+        assert done["ok"] is True and done["executed_by"].endswith(f":{holder.pid}")
+        assert done["detail"]["published"] == [parked["id"]]
+        assert cli(fixed_config, "parked", "list", "loans") == []
+        received = await fetch_all(nats_url, stream, expected=2)
+        # A parked message is published after its successors: the documented exception to order.
+        assert [m.json()["amount"] for m in received] == [2, "three"]
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_parked_drop(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await _setup(events_table, nats_url, tmp_path)
+    huge = "x" * (2 * 1024 * 1024)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(
+                conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": huge}) for i in range(3)]
+            )
+        relay = relay_process(["run", "--config", str(config)])
+        await _relayed_up_to(config, positions[-1])
+        relay.terminate()
+        await relay.wait_async(15)
+        ids = [row["id"] for row in cli(config, "parked", "list", "loans")]
+        assert len(ids) == 3
+        assert cli(config, "parked", "drop", str(ids[0])) == {"dropped": [ids[0]]}
+        missing = run_cli(["parked", "drop", str(ids[0]), "--config", str(config)])
+        assert missing.returncode == 1 and "no parked message" in missing.stderr
+        assert cli(config, "parked", "drop", "--all", "--outbox", "loans") == {"dropped": ids[1:]}
+        assert cli(config, "status")[0]["parked"] == 0
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_command_is_withdrawn_when_the_holder_does_not_act(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await _setup(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(3))
+        holder = relay_process(["run", "--config", str(config)])
+        await _relayed_up_to(config, positions[-1])
+        holder.pause()  # holds the lease but does nothing
+        try:
+            result = run_cli(
+                ["replay", "loans", "--from-start", "--timeout", "1", "--config", str(config)]
+            )
+        finally:
+            holder.resume()
+        assert result.returncode == 1
+        assert "withdrawn and nothing was changed" in result.stderr
+        async with connect(events_table) as conn:
+            assert await conn.fetchval("SELECT state FROM relay.commands") == "expired"
+        await asyncio.sleep(1.5)  # the resumed holder must not act on a withdrawn command
+        assert cli(config, "status")[0]["checkpoint"] == positions[-1]
+    finally:
+        await delete_stream(nats_url, stream)
