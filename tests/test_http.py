@@ -70,7 +70,8 @@ async def test_metrics_pass_promtool_and_tell_the_story(
         await eventually(parked_counted, timeout=20)
         status, text = await get(port, "/metrics")
         assert status == 200
-        check = subprocess.run(
+        check = await asyncio.to_thread(
+            subprocess.run,
             [promtool(), "check", "metrics"],
             input=text,
             text=True,
