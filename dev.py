@@ -1,5 +1,6 @@
 """Developer entry point for Outbox Relay. Needs only python3 (3.11+) with pip and venv.
 
+    python3 dev.py demo                 the whole product in under a minute (embedded services)
     python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
 
@@ -47,7 +48,7 @@ asyncio.run(main())
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"test", "run"}:
+    if not argv or argv[0] not in {"test", "run", "demo"}:
         print(__doc__, file=sys.stderr)
         return 2
     os.chdir(ROOT)
@@ -55,6 +56,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test":
         ensure_promtool()
         return test(argv[1:])
+    if argv[0] == "demo":
+        relay = tool("relay")
+        os.execve(relay, [relay, "demo", *argv[1:]], venv_environ())
     return run()
 
 

@@ -343,6 +343,23 @@ def parked_drop(
 
 
 @app.command()
+def demo(
+    database_url: Annotated[
+        str | None,
+        typer.Option("--database-url", envvar="DATABASE_URL", help="Use this Postgres."),
+    ] = None,
+    nats_url: Annotated[
+        str | None, typer.Option("--nats-url", envvar="NATS_URL", help="Use this NATS server.")
+    ] = None,
+) -> None:
+    """The whole product in under a minute, on embedded Postgres and NATS."""
+    from relay.demo import run_demo
+
+    configure("warning", "console")
+    raise typer.Exit(_run(lambda: run_demo(database_url, nats_url)))
+
+
+@app.command()
 def version() -> None:
     """Print the relay's version."""
     typer.echo(__version__)

