@@ -11,7 +11,6 @@ broker rejects for good (or that cannot be mapped) is parked, after
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from relay.retry import Backoff
 from relay.source import Blocker, EventSource
 from relay.state import OutboxState
 from relay.store import ClaimedOutbox, Store
+from relay.waiting import sleep_unless, wait_any
 
 # Driver errors that mean "the database went away": retry, never crash.
 DB_ERRORS = (
@@ -324,25 +324,14 @@ class OutboxRelay:
 
     async def _idle(self) -> None:
         """Wait for a NOTIFY or the poll interval, then linger to gather a batch."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._woken_or_stopped(), self.source.config.poll_interval)
+        interval = self.source.config.poll_interval
+        await wait_any(self.stop, self.wake, self.command_wake, within=interval)
         if self.config.batch.linger and not self.stop.is_set():
             await self._sleep(self.config.batch.linger)
 
-    async def _woken_or_stopped(self) -> None:
-        waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.wake, self.command_wake)]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; True if the sleep ran its course."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), seconds)
-        return not self.stop.is_set()
+        return await sleep_unless(self.stop, seconds)
 
 
 def _failure(outcomes: list[PublishError | None], index: int, head: Item) -> PublishError:

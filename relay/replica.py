@@ -27,6 +27,7 @@ from relay.retry import Backoff
 from relay.source import EventSource
 from relay.state import OutboxState
 from relay.store import ClaimedOutbox, Store
+from relay.waiting import sleep_unless, wait_any
 
 
 class OutboxReplica:
@@ -98,8 +99,7 @@ class OutboxReplica:
         if holder is not None and await self.lease.take_over_if_silent():
             return  # its session is gone: try again at once
         self.lease_wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake_or_stop(), self.lease.config.retry_interval)
+        await wait_any(self.stop, self.lease_wake, within=self.lease.config.retry_interval)
 
     async def _hold(self) -> None:
         try:
@@ -131,8 +131,7 @@ class OutboxReplica:
         self._transition("lost")
         # A replica that just lost its lease is the suspect one: let a healthy standby
         # (which retries every retry_interval) take over first.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), 2 * self.lease.config.retry_interval)
+        await sleep_unless(self.stop, 2 * self.lease.config.retry_interval)
 
     async def _claim(self) -> Session:
         async with self.lease.statement() as conn:
@@ -208,17 +207,7 @@ class OutboxReplica:
             attempt=attempt,
             retry_in=round(delay, 3),
         )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), delay)
-
-    async def _wake_or_stop(self) -> None:
-        waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.lease_wake)]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        await sleep_unless(self.stop, delay)
 
 
 async def _close(conn: asyncpg.Connection) -> None:

@@ -36,6 +36,7 @@ from relay.retry import Backoff
 from relay.source import EventSource
 from relay.state import OutboxState
 from relay.store import Store
+from relay.waiting import sleep_unless
 
 log = structlog.get_logger("relay.runner")
 
@@ -162,12 +163,10 @@ class Relay:
                     async with asyncio.timeout(interval):
                         await conn.fetchval("SELECT 1")
                     self._db_seen = time.monotonic()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.stop.wait(), interval)
+                    await sleep_unless(self.stop, interval)
             except (DatabaseError, *DB_ERRORS) as exc:
                 log.debug("database probe failed", error=str(exc))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), interval)
+                await sleep_unless(self.stop, interval)
             finally:
                 if conn is not None:
                     conn.terminate()
@@ -188,8 +187,7 @@ class Relay:
                     return False
                 attempt += 1
                 log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), backoff.delay(attempt))
+                await sleep_unless(self.stop, backoff.delay(attempt))
         try:
             await ensure_migrated(conn, self.config.database.schema_)
             await EventSource(self.config.source).check(conn)
@@ -272,8 +270,7 @@ class Relay:
             except (DatabaseError, *DB_ERRORS) as exc:
                 attempt += 1
                 log.debug("listener reconnecting", error=str(exc), attempt=attempt)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), backoff.delay(attempt))
+                await sleep_unless(self.stop, backoff.delay(attempt))
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
