@@ -14,7 +14,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from relay.embedded import EmbeddedPostgres
 from tests.support.blocking import run_sync
+
+__all__ = ["EmbeddedPostgres", "create_database", "drop_database", "reachable", "run_sql_file"]
 
 MACHINE_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 EVENTS_SQL = Path(__file__).resolve().parents[2] / "config" / "events.example.sql"
