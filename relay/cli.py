@@ -264,8 +264,11 @@ def retry_parked(
         )
         for id_, error in (detail.get("still_parked") or {}).items():
             typer.echo(f"  #{id_}: {error}")
-    still = (result["detail"] or {}).get("still_parked")
-    if not result["ok"] or still:
+    detail = result["detail"] or {}
+    if detail.get("not_found"):
+        ids_text = ", ".join(map(str, detail["not_found"]))
+        typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)
+    if not result["ok"] or detail.get("still_parked") or detail.get("not_found"):
         raise typer.Exit(1)
 
 

@@ -101,8 +101,10 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
                     "epoch": row["epoch"] if row else None,
                     "checkpoint": checkpoint,
                     "head": head,
-                    "lag_events": max(head - (checkpoint or 0), 0),
-                    "lag_seconds": await _lag_seconds(conn, config, checkpoint or 0),
+                    "lag_events": None if checkpoint is None else max(head - checkpoint, 0),
+                    "lag_seconds": None
+                    if checkpoint is None
+                    else await _lag_seconds(conn, config, checkpoint),
                     "parked": row["parked"] if row else 0,
                     "last_error": _last_error(row),
                     "blocking_transaction": _blocking(row),

@@ -147,6 +147,7 @@ class Operations:
         lease check is not held up by a slow broker.
         """
         parked = await self.store.parked(reader, claim.outbox, ids)
+        unknown = sorted(set(ids or []) - {row["id"] for row in parked})
         events = {
             e.position: e
             for e in await self.source.events_at(reader, [p["position"] for p in parked])
@@ -165,7 +166,14 @@ class Operations:
         log.info(
             "retry-parked", outbox=claim.outbox, published=len(published), still_parked=len(failed)
         )
-        return {"retried": len(parked), "published": published, "still_parked": failed}
+        outcome: dict[str, Any] = {
+            "retried": len(parked),
+            "published": published,
+            "still_parked": failed,
+        }
+        if unknown:
+            outcome["not_found"] = unknown
+        return outcome
 
     async def _retry_one(self, row: dict[str, Any], event: Any) -> PublishError | None:
         if event is None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import asyncpg
 import structlog
 
 from relay.brokers import create_publisher
@@ -28,7 +29,7 @@ from relay.migrations import ensure_migrated
 from relay.publishing import Message
 from relay.source import EventSource
 from relay.sql import quote
-from relay.store import Store
+from relay.store import Claim, Store
 
 log = structlog.get_logger("relay.control")
 
@@ -124,14 +125,13 @@ class Controller:
             operations = Operations(
                 self.store, self.source, Mapper(self.outbox, outbox), publisher or _NoPublisher()
             )
-            try:
-                if kind == "replay":
-                    detail = await operations.replay(lease, claim, int(args["to"]))
-                else:
-                    detail = await operations.retry_parked(lease, reader, claim, args.get("ids"))
-                ok = True
-            except RelayError as exc:
-                ok, detail = False, {"error": str(exc)}
+            ok, detail = await self._under_watch(
+                lease,
+                claim,
+                self._operate(
+                    operations, lease=lease, reader=reader, claim=claim, kind=kind, args=args
+                ),
+            )
             async with lease.statement() as conn:
                 command_id = await self.queue.submit(conn, self.outbox, kind, args, self.identity)
                 await conn.execute(
@@ -145,6 +145,48 @@ class Controller:
             if publisher is not None:
                 await publisher.close()
             await reader.close()
+
+    @staticmethod
+    async def _operate(
+        operations: Operations,
+        *,
+        lease: Lease,
+        reader: asyncpg.Connection,
+        claim: Claim,
+        kind: str,
+        args: dict[str, Any],
+    ) -> tuple[bool, dict[str, Any]]:
+        try:
+            if kind == "replay":
+                return True, await operations.replay(lease, claim, int(args["to"]))
+            return True, await operations.retry_parked(lease, reader, claim, args.get("ids"))
+        except RelayError as exc:
+            return False, {"error": str(exc)}
+
+    @staticmethod
+    async def _under_watch(
+        lease: Lease, claim: Claim, work: Coroutine[Any, Any, tuple[bool, dict[str, Any]]]
+    ) -> tuple[bool, dict[str, Any]]:
+        """Keep proving the lease (and stamping the heartbeat) while the work runs.
+
+        Without it, a replica starting meanwhile would take this CLI for a silent
+        holder after `takeover_after` and end its session.
+        """
+        working = asyncio.create_task(work)
+        watching = asyncio.create_task(lease.watch(claim.epoch))
+        try:
+            done, _ = await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if watching in done:
+                working.cancel()
+                await asyncio.gather(working, return_exceptions=True)
+                raise RelayError(
+                    f"lost the lease while carrying out the command: {watching.result()}"
+                )
+            return working.result()
+        finally:
+            for task in (working, watching):
+                task.cancel()
+            await asyncio.gather(working, watching, return_exceptions=True)
 
     async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
         """(the position to move back to, the current checkpoint)."""

@@ -214,7 +214,8 @@ class Demo:
             self.broker.stop()
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if not os.environ.get("RELAY_DEMO_KEEP"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def write_config(self, dsn: str, nats_url: str) -> Path:
         data = {

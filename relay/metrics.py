@@ -47,7 +47,7 @@ class Metrics:
         )
         self.failures = Counter(
             "relay_publish_failures",
-            "Messages the broker did not acknowledge, by reason.",
+            "Failed publish attempts (the batch's first unacknowledged message), by reason.",
             ["outbox", "reason"],
             registry=r,
         )

@@ -108,6 +108,8 @@ class OutboxRelay:
         self._commands_checked = 0.0
         self.metrics = metrics
         self._lag_measured = 0.0
+        self._position = 0  # the checkpoint, as last written
+        self.store = store
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
             event_type: metrics.published.labels(name, rule.destination)
@@ -117,7 +119,7 @@ class OutboxRelay:
 
     async def run(self, session: Session) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
-        self._horizon = session.position
+        self._horizon = self._position = session.position
         try:
             await self._relay(session)
         except DB_ERRORS as exc:
@@ -131,10 +133,13 @@ class OutboxRelay:
             if batch is None:
                 return
             if batch.items and not await self._deliver(s, batch.items):
-                return
+                if self.stop.is_set():
+                    return
+                self._horizon = position = self._position
+                continue
             if batch.upto > position:
                 await s.checkpoint.advance(batch.upto)
-                position = batch.upto
+                position = self._position = batch.upto
                 self.state.set(checkpoint=position, activity="relaying", attempts=0)
             if not batch.full:
                 await self._idle()
@@ -159,7 +164,7 @@ class OutboxRelay:
             try:
                 if command.kind == "replay":
                     outcome = await self.operations.replay(writer, claim, int(command.args["to"]))
-                    position = int(command.args["to"])
+                    position = self._position = int(command.args["to"])
                     self.state.set(checkpoint=position)
                 else:
                     ids = command.args.get("ids")
@@ -180,7 +185,7 @@ class OutboxRelay:
                 return None
             self.metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
             self._horizon = horizon
-            await self._measure_lag(s, position)
+            await self._measure_lag(s)
         if self._horizon <= position:
             return Batch([], position, full=False)
         limit = self.config.batch.max_messages
@@ -197,16 +202,24 @@ class OutboxRelay:
         upto = events[-1].position if full else self._horizon
         return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
 
-    async def _measure_lag(self, s: Session, position: int) -> None:
-        """Lag gauges, by the database's clock, at most once a second."""
+    async def _measure_lag(self, s: Session) -> None:
+        """Lag and parked gauges, by the database's clock, at most once a second.
+
+        Called after each barrier, while retrying and while the barrier waits, so
+        the gauges keep rising when the outbox is stuck.
+        """
         now = time.monotonic()
         if now - self._lag_measured < 1.0:
             return
         self._lag_measured = now
-        behind = self._horizon - position
+        position = self._position
+        behind = max(await self.source.head(s.reader) - position, 0)
         self.metrics.lag_events.labels(self.name).set(behind)
         age = await self.source.pending_age(s.reader, position) if behind > 0 else 0.0
         self.metrics.lag_seconds.labels(self.name).set(age)
+        async with s.checkpoint.writer.statement() as conn:
+            parked = await self.store.parked_count(conn, self.name)
+        self.metrics.parked.labels(self.name).set(parked)
 
     def _item(self, event: Event) -> Item:
         try:
@@ -232,11 +245,12 @@ class OutboxRelay:
                     )
             if (blocker is None) != (already is None) or already is None:
                 await s.checkpoint.report_blocking(blocker)
+            await self._measure_lag(s)
 
         return report
 
     async def _deliver(self, s: Session, items: list[Item]) -> bool:
-        """Publish `items` in order; False if stopped before they were all handled."""
+        """Publish `items` in order; False if stopped or interrupted by an operator's command."""
         backoff = Backoff(self.config.retry)
         pending, attempt, rejections = items, 0, 0
         while pending:
@@ -253,6 +267,7 @@ class OutboxRelay:
                 attempt = rejections = 0
                 if pending:
                     await s.checkpoint.advance(done[-1].event.position)
+                    self._position = done[-1].event.position
             if not pending:
                 break
             failure = _failure(outcomes, acked, pending[0])
@@ -264,7 +279,10 @@ class OutboxRelay:
                 pending, attempt, rejections = pending[1:], 0, 0
                 continue
             await self._retrying(s, pending[0], failure, attempt)
-            if not await self._sleep(backoff.delay(attempt)):
+            await wait_any(self.stop, self.command_wake, within=backoff.delay(attempt))
+            if self.stop.is_set() or self.command_wake.is_set():
+                # Nothing unacknowledged was checkpointed: the loop reads it again after
+                # the operator's command (e.g. a replay) has been carried out.
                 return False
         return True
 
@@ -306,6 +324,7 @@ class OutboxRelay:
             error=str(failure),
         )
         await s.checkpoint.report("retrying", attempt, str(failure))
+        await self._measure_lag(s)
 
     async def _park(self, s: Session, item: Item, failure: PublishError, attempts: int) -> None:
         e = item.event

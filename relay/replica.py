@@ -102,12 +102,13 @@ class OutboxReplica:
         await wait_any(self.stop, self.lease_wake, within=self.lease.config.retry_interval)
 
     async def _hold(self) -> None:
+        fenced = False
         try:
             session = await self._claim()
             reason = await self._relay_while_held(session)
         except FencedError as exc:
             reason = str(exc)
-            self._transition("fenced")
+            fenced = True
         except DatabaseError as exc:
             if not self.lease.connection_lost():
                 await self.lease.release()
@@ -128,7 +129,7 @@ class OutboxReplica:
         self.budget.give()
         self.state.set(role="standby", activity="idle", holder=None, last_error=reason)
         self.log.error("lease lost: stopped publishing, back to standby", reason=reason)
-        self._transition("lost")
+        self._transition("fenced" if fenced else "lost")
         # A replica that just lost its lease is the suspect one: let a healthy standby
         # (which retries every retry_interval) take over first.
         await sleep_unless(self.stop, 2 * self.lease.config.retry_interval)

@@ -44,7 +44,8 @@ log = structlog.get_logger("relay.runner")
 def identity() -> str:
     """`relay:<pod or host>:<pid>`, unique per process, readable in pg_stat_activity."""
     host = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
-    return f"relay:{host}:{os.getpid()}"[:63]
+    # application_name holds 63 bytes; keep room for the `:<role>` suffix status relies on.
+    return f"relay:{host[-40:]}:{os.getpid()}"
 
 
 @dataclass
@@ -189,6 +190,12 @@ class Relay:
                 log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
                 await sleep_unless(self.stop, backoff.delay(attempt))
         try:
+            version = conn.get_server_version()
+            if version.major < 14:
+                raise DatabaseError(
+                    f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
+                    " (client_connection_check_interval frees a dead holder's lease)"
+                )
             await ensure_migrated(conn, self.config.database.schema_)
             await EventSource(self.config.source).check(conn)
         finally:

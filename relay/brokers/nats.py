@@ -123,11 +123,15 @@ class NatsPublisher:
             log.info("stream created", broker=self.name, stream=wanted.name)
             return
         missing = set(wanted.subjects) - set(info.config.subjects or [])
-        if missing:
+        window = info.config.duplicate_window
+        storage = getattr(info.config.storage, "value", info.config.storage)
+        if missing or storage != wanted.storage or window != wanted.duplicate_window:
             log.warning(
-                "stream exists without some configured subjects; it is left unchanged",
+                "stream differs from the config; it is left unchanged",
                 stream=wanted.name,
                 missing_subjects=sorted(missing),
+                storage=storage,
+                duplicate_window=window,
             )
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:

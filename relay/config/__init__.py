@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -164,11 +165,20 @@ class OutboxConfig(Model):
         return _check_template(value)
 
 
+def _whole_seconds(value: float) -> float:
+    if value < 1 or value != int(value):
+        raise ValueError("Postgres takes TCP keepalive times in whole seconds (1s or more)")
+    return value
+
+
+WholeSeconds = Annotated[PositiveDuration, AfterValidator(_whole_seconds)]
+
+
 class KeepaliveConfig(Model):
     """Server-side TCP settings on the lease connection, so Postgres frees a dead holder's lock."""
 
-    idle: PositiveDuration = 5.0
-    interval: PositiveDuration = 2.0
+    idle: WholeSeconds = 5.0
+    interval: WholeSeconds = 2.0
     count: Annotated[int, Field(ge=1)] = 3
     connection_check_interval: PositiveDuration = 1.0
 

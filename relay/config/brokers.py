@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from relay.config.base import Model, PositiveDuration, TlsConfig
 
@@ -37,6 +37,12 @@ class NatsBrokerConfig(Model):
     tls: TlsConfig | None = None
     connect_timeout: PositiveDuration = 2.0
     ack_timeout: PositiveDuration = 5.0
+
+    @model_validator(mode="after")
+    def _stream_needs_jetstream(self) -> NatsBrokerConfig:
+        if self.stream is not None and not self.jetstream:
+            raise ValueError("stream: a stream needs JetStream; remove it or set jetstream: true")
+        return self
 
 
 class KafkaBrokerConfig(Model):

