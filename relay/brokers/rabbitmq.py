@@ -1,4 +1,4 @@
-"""RabbitMQ publisher (AMQP 0-9-1, aio-pika).
+"""RabbitMQ publisher (AMQP 0-9-1, with aiormq, the protocol layer of aio-pika).
 
 A batch goes out on one channel in publisher-confirm mode: every message is
 written in order, then all of the confirms are awaited together, so a batch
@@ -9,7 +9,9 @@ transient failure (the binding may be created later), retried like an outage.
 The connection does not recover by itself (no robust connection): a lost
 connection or channel fails the batch as transient, and the outbox's backoff
 decides when to connect again. That keeps one retry policy, visible in
-`status`, for every broker.
+`status`, for every broker. aio-pika's own objects are not used: its publish
+is a thin wrapper over aiormq's, and only aiormq lets the relay keep hold of
+the socket, to abort a connection that went silent instead of waiting on it.
 
 RabbitMQ has no deduplication of its own. The message id is sent as the
 `message_id` property, as `cloudEvents:id`, and as `x-deduplication-header`
@@ -19,15 +21,14 @@ for the message-deduplication plugin; `duplicates` stays 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-import aio_pika
-import aio_pika.abc
-import aio_pika.exceptions
+import aiormq
+import aiormq.connection
+import aiormq.exceptions
 from pamqp.commands import Basic
 from yarl import URL
 
@@ -36,8 +37,12 @@ from relay.errors import ConfigError, PermanentPublishError, PublishError, Trans
 from relay.publishing import Message, Outcome
 
 # RabbitMQ closes the channel with PRECONDITION_FAILED when a body exceeds the
-# server's `max_message_size` (128 MiB by default up to 3.13, 16 MiB from 4.0).
-_TOO_LARGE = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+# server's `max_message_size` (128 MiB by default on 3.x, at most 512 MiB);
+# rabbit_channel:check_msg_size leaves out "configured" at the 512 MiB maximum.
+_TOO_LARGE = re.compile(r"message size (\d+) is larger than (?:configured )?max size (\d+)")
+
+# Bodies over 1 MiB are sent on their own (see _segments).
+_LARGE = 1024 * 1024
 
 # AMQP short strings (exchange, routing key, message id, type) hold 255 bytes.
 _SHORT_STRING = 255
@@ -55,9 +60,14 @@ class RabbitMqPublisher:
             raise ConfigError(f"brokers.{name}.url: expected amqp:// or amqps://, got {scheme!r}")
         if config.tls is not None and scheme != "amqps":
             raise ConfigError(f"brokers.{name}.tls: needs an amqps:// url")
-        self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._channel: Any = None  # the aiormq channel under aio-pika's
+        self._connection: aiormq.Connection | None = None
+        self._socket: _Socket | None = None
+        self._channel: aiormq.Channel | None = None
         self._lock = asyncio.Lock()
+        # Bodies above this go alone (see _segments); lowered to the server's
+        # max_message_size once it has refused a message for its size.
+        self._alone_above = _LARGE
+        self._probe = False  # the last batch failed
         self.duplicates = 0
 
     async def connect(self) -> None:
@@ -65,28 +75,36 @@ class RabbitMqPublisher:
             return
         await self.close()
         c = self._config
-        connection: aio_pika.abc.AbstractConnection | None = None
+        socket = _Socket()
+        connection = aiormq.Connection(
+            URL(self._url),
+            context=_tls_context(c) if c.tls else None,
+            transport_factory=socket,
+            client_properties={"connection_name": f"outbox-relay {self.name}"},
+        )
         step = "cannot connect"
         try:
             async with asyncio.timeout(c.connect_timeout):
-                connection = await aio_pika.connect(
-                    self._url,
-                    ssl_context=_tls_context(c) if c.tls else None,
-                    client_properties={"connection_name": f"outbox-relay {self.name}"},
-                )
+                await connection.connect()
                 step = "cannot open a channel"
                 channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+                assert isinstance(channel, aiormq.Channel)
                 for exchange in c.declare_exchanges:
                     step = f"cannot declare exchange {exchange.name!r}"
-                    await channel.declare_exchange(
-                        exchange.name, exchange.type, durable=exchange.durable
+                    await channel.exchange_declare(
+                        exchange.name, exchange_type=exchange.type, durable=exchange.durable
                     )
-                underlay = await channel.get_underlay_channel()
-        except (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError) as exc:
-            if connection is not None:
-                await _close(connection)
-            raise TransientPublishError(f"broker {self.name!r}: {step}: {_text(exc)}") from exc
-        self._connection, self._channel = connection, underlay
+        except _CONNECTION_ERRORS as exc:
+            await _close(connection, socket, graceful=False)
+            why = _text(exc) if str(exc) else f"no answer within {c.connect_timeout:g}s"
+            if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in why:
+                # aiormq reports the server's Connection.Close here without its reply text.
+                why = "refused at Connection.Open: does the vhost exist, may this user use it?"
+            raise TransientPublishError(f"broker {self.name!r}: {step}: {why}") from exc
+        except BaseException:  # cancelled half-way
+            await _close(connection, socket, graceful=False)
+            raise
+        self._connection, self._socket, self._channel = connection, socket, channel
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
@@ -98,7 +116,7 @@ class RabbitMqPublisher:
                 self._probe = True
                 return [exc] * len(messages)
             outcomes: list[Outcome] = []
-            for segment in _segments(messages, probe=self._probe):
+            for segment in _segments(messages, self._probe, self._alone_above):
                 outcomes += await self._publish_segment(segment)
                 if any(outcomes):
                     break
@@ -122,6 +140,7 @@ class RabbitMqPublisher:
         if not messages:
             return []
         channel, mandatory = self._channel, self._config.mandatory
+        assert channel is not None
         # Tasks start in creation order and take the channel's lock in that order,
         # so the wire order (and the delivery tags) follow the batch.
         tasks = [
@@ -141,7 +160,7 @@ class RabbitMqPublisher:
             _, pending = await asyncio.wait(tasks, timeout=self._config.ack_timeout)
         except BaseException:  # cancelled: the channel may still owe confirms
             await _cancel(tasks)
-            await self.close()
+            await self.close(graceful=False)
             raise
         await _cancel(pending)
         outcomes: list[Outcome] = []
@@ -152,17 +171,20 @@ class RabbitMqPublisher:
                         f"broker {self.name!r}: no confirm within {self._config.ack_timeout:g}s"
                     )
                 )
+            elif task.cancelled():  # by aiormq, as its channel closed
+                outcomes.append(TransientPublishError(f"broker {self.name!r}: channel closed"))
             elif (exc := task.exception()) is not None:
                 outcomes.append(self._classify(exc, message))
             else:
                 outcomes.append(None)
         if pending or not self._usable():
-            # Confirms may still be owed on this channel: start again on a new connection.
-            await self.close()
+            # Confirms may still be owed on this channel: start again on a new connection;
+            # a broker that stopped answering is not waited for.
+            await self.close(graceful=not pending)
         return outcomes
 
     def _refuse(self, message: Message) -> PermanentPublishError | None:
-        """Why AMQP cannot carry this message at all (checked before anything is sent)."""
+        """Why this message can never be sent (checked before anything is sent)."""
         for what, value in (
             ("exchange name", message.destination),
             ("routing key", _routing_key(message)),
@@ -178,28 +200,31 @@ class RabbitMqPublisher:
             return PermanentPublishError(f"broker {self.name!r}: empty message id")
         return None
 
-    def _classify(self, exc: BaseException, message: Message, culprit_found: bool) -> PublishError:
+    def _classify(self, exc: BaseException, message: Message) -> PublishError:
         text = f"broker {self.name!r}: {_text(exc)}"
-        if isinstance(exc, aio_pika.exceptions.PublishError):
+        if isinstance(exc, aiormq.exceptions.PublishError):
             return TransientPublishError(
-                f"broker {self.name!r}: returned unroutable ({_text(exc)}): no queue is bound "
-                f"to exchange {message.destination!r} for routing key {_routing_key(message)!r}"
+                f"broker {self.name!r}: returned as unroutable ({_text(exc)}): no queue is "
+                f"bound to exchange {message.destination!r} for routing key "
+                f"{_routing_key(message)!r}"
             )
-        if isinstance(exc, aio_pika.exceptions.DeliveryError):
-            return TransientPublishError(f"{text} (the broker could not take the message)")
-        if isinstance(exc, aio_pika.exceptions.ChannelPreconditionFailed):
-            # The channel closes for every message in flight; only the first one
-            # over the server's limit is the cause, the others are simply retried.
-            match = _TOO_LARGE.search(str(exc.args[0]) if exc.args else "")
-            if match and not culprit_found and len(message.body) > int(match.group(2)):
-                return PermanentPublishError(
-                    f"broker {self.name!r}: message of {len(message.body)} bytes is larger than "
-                    f"the server's max_message_size ({match.group(2)} bytes)"
-                )
-        if isinstance(exc, aio_pika.exceptions.ChannelNotFoundEntity):
-            return TransientPublishError(
-                f"{text} (exchange {message.destination!r} does not exist, yet)"
-            )
+        if isinstance(exc, aiormq.exceptions.DeliveryError):
+            return TransientPublishError(f"{text}: the broker could not take the message")
+        if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
+            # The channel closed on every message in flight; the cause is the one over
+            # the limit. From now on, such bodies go alone, so that a refusal takes no
+            # other message's confirm down with it.
+            match = _TOO_LARGE.search(_text(exc))
+            if match:
+                limit = int(match.group(2))
+                self._alone_above = min(self._alone_above, limit)
+                if len(message.body) > limit:
+                    return PermanentPublishError(
+                        f"broker {self.name!r}: message of {len(message.body)} bytes is larger "
+                        f"than the server's max_message_size ({limit} bytes)"
+                    )
+        if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+            return TransientPublishError(f"{text} (exchange {message.destination!r} missing)")
         return TransientPublishError(text)
 
     def _usable(self) -> bool:
@@ -210,22 +235,62 @@ class RabbitMqPublisher:
             and not self._channel.is_closed
         )
 
-    async def close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None:
-            await _close(connection)
+    async def close(self, *, graceful: bool = True) -> None:
+        connection, socket = self._connection, self._socket
+        self._connection, self._socket, self._channel = None, None, None
+        if connection is not None and socket is not None:
+            await _close(connection, socket, graceful=graceful)
 
 
-def _segments(messages: Sequence[Message]) -> list[Sequence[Message]]:
-    """Split where a message id repeats: aiormq matches a return to its publish by id."""
+class _Socket(aiormq.TransportFactory):
+    """Opens the connection's socket the way aiormq does, and keeps hold of it."""
+
+    def __init__(self) -> None:
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def create(
+        self, url: URL, **kwargs: Any
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        factory = (
+            aiormq.connection.TLSTransportFactory()
+            if url.scheme == "amqps"
+            else aiormq.connection.TCPTransportFactory()
+        )
+        reader, self._writer = await factory.create(url, **kwargs)
+        return reader, self._writer
+
+    def abort(self) -> None:
+        """Drop the socket now, with whatever is still buffered for it."""
+        if self._writer is not None:
+            self._writer.transport.abort()
+
+
+def _segments(
+    messages: Sequence[Message], probe: bool, alone_above: int
+) -> list[Sequence[Message]]:
+    """The batch in pieces, each sent and confirmed before the next.
+
+    Most batches are one piece. A body over `alone_above` bytes goes alone: if the
+    server refuses it for its size, it closes the channel, and the confirms of
+    everything else in flight would be lost with it (sent again: duplicates). A
+    piece also ends where a message id repeats, since aiormq finds the publish a
+    return belongs to by its message id. With `probe` (the last batch failed), the
+    head goes alone, so that a message that keeps failing does not take the whole
+    batch with it each time.
+    """
     segments: list[Sequence[Message]] = []
-    start, ids = 0, set()
+    start, ids = 0, set[str]()
     for index, message in enumerate(messages):
-        if message.id in ids:
+        alone = len(message.body) > alone_above
+        if index > start and (alone or message.id in ids or (probe and index == 1)):
             segments.append(messages[start:index])
-            start, ids = index, set()
+            start, ids = index, set[str]()
         ids.add(message.id)
-    segments.append(messages[start:])
+        if alone:
+            segments.append(messages[index : index + 1])
+            start, ids = index + 1, set[str]()
+    if start < len(messages):
+        segments.append(messages[start:])
     return segments
 
 
@@ -268,15 +333,51 @@ def _tls_context(config: RabbitMqBrokerConfig) -> ssl.SSLContext:
     return context
 
 
-async def _close(connection: aio_pika.abc.AbstractConnection) -> None:
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(_CLOSE_TIMEOUT):
-            await connection.close()
+async def _cancel(tasks: Collection[asyncio.Future[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(connection: aiormq.Connection, socket: _Socket, *, graceful: bool) -> None:
+    """Close, politely if `graceful`; abort the socket if the broker does not answer.
+
+    aiormq waits until its buffered writes are flushed, for ever if the peer
+    stopped reading, so the close runs in a task that is given a deadline.
+    """
+    if not graceful:
+        socket.abort()
+    closing = asyncio.ensure_future(connection.close())
+    closing.add_done_callback(_retrieve)
+    try:
+        done, _ = await asyncio.wait({closing}, timeout=_CLOSE_TIMEOUT)
+        if not done:
+            socket.abort()
+            await asyncio.wait({closing}, timeout=_CLOSE_TIMEOUT)
+    except BaseException:  # cancelled: the close finishes on its own once the socket is gone
+        socket.abort()
+        raise
+    closing.cancel()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """A failed close is still a close: its exception is not worth a log line."""
+    if not task.cancelled():
+        task.exception()
+
+
+_CONNECTION_ERRORS = (
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    OSError,
+    TimeoutError,
+    RuntimeError,  # aiormq's "connection closed" on a channel being opened
+)
 
 
 def _text(exc: BaseException) -> str:
-    if isinstance(exc, aio_pika.exceptions.DeliveryError):
+    if isinstance(exc, aiormq.exceptions.DeliveryError):
         return str(exc)
-    if isinstance(exc, aio_pika.exceptions.AMQPError) and exc.args:
+    if isinstance(exc, aiormq.exceptions.AMQPError) and exc.args:
         return " ".join(str(arg) for arg in exc.args if arg is not None)
     return str(exc) or type(exc).__name__

@@ -1,0 +1,385 @@
+"""The RabbitMQ adapter against a real server: properties, confirms, returns, error classes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from relay.brokers.rabbitmq import RabbitMqPublisher
+from relay.config import RabbitMqBrokerConfig
+from relay.errors import PermanentPublishError, TransientPublishError
+from relay.publishing import Message
+from tests.support.net import free_port
+from tests.support.proxy import TcpProxy
+from tests.support.rabbitmq_server import (
+    SMALL_MAX_MESSAGE_SIZE,
+    QueueReader,
+    admin,
+    bind,
+    create_topology,
+    delete_topology,
+    unique_name,
+)
+
+TYPE = "library.book-lent.v1"
+
+
+def message(exchange: str, n: int, body: bytes = b'{"n":1}', **changes: Any) -> Message:
+    m = Message(
+        id=f"book/b{n}@1",
+        type=TYPE,
+        destination=exchange,
+        key=f"b{n}",
+        body=body,
+        source="/outbox-relay/loans",
+        time=datetime(2026, 11, 29, 8, 30, 15, 250000, tzinfo=UTC),
+        position=n,
+    )
+    return replace(m, **changes)
+
+
+def publisher(url: str, **options: Any) -> RabbitMqPublisher:
+    config = RabbitMqBrokerConfig(
+        type="rabbitmq", url=url, ack_timeout=2.0, connect_timeout=1.0, **options
+    )
+    return RabbitMqPublisher("rabbit", config)
+
+
+@pytest.fixture
+async def exchange(rabbitmq_url: str) -> AsyncIterator[str]:
+    """A fresh topic exchange, and a queue of the same name bound to it with `#`."""
+    name = unique_name("adapter")
+    await create_topology(rabbitmq_url, name, queue=name)
+    try:
+        yield name
+    finally:
+        await delete_topology(rabbitmq_url, name, name)
+
+
+async def test_publishes_in_order_with_properties_and_cloudevents_headers(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    pub = publisher(rabbitmq_url)
+    try:
+        batches = [[message(exchange, n) for n in range(b * 300, (b + 1) * 300)] for b in range(3)]
+        for batch in batches:
+            assert await pub.publish(batch) == [None] * len(batch)
+        received = await QueueReader(rabbitmq_url, exchange).fetch(expected=900)
+    finally:
+        await pub.close()
+    sent = [m for batch in batches for m in batch]
+    assert [r.properties.message_id for r in received] == [m.id for m in sent]
+    first = received[0]
+    assert first.body == b'{"n":1}'
+    assert first.routing_key == TYPE  # no routing_key: the message type
+    p = first.properties
+    assert p.message_id == "book/b0@1"
+    assert p.message_type == TYPE
+    assert p.content_type == "application/json"
+    assert p.delivery_mode == 2
+    assert p.app_id == "outbox-relay"
+    assert p.timestamp == datetime(2026, 11, 29, 8, 30, 15, tzinfo=UTC)  # whole seconds
+    assert first.headers == {
+        "cloudEvents:specversion": "1.0",
+        "cloudEvents:id": "book/b0@1",
+        "cloudEvents:type": TYPE,
+        "cloudEvents:source": "/outbox-relay/loans",
+        "cloudEvents:time": "2026-11-29T08:30:15.250000+00:00",
+        "cloudEvents:partitionkey": "b0",
+        "x-deduplication-header": "book/b0@1",
+    }
+
+
+async def test_a_large_body_goes_alone_and_keeps_its_place(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    pub = publisher(rabbitmq_url)
+    try:
+        large = b"z" * (3 * 1024 * 1024 // 2)  # above 1 MiB: confirmed on its own
+        batch = [message(exchange, n, large if n in (2, 3) else b"{}") for n in range(1, 6)]
+        assert await pub.publish(batch) == [None] * 5
+        received = await QueueReader(rabbitmq_url, exchange).fetch(expected=5)
+        assert [r.properties.message_id for r in received] == [m.id for m in batch]
+        assert [len(r.body) for r in received] == [len(m.body) for m in batch]
+    finally:
+        await pub.close()
+
+
+async def test_routing_key_and_the_default_exchange(rabbitmq_url: str) -> None:
+    queue = unique_name("adapter")
+    exchange = unique_name("adapter")
+    await create_topology(rabbitmq_url, exchange, queue=queue, binding="loans.eu.*")
+    pub = publisher(rabbitmq_url)
+    try:
+        batch = [
+            message(exchange, 1, routing_key="loans.eu.lent"),
+            message("", 2, routing_key=queue),  # the default exchange: routed by queue name
+            message(exchange, 3, time=None, routing_key="loans.eu.returned"),
+        ]
+        assert await pub.publish(batch) == [None, None, None]
+        received = await QueueReader(rabbitmq_url, queue).fetch(expected=3)
+        assert [(r.properties.message_id, r.routing_key) for r in received] == [
+            ("book/b1@1", "loans.eu.lent"),
+            ("book/b2@1", queue),
+            ("book/b3@1", "loans.eu.returned"),
+        ]
+        assert received[2].properties.timestamp is None
+        assert "cloudEvents:time" not in received[2].headers
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, exchange, queue)
+
+
+async def test_unroutable_is_retried_not_dropped_and_delivered_once_bound(
+    rabbitmq_url: str,
+) -> None:
+    exchange = unique_name("adapter")
+    await create_topology(rabbitmq_url, exchange)  # no queue bound yet
+    pub = publisher(rabbitmq_url)
+    try:
+        batch = [message(exchange, n) for n in range(1, 4)]
+        outcomes = await pub.publish(batch)
+        assert all(isinstance(o, TransientPublishError) for o in outcomes)
+        assert "returned as unroutable" in str(outcomes[0])
+        assert "NO_ROUTE" in str(outcomes[0])
+        # The relay retries the same messages; once a queue is bound they get through.
+        await bind(rabbitmq_url, exchange, exchange)
+        assert await pub.publish(batch) == [None, None, None]
+        received = await QueueReader(rabbitmq_url, exchange).fetch(expected=3, timeout=2)
+        assert [r.properties.message_id for r in received] == [m.id for m in batch]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, exchange, exchange)
+
+
+async def test_mandatory_off_drops_unroutable_messages(rabbitmq_url: str) -> None:
+    exchange = unique_name("adapter")
+    await create_topology(rabbitmq_url, exchange)
+    pub = publisher(rabbitmq_url, mandatory=False)
+    try:
+        assert await pub.publish([message(exchange, 1)]) == [None]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, exchange)
+
+
+async def test_a_return_is_matched_to_its_own_message_when_ids_repeat(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    """aiormq matches a return to its publish by message id; a repeated id must not hide it."""
+    pub = publisher(rabbitmq_url)
+    try:
+        unroutable = message("", 1)  # the default exchange, and no queue of that name
+        twin = message(exchange, 1)
+        outcomes = await pub.publish([message(exchange, 0), unroutable, twin])
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], TransientPublishError)
+        assert "unroutable" in str(outcomes[1])
+    finally:
+        await pub.close()
+
+
+async def test_confirms_are_awaited_and_a_nack_is_transient(rabbitmq_url: str) -> None:
+    """A queue that refuses what overflows it nacks: the publisher must wait for that answer."""
+    exchange, queue = unique_name("adapter"), unique_name("adapter")
+    await create_topology(rabbitmq_url, exchange)
+    async with admin(rabbitmq_url) as channel:
+        await channel.queue_declare(
+            queue, durable=True, arguments={"x-max-length": 2, "x-overflow": "reject-publish"}
+        )
+        await channel.queue_bind(queue, exchange, routing_key="#")
+    pub = publisher(rabbitmq_url)
+    try:
+        outcomes = await pub.publish([message(exchange, n) for n in range(1, 5)])
+        assert outcomes[:2] == [None, None]
+        assert all(isinstance(o, TransientPublishError) for o in outcomes[2:])
+        assert "Basic.Nack" in str(outcomes[2])
+        # Acknowledged means stored: both are in the queue the moment publish returns.
+        received = await QueueReader(rabbitmq_url, queue).fetch(expected=0, timeout=0)
+        assert [r.properties.message_id for r in received] == ["book/b1@1", "book/b2@1"]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, exchange, queue)
+
+
+async def test_missing_exchange_is_transient_and_works_once_created(rabbitmq_url: str) -> None:
+    exchange = unique_name("adapter")
+    pub = publisher(rabbitmq_url)
+    try:
+        outcomes = await pub.publish([message(exchange, 1), message(exchange, 2)])
+        assert all(isinstance(o, TransientPublishError) for o in outcomes)
+        assert "NOT_FOUND" in str(outcomes[0])
+        await create_topology(rabbitmq_url, exchange, queue=exchange)
+        assert await pub.publish([message(exchange, 1), message(exchange, 2)]) == [None, None]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, exchange, exchange)
+
+
+async def test_declares_exchanges_at_connect(rabbitmq_url: str) -> None:
+    name = unique_name("adapter")
+    pub = publisher(rabbitmq_url, declare_exchanges=[{"name": name, "type": "direct"}])
+    try:
+        await pub.connect()
+        async with admin(rabbitmq_url) as channel:
+            await channel.exchange_declare(name, exchange_type="direct", passive=True)
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, name)
+
+
+async def test_declaring_an_exchange_of_another_type_is_transient(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    pub = publisher(rabbitmq_url, declare_exchanges=[{"name": exchange, "type": "fanout"}])
+    try:
+        (outcome,) = await pub.publish([message(exchange, 1)])
+        assert isinstance(outcome, TransientPublishError)
+        assert f"cannot declare exchange {exchange!r}" in str(outcome)
+        assert "PRECONDITION_FAILED" in str(outcome)
+    finally:
+        await pub.close()
+
+
+async def test_oversized_message_is_permanent_and_costs_no_other_message(
+    rabbitmq_small_url: str,
+) -> None:
+    """The server closes the channel on a body over its max_message_size; only that one fails."""
+    url = rabbitmq_small_url
+    exchange = unique_name("adapter")
+    await create_topology(url, exchange, queue=exchange)
+    pub = publisher(url)
+    try:
+        huge = b"x" * (SMALL_MAX_MESSAGE_SIZE + 1)
+        batch = [message(exchange, 1), message(exchange, 2, huge), message(exchange, 3)]
+        outcomes = await pub.publish(batch)
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], PermanentPublishError)
+        assert "larger than the server's max_message_size (1048576 bytes)" in str(outcomes[1])
+        assert isinstance(outcomes[2], TransientPublishError)  # never sent ahead of #2
+        # What the relay does next: retry the head (still refused), then the rest.
+        outcomes = await pub.publish(batch[1:])
+        assert isinstance(outcomes[0], PermanentPublishError)
+        assert await pub.publish(batch[2:]) == [None]
+        received = await QueueReader(url, exchange).fetch(expected=2, timeout=2)
+        assert [r.properties.message_id for r in received] == ["book/b1@1", "book/b3@1"]
+    finally:
+        await pub.close()
+        await delete_topology(url, exchange, exchange)
+
+
+async def test_what_amqp_cannot_carry_is_permanent_and_stops_the_rest(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    pub = publisher(rabbitmq_url)
+    try:
+        batch = [
+            message(exchange, 1),
+            message(exchange, 2, routing_key="k" * 256),
+            message(exchange, 3),
+        ]
+        outcomes = await pub.publish(batch)
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], PermanentPublishError)
+        assert "routing key longer than 255 bytes" in str(outcomes[1])
+        assert isinstance(outcomes[2], TransientPublishError)
+        (outcome,) = await pub.publish([message(exchange, 4, id="é" * 128)])
+        assert isinstance(outcome, PermanentPublishError)
+        assert "message id longer than 255 bytes" in str(outcome)
+    finally:
+        await pub.close()
+
+
+async def test_unreachable_broker_is_transient_and_names_the_broker() -> None:
+    pub = publisher(f"amqp://guest:guest@127.0.0.1:{free_port()}/")
+    try:
+        outcomes = await pub.publish([message("x", 1), message("x", 2)])
+        assert all(isinstance(o, TransientPublishError) for o in outcomes)
+        assert "broker 'rabbit': cannot connect" in str(outcomes[0])
+        with pytest.raises(TransientPublishError):
+            await pub.connect()
+    finally:
+        await pub.close()
+
+
+async def test_wrong_credentials_are_transient(rabbitmq_url: str) -> None:
+    pub = publisher(rabbitmq_url.replace("guest:guest", "guest:wrong"))
+    try:
+        (outcome,) = await pub.publish([message("x", 1)])
+        assert isinstance(outcome, TransientPublishError)
+        assert "cannot connect" in str(outcome)
+    finally:
+        await pub.close()
+
+
+async def test_missing_vhost_is_transient_and_says_so(rabbitmq_url: str) -> None:
+    pub = publisher(rabbitmq_url.rstrip("/") + "/" + unique_name("no-such-vhost"))
+    try:
+        (outcome,) = await pub.publish([message("x", 1)])
+        assert isinstance(outcome, TransientPublishError)
+        assert "does the vhost exist" in str(outcome)
+    finally:
+        await pub.close()
+
+
+async def test_silent_broker_times_out_and_a_new_connection_is_made(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    server = urlsplit(rabbitmq_url)
+    with TcpProxy(server.hostname or "127.0.0.1", server.port or 5672) as proxy:
+        pub = publisher(f"amqp://guest:guest@127.0.0.1:{proxy.port}/")
+        try:
+            assert await pub.publish([message(exchange, 1)]) == [None]
+            proxy.pause()  # a black hole: the connection stays open, nothing comes back
+            started = time.monotonic()
+            outcomes = await pub.publish([message(exchange, n, b"y" * 65536) for n in range(50)])
+            assert time.monotonic() - started < 4
+            assert all(isinstance(o, TransientPublishError) for o in outcomes)
+            assert "no confirm within 2s" in str(outcomes[0])
+            (outcome,) = await pub.publish([message(exchange, 2)])  # cannot reconnect either
+            assert "cannot connect: no answer within 1s" in str(outcome)
+            proxy.resume()
+            assert await pub.publish([message(exchange, 3)]) == [None]
+            proxy.cut()  # the connection drops: transient (unless noticed first), then reconnect
+            (outcome,) = await pub.publish([message(exchange, 4)])
+            if outcome is not None:
+                assert isinstance(outcome, TransientPublishError)
+                assert await pub.publish([message(exchange, 4)]) == [None]
+        finally:
+            started = time.monotonic()
+            await pub.close()
+            assert time.monotonic() - started < 6
+    ids = [r.properties.message_id for r in await QueueReader(rabbitmq_url, exchange).fetch()]
+    assert ids[0] == "book/b1@1" and ids[-2:] == ["book/b3@1", "book/b4@1"]
+
+
+async def test_cancelled_publish_and_close_return_at_once_while_the_broker_is_silent(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    """What the relay does at the end of its shutdown grace: cancel the batch, then close."""
+    server = urlsplit(rabbitmq_url)
+    with TcpProxy(server.hostname or "127.0.0.1", server.port or 5672) as proxy:
+        pub = publisher(f"amqp://guest:guest@127.0.0.1:{proxy.port}/")
+        try:
+            assert await pub.publish([message(exchange, 1)]) == [None]
+            proxy.pause()
+            for _ in range(2):  # in flight on an open connection, then while connecting
+                task = asyncio.create_task(pub.publish([message(exchange, 2)]))
+                await asyncio.sleep(0.3)
+                started = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert time.monotonic() - started < 0.5
+        finally:
+            started = time.monotonic()
+            await pub.close()
+            assert time.monotonic() - started < 0.5
+    assert len(asyncio.all_tasks()) == 1  # this test's: nothing left behind
