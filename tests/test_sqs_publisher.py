@@ -1,0 +1,326 @@
+"""The SQS adapter against moto: attributes, FIFO order through partial failures, error classes.
+
+Moto validates a whole SendMessageBatch before storing anything, so it never fails one entry
+of a good call. `EntryFaults` makes it do what SQS may do: store some entries of a call and
+report others under `Failed`, by hooking the publisher's botocore client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
+
+from relay.brokers.sqs import SqsPublisher
+from relay.config import SqsBrokerConfig
+from relay.errors import PermanentPublishError, TransientPublishError
+from relay.publishing import Message
+from tests.support.net import free_port
+from tests.support.sqs_server import (
+    REGION,
+    attribute,
+    create_queue,
+    receive_all,
+    sqs_client,
+    unique_queue,
+)
+
+
+def message(destination: str, key: str, version: int, body: bytes | None = None) -> Message:
+    return Message(
+        id=f"book/{key}@{version}",
+        type="library.book-lent.v1",
+        destination=destination,
+        key=key,
+        body=body if body is not None else json.dumps({"book": key, "v": version}).encode(),
+        source="/outbox-relay/loans",
+        time=datetime(2026, 11, 29, tzinfo=UTC),
+        position=version,
+    )
+
+
+def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
+    return [message(destination, k, v) for v in range(1, versions + 1) for k in keys]
+
+
+@asynccontextmanager
+async def publisher(endpoint: str) -> AsyncIterator[SqsPublisher]:
+    config = SqsBrokerConfig(type="sqs", region=REGION, endpoint_url=endpoint, ack_timeout=5.0)
+    pub = SqsPublisher("sqs", config)
+    try:
+        yield pub
+    finally:
+        await pub.close()
+
+
+class EntryFaults:
+    """Fail chosen entries of SendMessageBatch calls the way SQS reports it.
+
+    `plan` maps a message id to the failures of its next attempts, as (code, sender_fault):
+    such an entry is not stored and comes back under `Failed`; the others are stored.
+    `calls` records the message ids of every call, in entry order.
+    """
+
+    def __init__(self, pub: SqsPublisher, plan: dict[str, list[tuple[str, bool]]]) -> None:
+        self.plan = plan
+        self.calls: list[list[str]] = []
+        events = pub._client.meta.events  # the publisher's own client (tests only)
+        events.register("before-parameter-build.sqs.SendMessageBatch", self._before)
+        events.register("before-call.sqs.SendMessageBatch", self._short_circuit)
+        events.register("after-call.sqs.SendMessageBatch", self._after)
+
+    def sent(self, message_id: str) -> int:
+        return sum(call.count(message_id) for call in self.calls)
+
+    def _before(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        entries = params["Entries"]
+        self.calls.append([e["MessageAttributes"]["ce_id"]["StringValue"] for e in entries])
+        kept, failed = [], []
+        for entry, message_id in zip(entries, self.calls[-1], strict=True):
+            if self.plan.get(message_id):
+                code, sender_fault = self.plan[message_id].pop(0)
+                failed.append(
+                    {"Id": entry["Id"], "SenderFault": sender_fault, "Code": code, "Message": "!"}
+                )
+            else:
+                kept.append(entry)
+        context["injected"] = failed
+        if kept:
+            params["Entries"] = kept
+        else:
+            context["nothing_to_send"] = True  # botocore refuses an empty list: answer here
+
+    def _short_circuit(self, context: dict[str, Any], **_: Any) -> Any:
+        if context.get("nothing_to_send"):
+            return SimpleNamespace(status_code=200, headers={}), {"Successful": []}
+        return None
+
+    def _after(self, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        if context.get("injected"):
+            parsed.setdefault("Failed", []).extend(context["injected"])
+
+
+def by_group(received: list[dict[str, Any]]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = defaultdict(list)
+    for m in received:
+        groups[m["Attributes"]["MessageGroupId"]].append(attribute(m, "ce_id") or "")
+    return dict(groups)
+
+
+async def test_fifo_order_attributes_and_deduplication(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        batch = [message(queue, "b1", v) for v in range(1, 21)] + interleaved(queue, "xyz", 10)
+        assert await pub.publish(batch) == [None] * len(batch)
+        # The same messages again: SQS drops them by MessageDeduplicationId (moto forgets
+        # a deduplication id once its message is deleted, SQS keeps it for 5 minutes).
+        assert await pub.publish(batch[:10]) == [None] * 10
+        received = await receive_all(sqs, url, expected=len(batch))
+        assert len(received) == len(batch)
+        assert by_group(received) == {
+            key: [m.id for m in batch if m.key == key] for key in ("b1", "x", "y", "z")
+        }
+        first = next(m for m in received if attribute(m, "ce_id") == "book/b1@1")
+        assert json.loads(first["Body"]) == {"book": "b1", "v": 1}
+        assert {name: attribute(first, name) for name in first["MessageAttributes"]} == {
+            "ce_specversion": "1.0",
+            "ce_id": "book/b1@1",
+            "ce_type": "library.book-lent.v1",
+            "ce_source": "/outbox-relay/loans",
+            "ce_time": "2026-11-29T00:00:00+00:00",
+            "ce_partitionkey": "b1",
+            "content-type": "application/json",
+        }
+        assert first["Attributes"]["MessageDeduplicationId"] == "book/b1@1"
+
+
+async def test_failed_entries_alone_are_retried_and_no_group_is_reordered(
+    sqs_endpoint: str,
+) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        await pub.connect()
+        faults = EntryFaults(
+            pub,
+            {
+                # SQS-side hiccups: retried at once, alone, before publish returns.
+                "book/b@2": [("InternalError", False)],
+                "book/c@4": [("RequestThrottled", True), ("ServiceUnavailable", False)],
+                # A failure that stays: a@3 fails, nothing after it in its group is sent.
+                "book/a@3": [("InvalidParameterValue", True)],
+            },
+        )
+        batch = interleaved(queue, "abc", 5)  # a1 b1 c1 a2 b2 c2 a3 ... c5
+        outcomes = await pub.publish(batch)
+        ids = [m.id for m in batch]
+        a3 = ids.index("book/a@3")
+        assert outcomes[:a3] == [None] * a3
+        assert isinstance(outcomes[a3], PermanentPublishError)
+        assert "InvalidParameterValue" in str(outcomes[a3])
+        # b@3 and c@3 went out in a3's call (one message per group each); the 4th and 5th
+        # versions, including those of b and c, waited: a later call must not overtake a3.
+        assert outcomes[a3 + 1 : a3 + 3] == [None, None]
+        assert all(isinstance(o, TransientPublishError) for o in outcomes[a3 + 3 :])
+        assert faults.sent("book/b@2") == 2 and faults.sent("book/c@4") == 0
+        assert faults.sent("book/a@1") == 1 and faults.sent("book/a@3") == 1
+        assert all(len(set(call)) == len(call) for call in faults.calls)
+
+        # The core retries from a3 with the rest of the batch: only what SQS lacks is sent.
+        before = len(faults.calls)
+        assert await pub.publish(batch[a3:]) == [None] * len(batch[a3:])
+        resent = [i for call in faults.calls[before:] for i in call]
+        assert set(resent) == {ids[a3], *ids[a3 + 3 :]}
+        assert faults.sent("book/c@4") == 3  # throttled, unavailable, stored
+        assert len(resent) == len(set(resent)) + 2
+        assert pub.duplicates == 2  # b3 and c3, which SQS already had
+
+        received = await receive_all(sqs, url, expected=len(batch))
+        assert by_group(received) == {key: [i for i in ids if f"/{key}@" in i] for key in "abc"}
+
+
+async def test_a_call_rejected_for_one_message_is_split_to_find_it(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue, MaximumMessageSize="1024")
+        batch = [message(queue, f"k{n}", 1) for n in range(5)]
+        batch[2] = message(queue, "k2", 1, body=json.dumps({"pad": "x" * 2000}).encode())
+        outcomes = await pub.publish(batch)  # moto fails the whole call: InvalidParameterValue
+        assert [o is None for o in outcomes] == [True, True, False, True, True]
+        assert isinstance(outcomes[2], PermanentPublishError)
+        assert "shorter than 1024 bytes" in str(outcomes[2])
+        received = await receive_all(sqs, url, expected=4)
+        assert sorted(attribute(m, "ce_id") or "" for m in received) == [
+            "book/k0@1",
+            "book/k1@1",
+            "book/k3@1",
+            "book/k4@1",
+        ]
+
+
+async def test_too_big_for_any_queue_is_permanent_and_not_sent(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        huge = message(queue, "k", 2, body=b'"' + b"x" * (1024 * 1024) + b'"')
+        outcomes = await pub.publish([message(queue, "k", 1), huge, message(queue, "k", 3)])
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], PermanentPublishError)
+        assert "more than SQS's maximum of 1 MiB" in str(outcomes[1])
+        assert isinstance(outcomes[2], TransientPublishError)  # never ahead of k@2
+        received = await receive_all(sqs, url, expected=1)
+        assert [attribute(m, "ce_id") for m in received] == ["book/k@1"]
+
+
+async def test_invalid_keys_and_bodies_are_permanent_long_ids_are_hashed(
+    sqs_endpoint: str,
+) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        long_key = "tenant-" + "t" * 200
+        odd_id = dataclasses.replace(message(queue, "ok", 1), id="book/é ok@1")
+        batch = [
+            message(queue, "has space", 1),
+            message(queue, "", 1),
+            message(queue, "bad-body", 1, body=b"\xff\xfe"),
+            message(queue, "ctl-body", 1, body=b'"\x01"'),
+            message(queue, long_key, 1),
+            odd_id,
+        ]
+        outcomes = await pub.publish(batch)
+        assert all(isinstance(o, PermanentPublishError) for o in outcomes[:4])
+        assert "not a valid MessageGroupId" in str(outcomes[0])
+        assert "not UTF-8" in str(outcomes[2])
+        assert outcomes[4:] == [None, None]
+        received = {attribute(m, "ce_partitionkey"): m for m in await receive_all(sqs, url, 2)}
+        group = received[long_key]["Attributes"]["MessageGroupId"]
+        digest = hashlib.sha256(long_key.encode()).hexdigest()
+        assert group == f"{long_key[:111]}~{digest[:16]}" and len(group) == 128
+        dedup = received["ok"]["Attributes"]["MessageDeduplicationId"]
+        assert dedup == "sha256:" + hashlib.sha256("book/é ok@1".encode()).hexdigest()
+        assert attribute(received["ok"], "ce_id") == "book/é ok@1"
+
+
+async def test_standard_queue_has_attributes_and_no_group(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter", fifo=False)
+        url = await create_queue(sqs, queue)
+        await pub.connect()
+        faults = EntryFaults(pub, {"book/b@2": [("InvalidAttributeValue", True)]})
+        batch = interleaved(queue, "ab", 30)
+        outcomes = await pub.publish(batch)
+        failed = [m.id for m, o in zip(batch, outcomes, strict=True) if o is not None]
+        assert failed == ["book/b@2"]  # standard queues have no order: everything else went
+        # The core re-sends from b@2: the messages after it that SQS stored are not sent twice.
+        assert await pub.publish(batch[3:]) == [None] * len(batch[3:])
+        assert sum(len(call) for call in faults.calls) == len(batch) + 1
+        received = await receive_all(sqs, url, expected=len(batch))
+        assert sorted(attribute(m, "ce_id") or "" for m in received) == sorted(m.id for m in batch)
+        assert all("MessageGroupId" not in m["Attributes"] for m in received)
+        assert {attribute(m, "ce_type") for m in received} == {"library.book-lent.v1"}
+
+
+async def test_queue_url_is_a_destination(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        fifo_url = await create_queue(sqs, unique_queue("adapter"))
+        standard_url = await create_queue(sqs, unique_queue("adapter", fifo=False))
+        batch = [message(fifo_url, "k", 1), message(standard_url, "k", 1)]
+        assert await pub.publish(batch) == [None, None]
+        (fifo,) = await receive_all(sqs, fifo_url, expected=1)
+        (standard,) = await receive_all(sqs, standard_url, expected=1)
+        assert fifo["Attributes"]["MessageGroupId"] == "k"
+        assert attribute(standard, "ce_id") == "book/k@1"
+
+
+async def test_missing_queue_is_transient_until_created(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = f"{sqs_endpoint}/123456789012/{unique_queue('adapter')}"
+        batch = [message(queue, "k", 1), message(url, "k", 1), message(queue, "k", 2)]
+        outcomes = await pub.publish(batch)
+        assert all(isinstance(o, TransientPublishError) for o in outcomes)
+        assert "does not exist" in str(outcomes[0]) and "does not exist" in str(outcomes[1])
+        await create_queue(sqs, queue)
+        await create_queue(sqs, url.rpartition("/")[2])
+        assert await pub.publish(batch) == [None, None, None]
+        received = await receive_all(sqs, await _url(sqs, queue), expected=2)
+        assert [attribute(m, "ce_id") for m in received] == ["book/k@1", "book/k@2"]
+        assert len(await receive_all(sqs, url, expected=1)) == 1
+
+
+async def _url(sqs: Any, name: str) -> str:
+    response = await sqs.get_queue_url(QueueName=name)
+    return str(response["QueueUrl"])
+
+
+async def test_invalid_queue_name_is_permanent(sqs_endpoint: str) -> None:
+    async with publisher(sqs_endpoint) as pub:
+        (outcome,) = await pub.publish([message("no spaces allowed", "k", 1)])
+        assert isinstance(outcome, PermanentPublishError)
+        assert "neither a queue URL nor a queue name" in str(outcome)
+
+
+async def test_unreachable_endpoint_is_transient_and_names_the_broker(sqs_endpoint: str) -> None:
+    async with publisher(f"http://127.0.0.1:{free_port()}") as pub:
+        outcomes = await pub.publish([message("q.fifo", "k", 1), message("q.fifo", "k", 2)])
+        assert all(isinstance(o, TransientPublishError) for o in outcomes)
+        assert str(outcomes[0]).startswith("broker 'sqs': queue 'q.fifo': ")
+        assert "Could not connect" in str(outcomes[0])
+
+
+async def test_close_is_idempotent_and_publish_reconnects(sqs_endpoint: str) -> None:
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        await pub.close()
+        url = await create_queue(sqs, unique_queue("adapter"))
+        assert await pub.publish([message(url, "k", 1)]) == [None]
+        await pub.close()
+        await pub.close()
+        assert await pub.publish([message(url, "k", 2)]) == [None]
