@@ -219,3 +219,39 @@ async def test_command_is_withdrawn_when_the_holder_does_not_act(
         assert cli(config, "status")[0]["checkpoint"] == positions[-1]
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_two_operators_at_once_are_serialised_by_the_lease(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await _setup(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(9))
+        relay = relay_process(["run", "--config", str(config)])
+        await _relayed_up_to(config, positions[-1])
+        relay.terminate()
+        assert await relay.wait_async(15) == 0
+
+        def replay(position: int) -> Any:
+            args = ["replay", "loans", "--from", str(position), "--config", str(config), "--json"]
+            return run_cli(args)
+
+        first, second = await asyncio.gather(
+            asyncio.to_thread(replay, positions[6]), asyncio.to_thread(replay, positions[3])
+        )
+        async with connect(events_table) as conn:
+            states = [r["state"] for r in await conn.fetch("SELECT state FROM relay.commands")]
+            checkpoint = await conn.fetchval("SELECT position FROM relay.checkpoints")
+        # Each operator held the lease in turn. The later one either moved the
+        # checkpoint further back (both succeed) or was refused because the other had
+        # already gone further back than it asked: never a half-done or forward move.
+        assert second.returncode == 0, second.stderr  # back to p2: allowed in any order
+        if first.returncode != 0:  # back to p5 after the other went to p2: refused
+            said = first.stdout + first.stderr
+            assert "already before that position" in said or "only moves back" in said
+        assert checkpoint == positions[2]
+        assert states.count("done") == 1 + (first.returncode == 0)
+        assert "running" not in states and "pending" not in states
+    finally:
+        await delete_stream(nats_url, stream)
