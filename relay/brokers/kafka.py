@@ -52,6 +52,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from relay.config import KafkaBrokerConfig
+from relay.config.base import TlsConfig
 from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
 from relay.publishing import Message, Outcome
 
@@ -524,13 +525,8 @@ def _check(name: str, config: KafkaBrokerConfig) -> ssl.SSLContext | None:
                 f"not {config.security_protocol}"
             )
         return None
-    tls = config.tls
     try:
-        context = ssl.create_default_context(
-            cafile=str(tls.ca_file) if tls is not None and tls.ca_file else None
-        )
-        if tls is not None and tls.cert_file:
-            context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+        context = (config.tls or TlsConfig()).context()
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"brokers.{name}.tls: {exc}") from exc
     return context

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,7 +74,7 @@ class NatsPublisher:
         if c.creds_file:
             options["user_credentials"] = c.creds_file
         if c.tls:
-            options["tls"] = _tls_context(c)
+            options["tls"] = c.tls.context()
         nc = Client()
         try:
             await nc.connect(**options)
@@ -228,18 +227,6 @@ def _headers(message: Message) -> dict[str, str]:
     if message.time is not None:
         headers["ce-time"] = message.time.isoformat()
     return headers
-
-
-def _tls_context(config: NatsBrokerConfig) -> ssl.SSLContext:
-    assert config.tls is not None
-    context = ssl.create_default_context(
-        cafile=str(config.tls.ca_file) if config.tls.ca_file else None
-    )
-    if config.tls.cert_file:
-        context.load_cert_chain(
-            str(config.tls.cert_file), str(config.tls.key_file) if config.tls.key_file else None
-        )
-    return context
 
 
 def _drop_transport(nc: Client) -> None:

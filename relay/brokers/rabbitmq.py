@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import ssl
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -78,7 +77,7 @@ class RabbitMqPublisher:
         socket = _Socket()
         connection = aiormq.Connection(
             URL(self._url),
-            context=_tls_context(c) if c.tls else None,
+            context=c.tls.context() if c.tls else None,
             transport_factory=socket,
             client_properties={"connection_name": f"outbox-relay {self.name}"},
         )
@@ -319,18 +318,6 @@ def _properties(message: Message) -> Basic.Properties:
         message_type=message.type,
         app_id="outbox-relay",
     )
-
-
-def _tls_context(config: RabbitMqBrokerConfig) -> ssl.SSLContext:
-    assert config.tls is not None
-    context = ssl.create_default_context(
-        cafile=str(config.tls.ca_file) if config.tls.ca_file else None
-    )
-    if config.tls.cert_file:
-        context.load_cert_chain(
-            str(config.tls.cert_file), str(config.tls.key_file) if config.tls.key_file else None
-        )
-    return context
 
 
 async def _cancel(tasks: Collection[asyncio.Future[Any]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import ssl
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,3 +39,11 @@ class TlsConfig(Model):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """A client context: verify the server, and present a certificate if one is set."""
+        context = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        if self.cert_file:
+            key = str(self.key_file) if self.key_file else None
+            context.load_cert_chain(str(self.cert_file), key)
+        return context
