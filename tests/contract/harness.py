@@ -8,9 +8,13 @@ service shared with other tests.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from tests.support.proxy import TcpProxy
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,14 @@ class BrokerHarness(Protocol):
         """A body size in bytes that this broker rejects for good."""
 
     async def close(self) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def network_outage(proxy: TcpProxy) -> AsyncIterator[None]:
+    """The broker is unreachable: live connections are cut, new ones black-holed."""
+    proxy.pause()
+    proxy.cut()
+    try:
+        yield
+    finally:
+        proxy.resume()

@@ -6,11 +6,10 @@ The topic has three partitions: order holds per key (per partition), not across 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from tests.contract.harness import Consumed
+from tests.contract.harness import Consumed, network_outage
 from tests.support.kafka_server import TansuServer, consume, create_topic, headers, unique_topic
 
 PARTITIONS = 3
@@ -45,14 +44,8 @@ class KafkaHarness:
         records = await consume(self.server.bootstrap, self.topic, expected, timeout)
         return [_consumed(r) for r in records]
 
-    @contextlib.asynccontextmanager
-    async def outage(self) -> AsyncIterator[None]:
-        self.proxy.pause()
-        self.proxy.cut()
-        try:
-            yield
-        finally:
-            self.proxy.resume()
+    def outage(self) -> AbstractAsyncContextManager[None]:
+        return network_outage(self.proxy)
 
     def oversized(self) -> int:
         # tansu stores records of several MB; what rejects this one for good is the

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from tests.contract.harness import Consumed
+from tests.contract.harness import Consumed, network_outage
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.proxy import TcpProxy
 
@@ -46,14 +45,8 @@ class NatsHarness:
             for m in received
         ]
 
-    @contextlib.asynccontextmanager
-    async def outage(self) -> AsyncIterator[None]:
-        self.proxy.pause()
-        self.proxy.cut()
-        try:
-            yield
-        finally:
-            self.proxy.resume()
+    def outage(self) -> AbstractAsyncContextManager[None]:
+        return network_outage(self.proxy)
 
     def oversized(self) -> int:
         return 2 * 1024 * 1024  # above the server's default 1 MB max_payload

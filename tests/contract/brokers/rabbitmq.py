@@ -8,12 +8,11 @@ same binary, a durable topic exchange, and a durable queue bound with `#`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.contract.harness import Consumed
+from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (
     SMALL_MAX_MESSAGE_SIZE,
@@ -60,14 +59,8 @@ class RabbitMqHarness:
             for m in received
         ]
 
-    @contextlib.asynccontextmanager
-    async def outage(self) -> AsyncIterator[None]:
-        self.proxy.pause()
-        self.proxy.cut()
-        try:
-            yield
-        finally:
-            self.proxy.resume()
+    def outage(self) -> AbstractAsyncContextManager[None]:
+        return network_outage(self.proxy)
 
     def oversized(self) -> int:
         return 2 * SMALL_MAX_MESSAGE_SIZE  # the private node's max_message_size is 1 MiB

@@ -7,10 +7,10 @@ MessageGroupId); the MessageDeduplicationId also drops the batches an outage re-
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from tests.contract.harness import Consumed
+from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (
     REGION,
@@ -69,14 +69,8 @@ class SqsHarness:
         ]
         return list(self.received)
 
-    @contextlib.asynccontextmanager
-    async def outage(self) -> AsyncIterator[None]:
-        self.proxy.pause()
-        self.proxy.cut()
-        try:
-            yield
-        finally:
-            self.proxy.resume()
+    def outage(self) -> AbstractAsyncContextManager[None]:
+        return network_outage(self.proxy)
 
     def oversized(self) -> int:
         return 300 * 1024  # above the queue's MaximumMessageSize (256 KiB)
