@@ -41,12 +41,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -60,6 +60,7 @@ from relay.commands import migrate
 from relay.config import RelayConfig
 from relay.logs import configure
 from relay.mapping import Mapper
+from relay.publishing import Message
 from relay.runner import Relay
 from relay.source import EventSource
 
@@ -74,6 +75,8 @@ AGGREGATES = 1000
 COPY_CHUNK = 10_000
 POLL = 0.05  # checkpoint polling period during the backlog run
 PROGRESS = (25, 50, 75, 100)
+
+Prepared = TypeVar("Prepared")
 
 
 # -- results ------------------------------------------------------------------------------
@@ -190,12 +193,20 @@ def relay_config(
     batch: int,
     notify_trigger: bool = False,
     poll_interval: str = "100ms",
+    broker: dict[str, Any] | None = None,
+    destination: str | None = None,
 ) -> RelayConfig:
     """Like tests/support/scenario.config_dict, with default retry, batch and park settings.
 
     Only `batch.max_messages` follows `--batch` (500, the default, unless told otherwise);
-    `linger` stays at its 10 ms default.
+    `linger` stays at its 10 ms default. By default the broker is NATS at `nats_url` and the
+    destination `<subject>.{aggregate_type}`; `broker` (a broker config, named after its
+    `type`) and `destination` (a template) relay to another one.
     """
+    if broker is None:
+        broker = {"type": "nats", "servers": [nats_url], "ack_timeout": "1s"}
+    if destination is None:
+        destination = f"{subject}.{{aggregate_type}}"
     data: dict[str, Any] = {
         "database": {"url": dsn, "schema": "relay"},
         "source": {
@@ -203,18 +214,18 @@ def relay_config(
             "barrier_report_after": "200ms",
             "notify_trigger": notify_trigger,
         },
-        "brokers": {"nats": {"type": "nats", "servers": [nats_url], "ack_timeout": "1s"}},
+        "brokers": {broker["type"]: broker},
         # A lease namespace of its own: the lock key is then unique on this Postgres server,
         # so no other relay's standby (in another database) can mistake ours for its holder.
         "lease": {"namespace": subject},
         "outboxes": {
             OUTBOX: {
-                "broker": "nats",
+                "broker": broker["type"],
                 "batch": {"max_messages": batch},
                 "messages": {
                     EVENT_TYPE: {
                         "type": "library.book-lent.v1",
-                        "destination": f"{subject}.{{aggregate_type}}",
+                        "destination": destination,
                         "payload": {
                             "bookId": "aggregate_id",
                             "loanId": "data.loanId",
@@ -315,6 +326,47 @@ async def insert_backlog(dsn: str, count: int) -> int:
 # -- the ceiling: plain nats-py -----------------------------------------------------------
 
 
+async def timed_publish(
+    config: RelayConfig,
+    last: int,
+    batch: int,
+    prepare: Callable[[list[Message]], Prepared],
+    send: Callable[[Prepared], Awaitable[None]],
+) -> tuple[int, float]:
+    """Read and map the backlog `batch` events at a time, and time only the sending.
+
+    Each chunk is read with the relay's EventSource and mapped with its Mapper, then turned
+    into what the client sends (`prepare`); all that happens before the chunk's timer starts,
+    so only `send` (the client's calls and the broker's acknowledgements) is measured, and
+    memory stays bounded. Returns (messages sent, seconds spent in `send`).
+    """
+    source = EventSource(config.source)
+    mapper = Mapper(OUTBOX, config.outboxes[OUTBOX])
+    conn = await asyncpg.connect(config.database.url.get_secret_value())
+    published, elapsed, position = 0, 0.0, 0
+    try:
+        while position < last:
+            events = await source.read(
+                conn, after=position, upto=last, limit=batch, aggregates=None, types=[EVENT_TYPE]
+            )
+            if not events:
+                break
+            position = events[-1].position
+            messages = []
+            for event in events:
+                message = mapper.map(event)
+                assert message is not None
+                messages.append(message)
+            chunk = prepare(messages)
+            started = time.perf_counter()
+            await send(chunk)
+            elapsed += time.perf_counter() - started
+            published += len(messages)
+    finally:
+        await conn.close()
+    return published, elapsed
+
+
 async def ceiling(
     config: RelayConfig,
     nats_url: str,
@@ -330,49 +382,31 @@ async def ceiling(
     `pipelined`, a reference: `batch` `js.publish_async` calls, then all their PubAcks awaited,
     which is how the relay's NATS publisher sends a batch.
 
-    Each chunk is read and mapped (with the relay's EventSource and Mapper) before its timer
-    starts, so only the broker round trips are measured, and memory stays bounded. The stream
-    is purged first, and every message gets a Nats-Msg-Id of its own (`<id>#<tag>`), so none
-    is dropped as a duplicate of an earlier phase's.
+    Reading and mapping stay outside the timer (see `timed_publish`). The stream is purged
+    first, and every message gets a Nats-Msg-Id of its own (`<id>#<tag>`), so none is dropped
+    as a duplicate of an earlier phase's.
     """
     await purge_stream(nats_url, stream_of(config))
-    source = EventSource(config.source)
-    mapper = Mapper(OUTBOX, config.outboxes[OUTBOX])
-    conn = await asyncpg.connect(config.database.url.get_secret_value())
-    published, elapsed, position = 0, 0.0, 0
-    try:
-        async with nats_connection(nats_url) as nc:
-            js = nc.jetstream(timeout=5.0)
-            await js.account_info()
-            while position < last:
-                events = await source.read(
-                    conn,
-                    after=position,
-                    upto=last,
-                    limit=batch,
-                    aggregates=None,
-                    types=[EVENT_TYPE],
-                )
-                if not events:
-                    break
-                position = events[-1].position
-                chunk = []
-                for event in events:
-                    message = mapper.map(event)
-                    assert message is not None
-                    headers = _headers(message)
-                    headers["Nats-Msg-Id"] = f"{message.id}#{tag}"
-                    chunk.append((message.destination, message.body, headers))
-                started = time.perf_counter()
-                if pipelined:
-                    acks = [await js.publish_async(s, b, headers=h) for s, b, h in chunk]
-                    await asyncio.gather(*acks)
-                else:
-                    await asyncio.gather(*(js.publish(s, b, headers=h) for s, b, h in chunk))
-                elapsed += time.perf_counter() - started
-                published += len(chunk)
-    finally:
-        await conn.close()
+    NatsChunk = list[tuple[str, bytes, dict[str, str]]]
+
+    def prepare(messages: list[Message]) -> NatsChunk:
+        return [
+            (m.destination, m.body, {**_headers(m), "Nats-Msg-Id": f"{m.id}#{tag}"})
+            for m in messages
+        ]
+
+    async with nats_connection(nats_url) as nc:
+        js = nc.jetstream(timeout=5.0)
+        await js.account_info()
+
+        async def send(chunk: NatsChunk) -> None:
+            if pipelined:
+                acks = [await js.publish_async(s, b, headers=h) for s, b, h in chunk]
+                await asyncio.gather(*acks)
+            else:
+                await asyncio.gather(*(js.publish(s, b, headers=h) for s, b, h in chunk))
+
+        published, elapsed = await timed_publish(config, last, batch, prepare, send)
     return Throughput(published, elapsed, await stored_messages(nats_url, stream_of(config)))
 
 
@@ -404,8 +438,15 @@ async def checkpoint(conn: asyncpg.Connection) -> int:
 
 
 async def relay_backlog(
-    config: RelayConfig, nats_url: str, stream: str, last: int, profile: Path | None
+    config: RelayConfig,
+    last: int,
+    profile: Path | None,
+    count_stored: Callable[[], Awaitable[int]],
+    timeout: float | None = None,  # noqa: ASYNC109 - a deadline for the whole drain
 ) -> RelayRun:
+    """Run the relay until its checkpoint reaches `last`; `count_stored` then counts what the
+    destination holds. Fails if the relay stops, or if it has not finished within `timeout`
+    seconds (a broker that keeps refusing would otherwise keep it retrying for ever)."""
     gc.collect()
     maxrss_before, vmrss_start = maxrss_kib(), vmrss_kib()
     marks: dict[int, int] = {}
@@ -429,6 +470,10 @@ async def relay_backlog(
                     break
                 if relay.states.get(OUTBOX) and relay.states[OUTBOX].role == "stopped":
                     raise RuntimeError("the relay stopped before draining the backlog")
+                if timeout is not None and now - started > timeout:
+                    raise RuntimeError(
+                        f"the relay reached position {position} of {last} in {timeout:g}s"
+                    )
                 tick += POLL
                 await asyncio.sleep(max(0.0, tick - time.perf_counter()))
         if profiler and profile:
@@ -437,7 +482,7 @@ async def relay_backlog(
     finally:
         await conn.close()
     maxrss_after = maxrss_kib()
-    stored = await stored_messages(nats_url, stream)
+    stored = await count_stored()
     return RelayRun(
         throughput=Throughput(last, now - started, stored),
         maxrss_before_kib=maxrss_before,
@@ -628,7 +673,9 @@ async def bench(args: argparse.Namespace) -> Results:
         say(f"reference (before), publish_async pipelined: {rate(results.pipelined_before)}")
 
         await purge_stream(args.nats, name)
-        results.relay = await relay_backlog(config, args.nats, name, last, args.profile)
+        results.relay = await relay_backlog(
+            config, last, args.profile, lambda: stored_messages(args.nats, name)
+        )
         say(
             f"relay: {results.relay.throughput.rate:,.0f} events/s "
             f"({results.relay.throughput.seconds:.2f}s; stream holds {results.relay.stored:,})"
