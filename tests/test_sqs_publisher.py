@@ -17,11 +17,12 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from relay.brokers.sqs import SqsPublisher
+from relay.brokers.sqs import CONCURRENCY, SqsPublisher
 from relay.config import SqsBrokerConfig
 from relay.errors import PermanentPublishError, TransientPublishError
 from relay.publishing import Message
 from tests.support.net import free_port
+from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (
     REGION,
     attribute,
@@ -50,8 +51,10 @@ def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Me
 
 
 @asynccontextmanager
-async def publisher(endpoint: str) -> AsyncIterator[SqsPublisher]:
-    config = SqsBrokerConfig(type="sqs", region=REGION, endpoint_url=endpoint, ack_timeout=5.0)
+async def publisher(endpoint: str, ack_timeout: float = 5.0) -> AsyncIterator[SqsPublisher]:
+    config = SqsBrokerConfig(
+        type="sqs", region=REGION, endpoint_url=endpoint, ack_timeout=ack_timeout
+    )
     pub = SqsPublisher("sqs", config)
     try:
         yield pub
@@ -314,6 +317,24 @@ async def test_unreachable_endpoint_is_transient_and_names_the_broker(sqs_endpoi
         assert all(isinstance(o, TransientPublishError) for o in outcomes)
         assert str(outcomes[0]).startswith("broker 'sqs': queue 'q.fifo': ")
         assert "Could not connect" in str(outcomes[0])
+
+
+async def test_an_outage_stops_the_calls_still_waiting(sqs_endpoint: str) -> None:
+    host, port = sqs_endpoint.removeprefix("http://").split(":")
+    async with sqs_client(sqs_endpoint) as sqs:
+        url = await create_queue(sqs, unique_queue("adapter", fifo=False))
+    with TcpProxy(host, int(port)) as proxy:
+        async with publisher(f"http://{proxy.host}:{proxy.port}", ack_timeout=0.3) as pub:
+            await pub.connect()
+            faults = EntryFaults(pub, {})
+            proxy.pause()  # a black hole: every call waits for its read timeout
+            batch = [message(url, f"k{n}", 1) for n in range(40 * CONCURRENCY)]
+            outcomes = await pub.publish(batch)
+            assert all(isinstance(o, TransientPublishError) for o in outcomes)
+            assert "Read timeout" in str(outcomes[0])
+            # The calls in flight timed out; the other 3 * CONCURRENCY were never made.
+            assert len(faults.calls) == CONCURRENCY
+            proxy.resume()
 
 
 async def test_close_is_idempotent_and_publish_reconnects(sqs_endpoint: str) -> None:

@@ -95,6 +95,14 @@ class _Queue:
 
 
 @dataclass(slots=True)
+class _Sending:
+    """One queue's share of a publish."""
+
+    queue: _Queue
+    halted: PublishError | None = None  # a call failed as a whole: send no more
+
+
+@dataclass(slots=True)
 class _Entry:
     index: int  # in the batch
     message: Message
@@ -116,7 +124,7 @@ class SqsPublisher:
         self._session = aioboto3.Session(region_name=config.region)
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._slots: asyncio.Semaphore | None = None
         self._queues: dict[str, _Queue] = {}
         self._accepted: OrderedDict[Message, float] = OrderedDict()
         self.duplicates = 0
@@ -143,6 +151,7 @@ class SqsPublisher:
                 f"broker {self.name!r}: cannot create the SQS client: {_text(exc)}"
             ) from exc
         self._stack = stack
+        self._slots = asyncio.Semaphore(CONCURRENCY)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
@@ -191,11 +200,12 @@ class SqsPublisher:
                 self.duplicates += 1
             else:
                 entries.append(self._entry(index, message, queue.fifo))
+        sending = _Sending(queue)
         for layer in _layers(entries) if queue.fifo else [entries]:
             for entry in layer:
                 if entry.error is not None:
                     results[entry.index] = entry.error
-            await self._send(queue, [e for e in layer if e.error is None], results)
+            await self._send(sending, [e for e in layer if e.error is None], results)
             if queue.fifo and any(results[e.index] is not None for e in layer):
                 return  # nothing of a later layer may overtake a failed message
 
@@ -219,15 +229,15 @@ class SqsPublisher:
         self._queues[destination] = queue
         return queue
 
-    async def _send(self, queue: _Queue, entries: list[_Entry], results: list[Outcome]) -> None:
+    async def _send(self, sending: _Sending, entries: list[_Entry], results: list[Outcome]) -> None:
         """Send `entries` (for FIFO, one per group) and retry those worth retrying at once."""
         for delay in (0.0, *ENTRY_RETRIES):
-            if not entries:
+            if not entries or sending.halted is not None:
                 return
             if delay:
                 await asyncio.sleep(delay)
             chunks = list(_chunks(entries))
-            sent = await asyncio.gather(*(self._send_chunk(queue, chunk) for chunk in chunks))
+            sent = await asyncio.gather(*(self._send_chunk(sending, chunk) for chunk in chunks))
             entries = []
             for chunk, chunk_results in zip(chunks, sent, strict=True):
                 for entry, result in zip(chunk, chunk_results, strict=True):
@@ -235,19 +245,19 @@ class SqsPublisher:
                     if result.retry_now:
                         entries.append(entry)
 
-    async def _send_chunk(self, queue: _Queue, chunk: list[_Entry]) -> list[_Result]:
-        try:
-            async with self._slots:
-                response = await self._client.send_message_batch(
-                    QueueUrl=queue.url, Entries=[e.request for e in chunk]
-                )
-        except Exception as exc:  # noqa: BLE001 - classified, not swallowed
-            error = self._call_error(exc, queue.name)
-            if error.permanent and len(chunk) > 1:
+    async def _send_chunk(self, sending: _Sending, chunk: list[_Entry]) -> list[_Result]:
+        queue = sending.queue
+        response = await self._call(sending, chunk)
+        if isinstance(response, PublishError):
+            if response.permanent and len(chunk) > 1:
                 # The call failed as a whole because of one of its messages: find which one.
-                singles = await asyncio.gather(*(self._send_chunk(queue, [e]) for e in chunk))
+                singles = await asyncio.gather(*(self._send_chunk(sending, [e]) for e in chunk))
                 return [result for (result,) in singles]
-            return [_Result(error)] * len(chunk)
+            if not response.permanent:
+                # SQS unreachable, throttling, no such queue...: the calls still waiting
+                # would only fail the same way, each after its own timeout.
+                sending.halted = sending.halted or response
+            return [_Result(response)] * len(chunk)
         accepted = {s["Id"] for s in response.get("Successful", ())}
         failed = {f["Id"]: f for f in response.get("Failed", ())}
         results: list[_Result] = []
@@ -262,6 +272,20 @@ class SqsPublisher:
                     _Result(self._transient(queue.name, "no result for the entry"), True)
                 )
         return results
+
+    async def _call(self, sending: _Sending, chunk: list[_Entry]) -> dict[str, Any] | PublishError:
+        """One SendMessageBatch: its response, or why it failed as a whole."""
+        assert self._slots is not None
+        async with self._slots:
+            if sending.halted is not None:
+                return sending.halted  # not sent
+            try:
+                response: dict[str, Any] = await self._client.send_message_batch(
+                    QueueUrl=sending.queue.url, Entries=[e.request for e in chunk]
+                )
+            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
+                return self._call_error(exc, sending.queue.name)
+            return response
 
     # -- messages to entries -------------------------------------------------------------------
 
