@@ -20,7 +20,13 @@ import structlog
 
 from relay.config import OutboxConfig
 from relay.control import CommandQueue, Operations
-from relay.errors import DatabaseError, MappingError, PublishError, RelayError
+from relay.errors import (
+    DatabaseError,
+    MappingError,
+    PublishError,
+    RelayError,
+    TransientPublishError,
+)
 from relay.mapping import Event, Mapper
 from relay.metrics import Metrics
 from relay.publishing import Message, Publisher
@@ -289,6 +295,12 @@ class OutboxRelay:
     async def _publish(self, messages: list[Message]) -> list[PublishError | None]:
         started = time.monotonic()
         outcomes = await self.publisher.publish(messages)
+        if len(outcomes) != len(messages):  # an adapter bug must not lose or stall messages
+            missing = TransientPublishError(
+                f"broker {self.publisher.name!r} returned {len(outcomes)} outcomes"
+                f" for {len(messages)} messages"
+            )
+            outcomes = [*outcomes[: len(messages)], *[missing] * (len(messages) - len(outcomes))]
         self.metrics.publish_duration.labels(self.name).observe(time.monotonic() - started)
         self.metrics.batch_messages.labels(self.name).observe(len(messages))
         return outcomes
