@@ -356,7 +356,9 @@ class OutboxRelay:
     async def _idle(self) -> None:
         """Wait for a NOTIFY or the poll interval, then linger to gather a batch."""
         interval = self.source.config.poll_interval
+        self.state.set(activity="idle")
         await wait_any(self.stop, self.wake, self.command_wake, within=interval)
+        self.state.set(activity="relaying")
         if self.config.batch.linger and not self.stop.is_set():
             await self._sleep(self.config.batch.linger)
 

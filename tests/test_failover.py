@@ -9,7 +9,6 @@ benchmarks in docs/ carry the figures.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -72,6 +71,12 @@ class Cluster:
         return rows[0]
 
 
+async def publishes(process: RelayProcess, more: int = 3) -> None:
+    """Wait until `process` has acknowledged `more` further batches (the writer is live)."""
+    seen = len(batches(process))
+    await eventually(lambda: len(batches(process)) >= seen + more, timeout=20)
+
+
 def _holds(process: RelayProcess) -> bool:
     """The replica's own log says it holds the lease now."""
     last = None
@@ -118,7 +123,7 @@ async def test_three_replicas_exactly_one_publishes(
         async with Writer(events_table, rate=50) as writer:
             cluster = Cluster(relay_process, config, 3)
             holder = await cluster.holder()
-            await asyncio.sleep(3)
+            await publishes(holder, more=20)
             status = cluster.status()
             assert status["state"] == "relaying"
             assert status["holder"] is not None and status["holder"].endswith(f":{holder.pid}")
@@ -146,11 +151,11 @@ async def test_sigterm_holder_hands_over_without_duplicates(
         async with Writer(events_table, rate=50) as writer:
             cluster = Cluster(relay_process, config, 3)
             old = await cluster.holder()
-            await asyncio.sleep(1.5)
+            await publishes(old)
             old.terminate()
             assert await old.wait_async(15) == 0
             new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await asyncio.sleep(1.5)
+            await publishes(new)
         await _all_delivered(nats_url, stream, writer)
         released = when(events(old, "lease released")[-1])
         acquired = when(events(new, "lease acquired: relaying")[-1])
@@ -174,12 +179,12 @@ async def test_kill_9_holder_loses_nothing_and_counts_duplicates(
         async with Writer(events_table, rate=80) as writer:
             cluster = Cluster(relay_process, config, 2)
             old = await cluster.holder()
-            await asyncio.sleep(1.5)
+            await publishes(old)
             killed_at = time.time()
             old.kill()
             await old.wait_async(10)
             new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await asyncio.sleep(1.5)
+            await publishes(new)
         await _all_delivered(nats_url, stream, writer)
         took = when(events(new, "lease acquired: relaying")[-1]) - killed_at
         dups = duplicates_reported(new)
@@ -207,7 +212,7 @@ async def test_terminated_lease_connection_stops_the_holder(
                 assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
             lost = await old.wait_for_log("lease lost: stopped publishing, back to standby")
             new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await asyncio.sleep(1.5)
+            await publishes(new)
         await _all_delivered(nats_url, stream, writer)
         stopped = when(lost) - terminated_at
         took = when(events(new, "lease acquired: relaying")[-1]) - terminated_at
@@ -234,17 +239,17 @@ async def test_network_cut_holder_fences_itself_and_standby_takes_over(
             behind = relay_process(
                 ["run", "--config", str(config)], env={"RELAY_DATABASE__URL": cut_url}
             )
-            await eventually(lambda: _async(_holds(behind)), timeout=20)
+            await eventually(lambda: _holds(behind), timeout=20)
             direct = relay_process(["run", "--config", str(config)])
             await direct.wait_for_log("standing by")
-            await asyncio.sleep(1)
+            await publishes(behind)
             proxy.pause()  # packets stop, sockets stay open: a half-open network path
             cut_at = time.time()
             lost = await behind.wait_for_log(
                 "lease lost: stopped publishing, back to standby", timeout=20
             )
             acquired = await direct.wait_for_log("lease acquired: relaying", timeout=30)
-            await asyncio.sleep(1.5)
+            await publishes(direct)
         await _all_delivered(nats_url, stream, writer)
         fenced = when(lost) - cut_at
         took = when(acquired) - cut_at
@@ -260,10 +265,6 @@ async def test_network_cut_holder_fences_itself_and_standby_takes_over(
         proxy.resume()
     finally:
         await delete_stream(nats_url, stream)
-
-
-async def _async(value: bool) -> bool:
-    return value
 
 
 @pytest.mark.timeout(120)

@@ -63,7 +63,7 @@ async def test_replay_is_carried_out_by_the_holder_never_the_standby(
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(30))
         first = relay_process(["run", "--config", str(config)])
-        await eventually(lambda: asyncio.sleep(0, _holds(first)), timeout=20)
+        await eventually(lambda: _holds(first), timeout=20)
         second = relay_process(["run", "--config", str(config)])
         await second.wait_for_log("standing by")
         await _relayed_up_to(config, positions[-1])
@@ -158,7 +158,7 @@ async def test_retry_parked_after_the_config_is_fixed(
             tmp_path, config_dict(events_table, nats_url, stream, messages=fixed), "fixed.yaml"
         )
         holder = relay_process(["run", "--config", str(fixed_config)])
-        await eventually(lambda: asyncio.sleep(0, _holds(holder)), timeout=20)
+        await eventually(lambda: _holds(holder), timeout=20)
         done = cli(fixed_config, "retry-parked", "loans", "--id", str(parked["id"]))
         assert done["ok"] is True and done["executed_by"].endswith(f":{holder.pid}")
         assert done["detail"]["published"] == [parked["id"]]
@@ -215,8 +215,14 @@ async def test_command_is_withdrawn_when_the_holder_does_not_act(
         assert "withdrawn and nothing was changed" in result.stderr
         async with connect(events_table) as conn:
             assert await conn.fetchval("SELECT state FROM relay.commands") == "expired"
-        await asyncio.sleep(1.5)  # the resumed holder must not act on a withdrawn command
-        assert cli(config, "status")[0]["checkpoint"] == positions[-1]
+        # The resumed holder relays a new event, so its loop has passed its command
+        # checks; it must not have acted on the withdrawn command.
+        async with connect(events_table) as conn:
+            (later,) = await append_many(conn, [NewEvent("book", "b9", 1, "BookLent", {})])
+        await _relayed_up_to(config, later)
+        async with connect(events_table) as conn:
+            assert await conn.fetchval("SELECT state FROM relay.commands") == "expired"
+        assert not [r for r in holder.logs() if r.get("event") == "carrying out command"]
     finally:
         await delete_stream(nats_url, stream)
 

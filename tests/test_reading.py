@@ -16,11 +16,18 @@ from pathlib import Path
 import asyncpg
 
 from relay.commands import status
+from relay.runner import Relay
+from relay.state import OutboxState
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running
 
 LENT = "BookLent"
+
+
+def _state(relay: Relay) -> OutboxState:
+    """The outbox's in-process state; a blank one until the relay has started it."""
+    return relay.states.get("loans") or OutboxState("loans")
 
 
 def lent(loan: str) -> dict[str, str]:
@@ -44,14 +51,19 @@ async def test_late_commit_with_lower_position_is_published(
     subject = await stream_for(nats_url)
     config = await load_and_migrate(tmp_path, config_dict(events_table, nats_url, subject))
     try:
-        async with connect(events_table) as a, connect(events_table) as b, running(config):
+        async with (
+            connect(events_table) as a,
+            connect(events_table) as b,
+            running(config) as relay,
+        ):
             tx_a = a.transaction()
             await tx_a.start()
             pos_a = await append(a, "book", "book-a", 1, LENT, lent("A"))
             pos_b = await append(b, "book", "book-b", 1, LENT, lent("B"))
             assert pos_a < pos_b
             # B is committed and visible; a naive reader would now move past pos_a.
-            await asyncio.sleep(0.5)
+            pid_a = await a.fetchval("SELECT pg_backend_pid()")
+            await eventually(lambda: f"pid {pid_a} " in (_state(relay).blocked_by or ""))
             assert await fetch_all(nats_url, subject) == []  # held back behind A
             await tx_a.commit()
             received = await fetch_all(nats_url, subject, expected=2)
@@ -260,19 +272,13 @@ async def test_notify_trigger_wakes_the_relay_without_polling(
             )
             assert triggers == 1
             async with running(config) as relay:
-                await eventually(lambda: _is_relaying(relay))
-                await asyncio.sleep(0.3)  # let the first (empty) barrier go idle
+                await eventually(lambda: _state(relay).activity == "idle")
                 await append(conn, "book", "b1", 1, LENT, lent("x"))
                 # With a 60 s poll interval, only the NOTIFY can deliver this in time.
                 received = await fetch_all(nats_url, subject, expected=1, timeout=5)
         assert ids(received) == ["book/b1@1"]
     finally:
         await delete_stream(nats_url, subject)
-
-
-async def _is_relaying(relay: object) -> bool:
-    states = getattr(relay, "states", {})
-    return bool(states) and all(s.role == "holder" for s in states.values())
 
 
 async def test_events_without_metadata_or_created_at_columns(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -97,13 +98,18 @@ async def running(config: RelayConfig) -> AsyncIterator[Relay]:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool]],
+    check: Callable[[], Awaitable[bool] | bool],
     timeout: float = 20.0,  # noqa: ASYNC109 - one deadline across many polls
     interval: float = 0.05,
 ) -> None:
-    """Poll `check` until it returns True; fail the test after `timeout` seconds."""
+    """Poll `check` (sync or async) until it is true; fail the test after `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {check.__name__}")
         await asyncio.sleep(interval)
