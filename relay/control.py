@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from relay.errors import PublishError
+from relay.errors import PublishError, RelayError
 from relay.mapping import Mapper
 from relay.publishing import Message, Publisher
 from relay.source import EventSource
@@ -24,7 +24,6 @@ from relay.sql import holds_lock, quote
 from relay.store import Claim, Store, Writer
 
 COMMAND_CHANNEL = "relay_commands"
-KINDS = ("replay", "retry-parked")
 
 log = structlog.get_logger("relay.control")
 
@@ -118,7 +117,7 @@ class Operations:
     """What replay and retry-parked do, given the lease (by the holder or by the CLI)."""
 
     def __init__(
-        self, store: Store, source: EventSource, mapper: Mapper, publisher: Publisher
+        self, store: Store, source: EventSource, mapper: Mapper, publisher: Publisher | None
     ) -> None:
         self.store = store
         self.source = source
@@ -184,5 +183,7 @@ class Operations:
             return exc
         if message is None:
             return PublishError("the current config no longer maps this event")
+        if self.publisher is None:
+            raise RelayError("retry-parked needs the outbox's broker")  # a caller's bug
         (outcome,) = await self.publisher.publish([message])
         return outcome

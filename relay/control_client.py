@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,11 +22,10 @@ from relay.brokers import create_publisher
 from relay.config import RelayConfig
 from relay.control import CommandQueue, Operations
 from relay.database import Database
-from relay.errors import ConfigError, PublishError, RelayError, UsageError
+from relay.errors import ConfigError, RelayError, UsageError
 from relay.lease import Lease
 from relay.mapping import Mapper
 from relay.migrations import ensure_migrated
-from relay.publishing import Message
 from relay.source import EventSource
 from relay.sql import quote
 from relay.store import Claim, Store
@@ -122,9 +121,7 @@ class Controller:
             )
             if kind == "retry-parked":
                 publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
-            operations = Operations(
-                self.store, self.source, Mapper(self.outbox, outbox), publisher or _NoPublisher()
-            )
+            operations = Operations(self.store, self.source, Mapper(self.outbox, outbox), publisher)
             ok, detail = await self._under_watch(
                 lease,
                 claim,
@@ -245,19 +242,3 @@ class CommandTimeout(RelayError):
 
 class CommandRefused(UsageError):
     """The command makes no sense for this outbox (e.g. a replay forwards)."""
-
-
-class _NoPublisher:
-    """Replay publishes nothing itself: the holder's loop does, afterwards."""
-
-    name = "none"
-    duplicates = 0
-
-    async def connect(self) -> None:
-        return None
-
-    async def publish(self, messages: Sequence[Message]) -> list[PublishError | None]:
-        raise AssertionError("replay does not publish")
-
-    async def close(self) -> None:
-        return None

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 from relay.errors import RelayError
 
@@ -147,33 +148,31 @@ class EmbeddedPostgres:
         os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
 
 
-class EmbeddedNats:
-    """One nats-server process with JetStream; restarts reuse the same port and store dir."""
+class ServerProcess:
+    """A server binary listening on 127.0.0.1:`port`, its output appended to `log_path`."""
 
-    def __init__(self, store_dir: Path, port: int | None = None) -> None:
-        self.store_dir = store_dir
+    name = "server"
+
+    def __init__(self, port: int | None, log_path: Path) -> None:
         self.port = port or free_port()
-        self.log_path = store_dir.parent / f"{store_dir.name}.log"
+        self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def start(self, timeout: float = 15.0) -> EmbeddedNats:
+    def start(self, timeout: float = 15.0) -> Self:
         """Start the server and wait until its port accepts connections."""
         if self.running:
-            raise RuntimeError(f"nats-server on port {self.port} is already running")
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        command = [str(nats_binary()), "-js", "-a", "127.0.0.1", "-p", str(self.port)]
-        command += ["-sd", str(self.store_dir)]
+            raise RuntimeError(f"{self.name} on port {self.port} is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
         try:
             wait_for_port("127.0.0.1", self.port, timeout, self._process)
@@ -190,8 +189,8 @@ class EmbeddedNats:
         """Crash the server (SIGKILL): no flush, no goodbye to clients."""
         self._signal(signal.SIGKILL, 10.0)
 
-    def restart(self) -> EmbeddedNats:
-        """Graceful stop, then start again on the same port with the same store."""
+    def restart(self) -> Self:
+        """Graceful stop, then start again on the same port."""
         self.stop()
         return self.start()
 
@@ -206,3 +205,30 @@ class EmbeddedNats:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+class EmbeddedNats(ServerProcess):
+    """One nats-server process with JetStream; restarts reuse the same port and store dir."""
+
+    name = "nats-server"
+
+    def __init__(self, store_dir: Path, port: int | None = None) -> None:
+        super().__init__(port, store_dir.parent / f"{store_dir.name}.log")
+        self.store_dir = store_dir
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        return [
+            str(nats_binary()),
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-sd",
+            str(self.store_dir),
+        ]

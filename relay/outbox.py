@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -191,7 +192,7 @@ class OutboxRelay:
                 return None
             self.metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
             self._horizon = horizon
-            await self._measure_lag(s)
+            await self._measure_lag(s, head=horizon)
         if self._horizon <= position:
             return Batch([], position, full=False)
         limit = self.config.batch.max_messages
@@ -208,7 +209,7 @@ class OutboxRelay:
         upto = events[-1].position if full else self._horizon
         return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
 
-    async def _measure_lag(self, s: Session) -> None:
+    async def _measure_lag(self, s: Session, head: int | None = None) -> None:
         """Lag and parked gauges, by the database's clock, at most once a second.
 
         Called after each barrier, while retrying and while the barrier waits, so
@@ -219,7 +220,9 @@ class OutboxRelay:
             return
         self._lag_measured = now
         position = self._position
-        behind = max(await self.source.head(s.reader) - position, 0)
+        if head is None:  # after a barrier the caller knows it; else ask
+            head = await self.source.head(s.reader)
+        behind = max(head - position, 0)
         self.metrics.lag_events.labels(self.name).set(behind)
         age = await self.source.pending_age(s.reader, position) if behind > 0 else 0.0
         self.metrics.lag_seconds.labels(self.name).set(age)
@@ -312,8 +315,9 @@ class OutboxRelay:
         self.metrics.retrying.labels(self.name).set(0)
         db_now = time.time() + self.source.clock_offset
         latency = self.metrics.end_to_end.labels(self.name)
+        for event_type, count in Counter(item.event.type for item in done).items():
+            self._published_to[event_type].inc(count)
         for item in done:
-            self._published_to[item.event.type].inc()
             if item.event.created_at is not None:
                 latency.observe(max(db_now - item.event.created_at.timestamp(), 0.0))
         self.log.debug(

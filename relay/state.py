@@ -7,8 +7,7 @@ locals.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Role = Literal["starting", "holder", "standby", "stopped"]
@@ -29,9 +28,7 @@ class OutboxState:
     blocked_by: str | None = None
     published: int = 0
     parked: int = 0
-    updated: float = field(default_factory=time.time)
 
     def set(self, **changes: object) -> None:
         for key, value in changes.items():
             setattr(self, key, value)
-        self.updated = time.time()

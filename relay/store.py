@@ -61,11 +61,6 @@ class Store:
             raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
         return Claim(outbox, row["epoch"], row["position"], key)
 
-    async def exists(self, conn: asyncpg.Connection, outbox: str) -> bool:
-        return bool(
-            await conn.fetchval(f"SELECT true FROM {self._checkpoints} WHERE outbox = $1", outbox)
-        )
-
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """Move the checkpoint forwards and mark the outbox healthy."""
         status = await conn.execute(

