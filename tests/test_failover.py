@@ -64,6 +64,12 @@ class Cluster:
         await eventually(one_holds, timeout=20)
         return found[0]
 
+    async def successor(self, old: RelayProcess) -> RelayProcess:
+        """The replica that takes over from `old`, once it relays the live writer's events."""
+        new = await self.holder([r for r in self.replicas if r is not old])
+        await publishes(new)
+        return new
+
     def status(self) -> dict[str, Any]:
         result = run_cli(["status", "--json", "--config", str(self.config)])
         assert result.returncode == 0, result.stderr
@@ -154,8 +160,7 @@ async def test_sigterm_holder_hands_over_without_duplicates(
             await publishes(old)
             old.terminate()
             assert await old.wait_async(15) == 0
-            new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await publishes(new)
+            new = await cluster.successor(old)
         await _all_delivered(nats_url, stream, writer)
         released = when(events(old, "lease released")[-1])
         acquired = when(events(new, "lease acquired: relaying")[-1])
@@ -183,8 +188,7 @@ async def test_kill_9_holder_loses_nothing_and_counts_duplicates(
             killed_at = time.time()
             old.kill()
             await old.wait_async(10)
-            new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await publishes(new)
+            new = await cluster.successor(old)
         await _all_delivered(nats_url, stream, writer)
         took = when(events(new, "lease acquired: relaying")[-1]) - killed_at
         dups = duplicates_reported(new)
@@ -211,8 +215,7 @@ async def test_terminated_lease_connection_stops_the_holder(
                 terminated_at = time.time()
                 assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
             lost = await old.wait_for_log("lease lost: stopped publishing, back to standby")
-            new = await cluster.holder([r for r in cluster.replicas if r is not old])
-            await publishes(new)
+            new = await cluster.successor(old)
         await _all_delivered(nats_url, stream, writer)
         stopped = when(lost) - terminated_at
         took = when(events(new, "lease acquired: relaying")[-1]) - terminated_at
@@ -293,7 +296,7 @@ async def test_paused_holder_is_replaced_and_its_resends_are_deduplicated(
         await wait_for_count(nats_url, stream, lambda n: n >= 200, interval=0.002)
         old.pause()
         paused_at = time.time()
-        new = await cluster.holder([r for r in cluster.replicas if r is not old])
+        new = await cluster.successor(old)
         took = when(events(new, "lease acquired: relaying")[-1]) - paused_at
         old.resume()
         await old.wait_for_log("lease lost: stopped publishing, back to standby")

@@ -48,6 +48,14 @@ def _holds(process: RelayProcess) -> bool:
     return any(r.get("event") == "lease acquired: relaying" for r in process.logs())
 
 
+async def _relay_then_stop(relay_process: Any, config: Path, position: int) -> None:
+    """Run one replica until it has relayed up to `position`, then stop it gracefully."""
+    relay = relay_process(["run", "--config", str(config)])
+    await _relayed_up_to(config, position)
+    relay.terminate()
+    assert await relay.wait_async(15) == 0
+
+
 async def _relayed_up_to(config: Path, position: int) -> None:
     async def caught_up() -> bool:
         return cli(config, "status")[0]["checkpoint"] == position
@@ -95,10 +103,7 @@ async def test_cli_replays_under_the_lease_when_no_replica_runs(
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(12))
-        relay = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        relay.terminate()
-        assert await relay.wait_async(15) == 0
+        await _relay_then_stop(relay_process, config, positions[-1])
 
         status = cli(config, "status")[0]
         assert status["state"] == "no holder" and status["holder"] is None
@@ -138,10 +143,7 @@ async def test_retry_parked_after_the_config_is_fixed(
                     NewEvent("book", "b1", 2, "FineCharged", {"amount": -2}),
                 ],
             )
-        relay = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        relay.terminate()
-        assert await relay.wait_async(15) == 0
+        await _relay_then_stop(relay_process, config, positions[-1])
         (parked,) = cli(config, "parked", "list", "loans")
         assert parked["position"] == positions[0] and parked["reason"] == "mapping"
         shown = cli(config, "parked", "show", str(parked["id"]))
@@ -180,10 +182,7 @@ async def test_parked_drop(
             positions = await append_many(
                 conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": huge}) for i in range(3)]
             )
-        relay = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        relay.terminate()
-        await relay.wait_async(15)
+        await _relay_then_stop(relay_process, config, positions[-1])
         ids = [row["id"] for row in cli(config, "parked", "list", "loans")]
         assert len(ids) == 3
         assert cli(config, "parked", "drop", str(ids[0])) == {"dropped": [ids[0]]}
@@ -234,10 +233,7 @@ async def test_two_operators_at_once_are_serialised_by_the_lease(
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(9))
-        relay = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        relay.terminate()
-        assert await relay.wait_async(15) == 0
+        await _relay_then_stop(relay_process, config, positions[-1])
 
         def replay(position: int) -> Any:
             args = ["replay", "loans", "--from", str(position), "--config", str(config), "--json"]
