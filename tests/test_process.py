@@ -13,11 +13,13 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import postgres
 from tests.support.db import NewEvent, append_many
@@ -36,7 +38,7 @@ from tests.support.jetstream import create_stream, delete_stream, fetch_all, uni
 from tests.support.nats_server import NatsServer
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import config_dict, save
+from tests.support.scenario import config_dict, eventually, save
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -293,6 +295,62 @@ async def test_sigint_stops_gracefully(
     assert (await checkpoint(events_table, OUTBOX))["position"] == max(expected)
 
 
+async def events_read(process: RelayProcess) -> float:
+    """The relay's own relay_events_read_total, scraped from its /metrics."""
+    port = int((await process.wait_for_log("http listening"))["port"])
+
+    def scrape() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "relay_events_read_total"
+        )
+
+    return await asyncio.to_thread(scrape)
+
+
+async def stalled_relay(
+    events_table: str,
+    nats_url: str,
+    stream: str,
+    relay_process: StartRelay,
+    *,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+    tmp_path: Path,
+    grace: str,
+) -> tuple[RelayProcess, TcpProxy, Path]:
+    """A relay whose second batch is in flight to a NATS that no longer answers (a black hole).
+
+    The acknowledgement timeout is long, so the batch stays in flight until shutdown.
+    """
+    proxy = tcp_proxy("127.0.0.1", nats_port(nats_url))
+    path = write_config(
+        tmp_path,
+        events_table,
+        f"nats://{proxy.host}:{proxy.port}",
+        stream,
+        broker={"ack_timeout": "60s"},
+        shutdown={"grace_period": grace},
+    )
+    migrate(path)
+    await append_backlog(events_table, 1, 1)
+    process = relay_process(["run", "--config", str(path)])
+    await wait_for_count(nats_url, stream, lambda n: n == 1, process=process)
+
+    proxy.pause()
+    async with db_connect(events_table) as conn:
+        await append_many(conn, [NewEvent("book", "book-1", 2, "BookLent", {"loanId": "l2"})])
+
+    async def second_event_read() -> bool:
+        return await events_read(process) >= 2  # read, mapped: now awaiting its PubAck
+
+    await eventually(second_event_read, timeout=10)
+    return process, proxy, path
+
+
 async def test_second_sigterm_during_shutdown_exits_at_once(
     *,
     events_table: str,
@@ -308,24 +366,15 @@ async def test_second_sigterm_during_shutdown_exits_at_once(
     timeout and grace period are long, so after the first SIGTERM the relay is reliably still
     shutting down when the second one arrives.
     """
-    proxy = tcp_proxy("127.0.0.1", nats_port(nats_url))
-    path = write_config(
-        tmp_path,
+    process, _, _ = await stalled_relay(
         events_table,
-        f"nats://{proxy.host}:{proxy.port}",
+        nats_url,
         stream,
-        broker={"ack_timeout": "60s"},
-        shutdown={"grace_period": "60s"},
+        relay_process,
+        tcp_proxy=tcp_proxy,
+        tmp_path=tmp_path,
+        grace="60s",
     )
-    migrate(path)
-    await append_backlog(events_table, 1, 1)
-    process = relay_process(["run", "--config", str(path)])
-    await wait_for_count(nats_url, stream, lambda n: n == 1, process=process)
-
-    proxy.pause()
-    async with db_connect(events_table) as conn:
-        await append_many(conn, [NewEvent("book", "book-1", 2, "BookLent", {"loanId": "l2"})])
-    await asyncio.sleep(0.5)  # poll interval is 100 ms: the relay is now awaiting its PubAck
 
     process.terminate()
     await process.wait_for_log("stopping", timeout=5)
@@ -351,24 +400,15 @@ async def test_grace_period_abandons_a_stuck_batch_without_moving_the_checkpoint
     tcp_proxy: Callable[[str, int], TcpProxy],
     tmp_path: Path,
 ) -> None:
-    proxy = tcp_proxy("127.0.0.1", nats_port(nats_url))
-    path = write_config(
-        tmp_path,
+    process, proxy, path = await stalled_relay(
         events_table,
-        f"nats://{proxy.host}:{proxy.port}",
+        nats_url,
         stream,
-        broker={"ack_timeout": "60s"},
-        shutdown={"grace_period": "1s"},
+        relay_process,
+        tcp_proxy=tcp_proxy,
+        tmp_path=tmp_path,
+        grace="1s",
     )
-    migrate(path)
-    await append_backlog(events_table, 1, 1)
-    process = relay_process(["run", "--config", str(path)])
-    await wait_for_count(nats_url, stream, lambda n: n == 1, process=process)
-
-    proxy.pause()
-    async with db_connect(events_table) as conn:
-        await append_many(conn, [NewEvent("book", "book-1", 2, "BookLent", {"loanId": "l2"})])
-    await asyncio.sleep(0.5)
 
     process.terminate()
     signalled = time.monotonic()
