@@ -122,10 +122,9 @@ class Lease:
         identity = row["application_name"].removesuffix(":lease")
         return Holder(row["pid"], identity, row["heartbeat_age"])
 
-    async def take_over_if_silent(self) -> Holder | None:
-        """Terminate a holder whose heartbeat is older than `takeover_after`; return it."""
-        holder = await self.holder()
-        if holder is None or holder.heartbeat_age is None:
+    async def take_over_if_silent(self, holder: Holder) -> Holder | None:
+        """Terminate `holder` if its heartbeat is older than `takeover_after`; return it."""
+        if holder.heartbeat_age is None:
             return None
         if holder.heartbeat_age < self.config.takeover_after:
             return None

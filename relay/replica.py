@@ -96,7 +96,7 @@ class OutboxReplica:
             held_since=None,
             epoch=None,
         )
-        if holder is not None and await self.lease.take_over_if_silent():
+        if holder is not None and await self.lease.take_over_if_silent(holder):
             return  # its session is gone: try again at once
         self.lease_wake.clear()
         await wait_any(self.stop, self.lease_wake, within=self.lease.config.retry_interval)
