@@ -84,12 +84,14 @@ def migrate(config: ConfigOption = None) -> None:
     from relay.commands import migrate as do_migrate
 
     cfg = _load(config)
-    applied = _run(lambda: do_migrate(cfg))
+    done = _run(lambda: do_migrate(cfg, lambda text: typer.echo(text, err=True)))
     schema = cfg.database.schema_
-    if applied:
-        typer.echo(f"schema {schema!r}: applied migration(s) {', '.join(map(str, applied))}")
+    if done.applied:
+        typer.echo(f"schema {schema!r}: applied migration(s) {', '.join(map(str, done.applied))}")
     else:
         typer.echo(f"schema {schema!r}: up to date")
+    trigger = f"relay_notify_{cfg.source.notify_channel}"
+    typer.echo(f"NOTIFY trigger {trigger} on {cfg.source.table}: {done.trigger}")
 
 
 @app.command()
@@ -112,7 +114,7 @@ def check(
         if row.get("skipped"):
             typer.echo(f"{head}: skipped ({row['skipped']})")
         elif row.get("error"):
-            typer.echo(f"{head}: WOULD FAIL: {row['error']}")
+            typer.echo(f"{head}: would be parked ({row['parked']}): {row['error']}")
         else:
             typer.echo(
                 f"{head} -> {row['destination']} type={row['type']} id={row['id']} "

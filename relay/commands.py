@@ -14,7 +14,7 @@ from relay.database import Database
 from relay.errors import ConfigError, MappingError, RelayError
 from relay.lease import lock_key
 from relay.mapping import Event, Mapper
-from relay.migrations import ensure_migrated
+from relay.migrations import Migrated, OnWait, ensure_migrated
 from relay.migrations import migrate as apply_migrations
 from relay.runner import identity
 from relay.source import EventSource
@@ -31,9 +31,9 @@ async def _connection(config: RelayConfig, role: str) -> AsyncIterator[asyncpg.C
         await conn.close()
 
 
-async def migrate(config: RelayConfig) -> list[int]:
+async def migrate(config: RelayConfig, on_wait: OnWait | None = None) -> Migrated:
     async with _connection(config, "migrate") as conn:
-        return await apply_migrations(conn, config)
+        return await apply_migrations(conn, config, on_wait)
 
 
 async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
@@ -57,7 +57,8 @@ async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
                 try:
                     message = mapper.map(event)
                 except MappingError as exc:
-                    row["error"] = str(exc)
+                    row["parked"] = exc.reason
+                    row["error"] = event.problem or str(exc)
                 else:
                     assert message is not None
                     row.update(

@@ -110,8 +110,10 @@ class Controller:
         try:
             async with lease.statement() as conn:
                 await self.source.check(conn)
-                start = 0 if outbox.start == "beginning" else await self.source.head(conn)
-                claim = await self.store.claim(conn, self.outbox, self.identity, start, lease.key)
+                start, start_xmin = await self.source.start_point(conn, outbox.start)
+                claim = await self.store.claim(
+                    conn, self.outbox, self.identity, start, lease.key, start_xmin=start_xmin
+                )
                 await self.queue.abandon_running(conn, self.outbox)
             log.info(
                 "no holder: carrying out the command under the lease",

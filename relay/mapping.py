@@ -17,7 +17,7 @@ from typing import Any
 from jmespath.exceptions import JMESPathError
 
 from relay.config import OutboxConfig
-from relay.errors import MappingError
+from relay.errors import MalformedEventError, MappingError
 from relay.expressions import (
     ExpressionError,
     Getter,
@@ -94,12 +94,16 @@ class Mapper:
         if not self.wants(event):
             return None
         rule = self._by_type[event.type]
+        where = f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
+        if event.problem:
+            raise MalformedEventError(
+                f"outboxes.{self.outbox}: event at position {event.position} ({where}) is"
+                f" malformed: {event.problem}"
+            )
         envelope = event.envelope()
         try:
-            if event.problem:
-                raise ValueError(event.problem)
-            body = json.dumps(
-                rule.payload(envelope), ensure_ascii=False, separators=(",", ":")
+            body = json.dumps(  # allow_nan=False: nothing but strict JSON goes out
+                rule.payload(envelope), ensure_ascii=False, separators=(",", ":"), allow_nan=False
             ).encode()
             return Message(
                 id=rule.id(envelope),
@@ -113,7 +117,6 @@ class Mapper:
                 routing_key=rule.routing_key(envelope) if rule.routing_key else None,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
-            where = f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
             raise MappingError(
                 f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
                 f"{event.position} ({where}): {exc}"

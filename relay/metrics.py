@@ -97,6 +97,12 @@ class Metrics:
             ["outbox"],
             registry=r,
         )
+        self.halted = Gauge(
+            "relay_outbox_halted",
+            "1 while the outbox is halted: its head went below the checkpoint (see status).",
+            ["outbox"],
+            registry=r,
+        )
         self.barrier_wait = Histogram(
             "relay_barrier_wait_seconds",
             "Time the drain barrier waited for writers' transactions to end.",
@@ -109,6 +115,7 @@ class Metrics:
         """Create the outbox's series at zero, so alerts see them before the first event."""
         self.lease_held.labels(outbox).set(0)
         self.retrying.labels(outbox).set(0)
+        self.halted.labels(outbox).set(0)
         self.events_read.labels(outbox)
         for event in LEASE_EVENTS:
             self.lease_transitions.labels(outbox, event)

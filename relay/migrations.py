@@ -7,10 +7,15 @@ command to run, so nothing is created behind an operator's back.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import asyncpg
 
 from relay.config import RelayConfig, SourceConfig
-from relay.errors import NotMigratedError
+from relay.errors import DatabaseError, NotMigratedError
 from relay.sql import qualified, quote
 
 # Each entry is applied once, in order, in its own transaction. Never edit a
@@ -68,6 +73,21 @@ STEPS: tuple[str, ...] = (
     );
     CREATE INDEX ON {schema}.commands (outbox, id) WHERE state = 'pending';
     """,
+    # A malformed row (a NULL aggregate id, say) must still be parkable; an outbox can be
+    # halted (its head went below the checkpoint); the head message's retry count survives
+    # restarts and takeovers; `start: end` settles its first position after writers in flight.
+    """
+    ALTER TABLE {schema}.parked
+      ALTER COLUMN event_type DROP NOT NULL,
+      ALTER COLUMN aggregate_type DROP NOT NULL,
+      ALTER COLUMN aggregate_id DROP NOT NULL,
+      ALTER COLUMN version DROP NOT NULL;
+    ALTER TABLE {schema}.checkpoints
+      ADD COLUMN halted text,
+      ADD COLUMN retry_position bigint,
+      ADD COLUMN rejections integer NOT NULL DEFAULT 0,
+      ADD COLUMN start_xmin bigint;
+    """,
 )
 
 LATEST = len(STEPS)
@@ -96,8 +116,26 @@ async def ensure_migrated(conn: asyncpg.Connection, schema: str) -> None:
         )
 
 
-async def migrate(conn: asyncpg.Connection, config: RelayConfig) -> list[int]:
-    """Apply the missing steps; return the versions applied (empty when up to date)."""
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """What `relay migrate` did: the schema versions applied, and the NOTIFY trigger."""
+
+    applied: list[int]
+    trigger: str  # installed, removed, replaced, unchanged, absent, or no table
+
+
+OnWait = Callable[[str], None]
+
+
+async def migrate(
+    conn: asyncpg.Connection, config: RelayConfig, on_wait: OnWait | None = None
+) -> Migrated:
+    """Apply the missing steps, then bring the NOTIFY trigger in line with the config.
+
+    The relay's own tables are changed in one transaction; the application's event
+    table is touched only when its trigger must change, and then politely (see
+    `_sync_notify_trigger`).
+    """
     schema = quote(config.database.schema_)
     applied: list[int] = []
     async with conn.transaction():
@@ -116,28 +154,105 @@ async def migrate(conn: asyncpg.Connection, config: RelayConfig) -> list[int]:
                 f"INSERT INTO {schema}.schema_version (version) VALUES ($1)", version
             )
             applied.append(version)
-        await _sync_notify_trigger(conn, schema, config.source)
-    return applied
+    trigger = await _sync_notify_trigger(conn, schema, config.source, on_wait or _quiet)
+    return Migrated(applied, trigger)
 
 
-async def _sync_notify_trigger(conn: asyncpg.Connection, schema: str, source: SourceConfig) -> None:
-    """Install the optional NOTIFY trigger, or remove ours when the option is off."""
+def _quiet(_: str) -> None:
+    """No one to tell."""
+
+
+# CREATE/DROP TRIGGER take ShareRowExclusiveLock on the table: while that request waits
+# for an open writer, every new writer queues behind it. So ask briefly, let go, and ask
+# again, saying who holds the table meanwhile.
+_LOCK_TIMEOUT = "500ms"
+_GIVE_UP_AFTER = 600.0
+_HOLDERS = """
+SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
+       coalesce(a.state, '') AS state,
+       extract(epoch FROM now() - a.xact_start)::float8 AS xact_age
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = $1::regclass AND l.granted
+  AND l.pid <> pg_backend_pid()
+ORDER BY xact_age DESC NULLS LAST
+"""
+
+
+async def _sync_notify_trigger(
+    conn: asyncpg.Connection, schema: str, source: SourceConfig, on_wait: OnWait
+) -> str:
+    """Install the optional NOTIFY trigger, or remove ours when the option is off.
+
+    Nothing on the event table is locked when it already matches the config.
+    """
     table = qualified(source.table)
-    trigger = quote(f"relay_notify_{source.notify_channel}")
+    if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+        return "no table"
+    name = f"relay_notify_{source.notify_channel}"
     function = f"{schema}.{quote('notify_' + source.notify_channel)}"
-    exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
-    if not exists:
-        return
-    if not source.notify_trigger:
-        await conn.execute(f"DROP TRIGGER IF EXISTS {trigger} ON {table}")
-        return
     channel = source.notify_channel.replace("'", "''")
-    await conn.execute(
-        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ "
-        f"BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
+    body = f" BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END "
+    present = await conn.fetchrow(
+        "SELECT t.tgfoid, p.prosrc FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid"
+        " WHERE t.tgrelid = $1::regclass AND t.tgname = $2 AND NOT t.tgisinternal",
+        table,
+        name,
     )
-    await conn.execute(f"DROP TRIGGER IF EXISTS {trigger} ON {table}")
-    await conn.execute(
-        f"CREATE TRIGGER {trigger} AFTER INSERT ON {table} "
+    create = (
+        f"CREATE TRIGGER {quote(name)} AFTER INSERT ON {table} "
         f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
     )
+    drop = f"DROP TRIGGER IF EXISTS {quote(name)} ON {table}"
+    if not source.notify_trigger:
+        if present is None:
+            return "absent"
+        await _on_table(conn, table, [drop], on_wait)
+        return "removed"
+    wanted = await conn.fetchval("SELECT to_regprocedure($1)::oid", f"{function}()")
+    if present is not None and present["prosrc"] == body and present["tgfoid"] == wanted:
+        return "unchanged"
+    # Replacing a function locks no table.
+    await conn.execute(
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $${body}$$"
+    )
+    await _on_table(conn, table, [drop, create], on_wait)
+    return "installed" if present is None else "replaced"
+
+
+async def _on_table(
+    conn: asyncpg.Connection, table: str, statements: list[str], on_wait: OnWait
+) -> None:
+    """Run DDL on the event table with a short lock_timeout, retrying until it gets through."""
+    started, pause = time.monotonic(), 0.5
+    while True:
+        try:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+                for statement in statements:
+                    await conn.execute(statement)
+            return
+        except asyncpg.LockNotAvailableError:
+            waited = time.monotonic() - started
+            if waited > _GIVE_UP_AFTER:
+                raise DatabaseError(
+                    f"gave up changing the NOTIFY trigger on {table} after {waited:.0f}s: "
+                    f"{await _who_holds(conn, table)}; run `relay migrate` again later"
+                ) from None
+            on_wait(
+                f"waiting to change the NOTIFY trigger on {table} (writers are not held up"
+                f" meanwhile): {await _who_holds(conn, table)}; retrying in {pause:g}s"
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+async def _who_holds(conn: asyncpg.Connection, table: str) -> str:
+    rows = await conn.fetch(_HOLDERS, table)
+    if not rows:
+        return "another session held a lock on it"
+    named = [
+        f"pid {r['pid']} ({r['application_name'] or 'no application_name'}, {r['state']},"
+        f" transaction open {(r['xact_age'] or 0.0):.1f}s)"
+        for r in rows[:3]
+    ]
+    return "held by " + ", ".join(named)

@@ -34,7 +34,7 @@ from relay.publishing import Message, Publisher
 from relay.retry import Backoff
 from relay.source import Blocker, EventSource
 from relay.state import OutboxState
-from relay.store import ClaimedOutbox, Store
+from relay.store import ClaimedOutbox, RetryCount, Store
 from relay.waiting import sleep_unless, wait_any
 
 # Driver errors that mean "the database went away": retry, never crash.
@@ -116,6 +116,8 @@ class OutboxRelay:
         self.metrics = metrics
         self._lag_measured = 0.0
         self._position = 0  # the checkpoint, as last written
+        self._retry: RetryCount | None = None  # the head message's failures so far
+        self._halted: str | None = None  # set: nothing moves until an operator's replay
         self.store = store
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
@@ -126,19 +128,51 @@ class OutboxRelay:
 
     async def run(self, session: Session) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
+        claim = session.checkpoint.claim
         self._horizon = self._position = session.position
+        self._retry, self._halted = claim.retry, claim.halted
+        self.metrics.halted.labels(self.name).set(0 if self._halted is None else 1)
         try:
+            if claim.start_xmin is not None and not await self._settle_start(session):
+                return
             await self._relay(session)
         except DB_ERRORS as exc:
             raise DatabaseError(f"lost the database connection: {exc}") from exc
 
+    async def _settle_start(self, s: Session) -> bool:
+        """`start: end`, first claim: start before the events of transactions open then.
+
+        The checkpoint was put at the head; once every transaction that held a position
+        then has ended, it moves back to just before the first event one of them wrote.
+        False if stopped first.
+        """
+        horizon = await self.source.barrier(s.reader, self._blocked(s), self.stop)
+        if horizon is None:
+            return False
+        claim = s.checkpoint.claim
+        assert claim.start_xmin is not None
+        first = await self.source.first_open_position(s.reader, claim.position, claim.start_xmin)
+        start = claim.position if first is None else first - 1
+        await s.checkpoint.settle_start(start)
+        self._position = self._horizon = start
+        self.state.set(checkpoint=start)
+        self.log.info(
+            "start: end: starting after the events committed before the first start",
+            position=start,
+            head_at_start=claim.position,
+        )
+        return True
+
     async def _relay(self, s: Session) -> None:
-        position = s.position
+        position = self._position
         while not self.stop.is_set():
             position = await self._carry_out_commands(s, position)
+            if self._halted is not None:
+                await self._while_halted(s)
+                continue
             batch = await self._next_batch(s, position)
-            if batch is None:
-                return
+            if batch is None:  # stopped, or just halted
+                continue
             if batch.items and not await self._deliver(s, batch.items):
                 if self.stop.is_set():
                     return
@@ -172,6 +206,8 @@ class OutboxRelay:
                 if command.kind == "replay":
                     outcome = await self.operations.replay(writer, claim, int(command.args["to"]))
                     position = self._position = int(command.args["to"])
+                    self._horizon = min(self._horizon, position)
+                    self._resume_if_halted()
                     self.state.set(checkpoint=position)
                 else:
                     ids = command.args.get("ids")
@@ -184,6 +220,7 @@ class OutboxRelay:
         return position
 
     async def _next_batch(self, s: Session, position: int) -> Batch | None:
+        """The next batch to publish; None if stopped or halted meanwhile."""
         if position >= self._horizon:
             self.wake.clear()
             started = time.monotonic()
@@ -191,6 +228,9 @@ class OutboxRelay:
             if horizon is None:
                 return None
             self.metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
+            if horizon < position:
+                await self._halt(s, horizon, position)
+                return None
             self._horizon = horizon
             await self._measure_lag(s, head=horizon)
         if self._horizon <= position:
@@ -208,6 +248,36 @@ class OutboxRelay:
         full = len(events) == limit
         upto = events[-1].position if full else self._horizon
         return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
+
+    async def _halt(self, s: Session, head: int, position: int) -> None:
+        """The head went below the checkpoint: the sequence was reset, or the table replaced.
+
+        Relaying on would skip every position up to the old checkpoint without a word, so
+        the outbox stops, says so everywhere, and waits for an operator's replay.
+        """
+        self._halted = (
+            f"the event table's head ({head}) is below the checkpoint ({position}): its sequence"
+            " was reset or the table was replaced, and relaying on would skip events. Nothing is"
+            f" published until an operator decides: `relay replay {self.name} --from-start`"
+            f" publishes the table as it is now; `relay replay {self.name} --from {head + 1}`"
+            " skips what it holds now"
+        )
+        await s.checkpoint.halt(self._halted)
+        self.metrics.halted.labels(self.name).set(1)
+        self.log.error("outbox halted", reason=self._halted, head=head, checkpoint=position)
+
+    async def _while_halted(self, s: Session) -> None:
+        """Hold the lease and carry out commands (the way out), publishing nothing."""
+        self.state.set(activity="halted", last_error=self._halted)
+        await wait_any(self.stop, self.command_wake, within=self.source.config.poll_interval)
+        await self._measure_lag(s)
+
+    def _resume_if_halted(self) -> None:
+        if self._halted is not None:
+            self._halted = None
+            self.metrics.halted.labels(self.name).set(0)
+            self.state.set(activity="relaying", last_error=None)
+            self.log.info("outbox resumed by a replay")
 
     async def _measure_lag(self, s: Session, head: int | None = None) -> None:
         """Lag and parked gauges, by the database's clock, at most once a second.
@@ -245,12 +315,18 @@ class OutboxRelay:
             else:
                 self.state.set(blocked_by=blocker.describe(), activity="waiting")
                 if already is None or blocker.waited // 10 != (blocker.waited - 0.25) // 10:
+                    named = {
+                        "blocking_pid": blocker.pid,
+                        "blocking_application": blocker.application_name or None,
+                        "blocking_gid": blocker.gid,
+                        "blocking_owner": blocker.owner,
+                    }
                     self.log.warning(
                         "waiting for a transaction that holds the event table",
-                        blocking_pid=blocker.pid,
-                        blocking_application=blocker.application_name,
+                        blocking=blocker.describe(),
                         blocking_state=blocker.state,
                         waited=round(blocker.waited, 1),
+                        **{k: v for k, v in named.items() if v is not None},
                     )
             if (blocker is None) != (already is None) or already is None:
                 await s.checkpoint.report_blocking(blocker)
@@ -259,9 +335,14 @@ class OutboxRelay:
         return report
 
     async def _deliver(self, s: Session, items: list[Item]) -> bool:
-        """Publish `items` in order; False if stopped or interrupted by an operator's command."""
+        """Publish `items` in order; False if stopped or interrupted by an operator's command.
+
+        The head message's failures are counted per position in `_retry`, which outlives
+        this call: an operator's command or a replay interrupts the retrying, but does not
+        start the count again, so `park_after` is reached whatever else happens.
+        """
         backoff = Backoff(self.config.retry)
-        pending, attempt, rejections = items, 0, 0
+        pending = items
         while pending:
             sendable = []
             for item in pending:
@@ -272,8 +353,8 @@ class OutboxRelay:
             acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
             if acked:
                 done, pending = pending[:acked], pending[acked:]
-                self._acknowledged(done, attempt)
-                attempt = rejections = 0
+                self._acknowledged(done, self._failures_of(done[0]).attempts)
+                self._retry = None
                 if pending:
                     await s.checkpoint.advance(done[-1].event.position)
                     self._position = done[-1].event.position
@@ -281,19 +362,29 @@ class OutboxRelay:
                 break
             failure = _failure(outcomes, acked, pending[0])
             self.metrics.failures.labels(self.name, failure.reason).inc()
-            attempt += 1
-            rejections += failure.permanent
-            if failure.permanent and rejections >= self.config.park_after:
-                await self._park(s, pending[0], failure, rejections)
-                pending, attempt, rejections = pending[1:], 0, 0
+            before = self._failures_of(pending[0])
+            count = self._retry = RetryCount(
+                before.position, before.attempts + 1, before.rejections + failure.permanent
+            )
+            if failure.permanent and count.rejections >= self.config.park_after:
+                await self._park(s, pending[0], failure, count.rejections)
+                self._retry = None
+                pending = pending[1:]
                 continue
-            await self._retrying(s, pending[0], failure, attempt)
-            await wait_any(self.stop, self.command_wake, within=backoff.delay(attempt))
+            await self._retrying(s, pending[0], failure, count)
+            await wait_any(self.stop, self.command_wake, within=backoff.delay(count.attempts))
             if self.stop.is_set() or self.command_wake.is_set():
                 # Nothing unacknowledged was checkpointed: the loop reads it again after
                 # the operator's command (e.g. a replay) has been carried out.
                 return False
         return True
+
+    def _failures_of(self, head: Item) -> RetryCount:
+        """The count so far for this message: kept only while it is still the one failing."""
+        position = head.event.position
+        if self._retry is not None and self._retry.position == position:
+            return self._retry
+        return RetryCount(position, 0, 0)
 
     async def _publish(self, messages: list[Message]) -> list[PublishError | None]:
         started = time.monotonic()
@@ -329,17 +420,19 @@ class OutboxRelay:
             attempt=attempt + 1,
         )
 
-    async def _retrying(self, s: Session, head: Item, failure: PublishError, attempt: int) -> None:
-        self.state.set(activity="retrying", attempts=attempt, last_error=str(failure))
+    async def _retrying(
+        self, s: Session, head: Item, failure: PublishError, count: RetryCount
+    ) -> None:
+        self.state.set(activity="retrying", attempts=count.attempts, last_error=str(failure))
         self.metrics.retrying.labels(self.name).set(1)
         self.log.warning(
             "publish failed, retrying",
             position=head.event.position,
-            attempt=attempt,
+            attempt=count.attempts,
             reason=failure.reason,
             error=str(failure),
         )
-        await s.checkpoint.report("retrying", attempt, str(failure))
+        await s.checkpoint.report("retrying", str(failure), count)
         await self._measure_lag(s)
 
     async def _park(self, s: Session, item: Item, failure: PublishError, attempts: int) -> None:

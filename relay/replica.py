@@ -137,9 +137,9 @@ class OutboxReplica:
     async def _claim(self) -> Session:
         async with self.lease.statement() as conn:
             await self.source.check(conn)
-            start = 0 if self.config.start == "beginning" else await self.source.head(conn)
+            start, start_xmin = await self.source.start_point(conn, self.config.start)
             claim = await self.store.claim(
-                conn, self.name, self.lease.identity, start, self.lease.key
+                conn, self.name, self.lease.identity, start, self.lease.key, start_xmin=start_xmin
             )
             await self.relay.commands.abandon_running(conn, self.name)
         reader = await self.db.connect("reader")

@@ -5,67 +5,97 @@ Positions are taken at insert but transactions commit in any order, so
 a prefix of the log final before it is read:
 
 1. take the sequence's last value L;
-2. then collect the virtual xids of the sessions holding RowExclusiveLock on
-   the table (an INSERT takes that lock before its default calls nextval);
+2. then collect the transactions holding a lock on the sequence: nextval takes
+   RowExclusiveLock on it and keeps it until the transaction ends, so these are
+   all the transactions that may hold an uncommitted position;
 3. wait until those transactions have ended.
 
 Every position up to L is then committed or rolled back for good, and reading
 `position <= L` in position order also keeps each aggregate's versions in
-order. No writer change, no extra column, no replication privilege, and no
-wall-clock timeout: a session idle in its transaction holds the relay back,
-and the relay names it.
+order. Because the lock is on the sequence, not the table, the barrier sees
+writers that insert into a partition or an inheritance child directly, into
+partitions attached later, and transactions prepared for two-phase commit
+(whose locks stay behind with no session). No writer change, no extra column,
+no replication privilege, and no wall-clock timeout: a session idle in its
+transaction holds the relay back, and the relay names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
-from relay.config import SourceConfig
+from relay import event_table
+from relay.config import ColumnsConfig, SourceConfig
 from relay.errors import SourceError
 from relay.mapping import Event
 from relay.sql import qualified, quote
 
-_LOCKERS = """
-SELECT DISTINCT v.virtualxid, v.pid
-FROM pg_locks r
-JOIN pg_locks v ON v.pid = r.pid AND v.locktype = 'virtualxid' AND v.granted
-WHERE r.locktype = 'relation' AND r.relation = $1::regclass
-  AND r.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND r.mode = 'RowExclusiveLock' AND r.granted AND r.pid <> pg_backend_pid()
+# Every transaction that takes a position holds RowExclusiveLock on the sequence from its
+# first nextval until it ends (Postgres takes it in nextval and keeps it for the whole
+# transaction): whichever table, partition or inheritance child it inserts into, and also
+# once it is prepared for two-phase commit, when the lock moves to a row with no pid.
+_HOLDERS = """
+SELECT DISTINCT virtualtransaction FROM pg_locks
+WHERE locktype = 'relation' AND relation = $1::regclass AND granted
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND pid IS DISTINCT FROM pg_backend_pid()
 """
-_STILL_RUNNING = """
-SELECT virtualxid, pid FROM pg_locks
-WHERE locktype = 'virtualxid' AND granted AND virtualxid = ANY($1::text[])
+_STILL_HOLDING = _HOLDERS + " AND virtualtransaction = ANY($2::text[])"
+_SESSIONS = """
+SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
+       coalesce(a.state, '') AS state,
+       extract(epoch FROM now() - a.xact_start)::float8 AS xact_age
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'virtualxid' AND l.virtualtransaction = ANY($1::text[])
 """
-_BLOCKERS = """
-SELECT pid, coalesce(application_name, '') AS application_name, coalesce(state, '') AS state,
-       extract(epoch FROM now() - xact_start)::float8 AS xact_age
-FROM pg_stat_activity WHERE pid = ANY($1::int[]) ORDER BY xact_start NULLS LAST
+_PREPARED = """
+SELECT p.gid, p.owner, extract(epoch FROM now() - p.prepared)::float8 AS xact_age
+FROM pg_locks l JOIN pg_prepared_xacts p ON p.transaction = l.transactionid
+WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = ANY($1::text[])
 """
 
 
 @dataclass(frozen=True, slots=True)
 class Blocker:
-    """A transaction the barrier is waiting for, as an operator needs to see it."""
+    """A transaction the barrier is waiting for, as an operator needs to see it.
 
-    pid: int
+    A session is named by its pid; a transaction prepared for two-phase commit has no
+    session any more, and is named by its gid and owner.
+    """
+
+    pid: int | None
     application_name: str
     state: str
     transaction_age: float
     waited: float
+    gid: str | None = None
+    owner: str | None = None
 
     def describe(self) -> str:
+        if self.gid is not None:
+            return (
+                f"prepared transaction {self.gid!r} (owner {self.owner}, prepared "
+                f"{self.transaction_age:.1f}s ago; COMMIT PREPARED or ROLLBACK PREPARED ends it)"
+            )
         return (
             f"pid {self.pid} ({self.application_name or 'no application_name'}, {self.state}, "
             f"transaction open {self.transaction_age:.1f}s)"
         )
+
+    def fields(self) -> dict[str, object]:
+        """What status shows and the log says about it."""
+        if self.gid is not None:
+            return {"gid": self.gid, "owner": self.owner, "state": "prepared"}
+        return {"pid": self.pid, "application_name": self.application_name, "state": self.state}
 
 
 OnBlocked = Callable[[Blocker | None], Awaitable[None]]
@@ -122,48 +152,7 @@ class EventSource:
 
     async def check(self, conn: asyncpg.Connection) -> None:
         """Fail at start-up on what would silently break the gap-free read."""
-        cols = self.config.columns
-        if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", self.table):
-            raise SourceError(f"source.table: table {self.config.table!r} does not exist")
-        present = {
-            r["attname"]
-            for r in await conn.fetch(
-                "SELECT attname FROM pg_attribute WHERE attrelid = $1::regclass "
-                "AND attnum > 0 AND NOT attisdropped",
-                self.table,
-            )
-        }
-        for key, name in cols.model_dump().items():
-            if name is not None and name not in present:
-                raise SourceError(
-                    f"source.columns.{key}: column {name!r} not found"
-                    f" in table {self.config.table!r}"
-                    + (
-                        " (set it to null if the table has none)"
-                        if key in ("metadata", "created_at")
-                        else ""
-                    )
-                )
-        sequence = await conn.fetchval(
-            "SELECT pg_get_serial_sequence($1, $2)", self.table, cols.position
-        )
-        if sequence is None:
-            raise SourceError(
-                f"source.columns.position: column {cols.position!r} takes no value"
-                " from a sequence; "
-                "the relay needs positions assigned by nextval at insert (identity or serial)"
-            )
-        cache = await conn.fetchval(
-            "SELECT cache_size FROM pg_sequences"
-            " WHERE format('%I.%I', schemaname, sequencename)::regclass = $1::regclass",
-            sequence,
-        )
-        if cache is not None and cache > 1:
-            raise SourceError(
-                f"sequence {sequence} has CACHE {cache}: positions could be taken out of order "
-                f"by different sessions; run ALTER SEQUENCE {sequence} CACHE 1"
-            )
-        self._sequence = sequence
+        self._sequence = await event_table.verify(conn, self.config, self.table)
 
     async def head(self, conn: asyncpg.Connection) -> int:
         """The last position handed out (committed or not), 0 for an empty log."""
@@ -178,23 +167,57 @@ class EventSource:
         self.clock_offset = row[1] - time.time()
         return int(row[0] or 0)
 
+    async def start_point(self, conn: asyncpg.Connection, start: str) -> tuple[int, int | None]:
+        """Where a new checkpoint starts: (position, start_xmin).
+
+        `beginning` is position 0. `end` is the head now, together with the oldest
+        transaction id still running (from one snapshot): any event not committed at this
+        moment was written by a transaction at least that new, so once they have ended,
+        `first_open_position` finds the first such event and nothing committed after the
+        relay started is skipped.
+        """
+        if start == "beginning":
+            return 0, None
+        if self._sequence is None:
+            await self.check(conn)
+        row = await conn.fetchrow(
+            "SELECT pg_sequence_last_value($1::regclass),"
+            " pg_snapshot_xmin(pg_current_snapshot())::text::int8",
+            self._sequence,
+        )
+        return int(row[0] or 0), int(row[1])
+
+    async def first_open_position(
+        self, conn: asyncpg.Connection, upto: int, start_xmin: int
+    ) -> int | None:
+        """The lowest position up to `upto` written by a transaction at least as new as
+        `start_xmin` (compared by age, so xid wraparound is harmless). One scan of the table,
+        once in an outbox's life."""
+        pos = quote(self.config.columns.position)
+        value = await conn.fetchval(
+            f"SELECT min({pos}) FROM {self.table} WHERE {pos} <= $1"
+            " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)",
+            upto,
+            start_xmin,
+        )
+        return None if value is None else int(value)
+
     async def barrier(
         self, conn: asyncpg.Connection, on_blocked: OnBlocked, stop: asyncio.Event
     ) -> int | None:
         """Return L once every position up to it is final; None if `stop` was set first."""
         last = await self.head(conn)
-        rows = await conn.fetch(_LOCKERS, self.table)
-        waiting = [r["virtualxid"] for r in rows]
+        # Only now: a transaction that takes a position after L was read need not be waited for.
+        waiting = [r[0] for r in await conn.fetch(_HOLDERS, self._sequence)]
         started = time.monotonic()
         pause, reported = 0.0005, False
         while waiting:
-            running = await conn.fetch(_STILL_RUNNING, waiting)
-            if not running:
+            waiting = [r[0] for r in await conn.fetch(_STILL_HOLDING, self._sequence, waiting)]
+            if not waiting:
                 break
-            waiting = [r["virtualxid"] for r in running]
             waited = time.monotonic() - started
             if waited >= self.config.barrier_report_after:
-                await on_blocked(await self._blocker(conn, running, waited))
+                await on_blocked(await self._blocker(conn, waiting, waited))
                 reported = True
             if stop.is_set():
                 return None
@@ -205,20 +228,20 @@ class EventSource:
         return last
 
     async def _blocker(
-        self, conn: asyncpg.Connection, running: Sequence[asyncpg.Record], waited: float
+        self, conn: asyncpg.Connection, waiting: list[str], waited: float
     ) -> Blocker:
-        pids = [r["pid"] for r in running]
-        rows = await conn.fetch(_BLOCKERS, pids)
-        if not rows:
-            return Blocker(pids[0], "", "unknown", 0.0, waited)
-        first = rows[0]
-        return Blocker(
-            first["pid"],
-            first["application_name"],
-            first["state"],
-            first["xact_age"] or 0.0,
-            waited,
-        )
+        """The oldest of the transactions waited for: a session, or a prepared transaction."""
+        found = [
+            Blocker(r["pid"], r["application_name"], r["state"], r["xact_age"] or 0.0, waited)
+            for r in await conn.fetch(_SESSIONS, waiting)
+        ]
+        found += [
+            Blocker(None, "", "prepared", r["xact_age"] or 0.0, waited, r["gid"], r["owner"])
+            for r in await conn.fetch(_PREPARED, waiting)
+        ]
+        if not found:  # it ended between the two queries
+            return Blocker(None, "", "ended", 0.0, waited)
+        return max(found, key=lambda b: b.transaction_age)
 
     async def read(
         self,
@@ -232,7 +255,7 @@ class EventSource:
     ) -> list[Event]:
         """Events in (after, upto] that the outbox maps, in position order."""
         rows = await conn.fetch(self._read_sql, after, upto, limit, aggregates, list(types))
-        return [_event(r) for r in rows]
+        return [_event(r, self.config.columns) for r in rows]
 
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
         """Seconds since the oldest event after `after` was written (database clock)."""
@@ -244,7 +267,7 @@ class EventSource:
     async def events_at(self, conn: asyncpg.Connection, positions: Sequence[int]) -> list[Event]:
         """The events at these positions that still exist, in position order."""
         rows = await conn.fetch(self._read_at_sql, list(positions))
-        return sorted((_event(r) for r in rows), key=lambda e: e.position)
+        return sorted((_event(r, self.config.columns) for r in rows), key=lambda e: e.position)
 
     async def count(
         self,
@@ -270,16 +293,37 @@ class EventSource:
     async def latest(self, conn: asyncpg.Connection, count: int) -> list[Event]:
         """The last `count` events, oldest first; for `relay check`."""
         rows = await conn.fetch(self._read_all_sql, count)
-        return [_event(r) for r in reversed(rows)]
+        return [_event(r, self.config.columns) for r in reversed(rows)]
 
 
-def _event(row: asyncpg.Record) -> Event:
-    problem = None
-    try:
-        data = json.loads(row[5])
-        metadata = json.loads(row[6]) if row[6] is not None else {}
-    except ValueError as exc:
-        data, metadata, problem = None, None, f"payload or metadata is not JSON: {exc}"
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+# Python's json accepts NaN and Infinity, and turns 1e999 into infinity, which no other
+# JSON parser does and no JSON text can carry: refuse them.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+_REQUIRED = ((1, "aggregate_type"), (2, "aggregate_id"), (3, "version"), (5, "payload"))
+
+
+def _event(row: asyncpg.Record, names: ColumnsConfig) -> Event:
+    """Decode one row; a malformed one carries the problem, naming its column."""
+    problem = next(
+        (f"column {getattr(names, key)!r} is NULL" for i, key in _REQUIRED if row[i] is None),
+        None,
+    )
+    data = metadata = None
+    if problem is None:
+        data, problem = _json(row[5], names.payload)
+    if problem is None and row[6] is not None:
+        metadata, problem = _json(row[6], names.metadata)
     return Event(
         position=row[0],
         aggregate_type=row[1],
@@ -287,7 +331,14 @@ def _event(row: asyncpg.Record) -> Event:
         version=row[3],
         type=row[4],
         data=data,
-        metadata=metadata,
+        metadata={} if metadata is None else metadata,
         created_at=row[7],
         problem=problem,
     )
+
+
+def _json(text: str, column: str | None) -> tuple[Any, str | None]:
+    try:
+        return _DECODER.decode(text), None
+    except ValueError as exc:
+        return None, f"column {column!r} is not valid JSON: {exc}"

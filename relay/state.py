@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Role = Literal["starting", "holder", "standby", "stopped"]
-Activity = Literal["idle", "relaying", "retrying", "waiting", "disconnected", "stopped"]
+Activity = Literal["idle", "relaying", "retrying", "waiting", "halted", "disconnected", "stopped"]
 
 
 @dataclass

@@ -23,6 +23,15 @@ from relay.sql import holds_lock, quote
 
 
 @dataclass(frozen=True, slots=True)
+class RetryCount:
+    """How often the message at `position` has failed; kept across commands and holders."""
+
+    position: int
+    attempts: int
+    rejections: int  # the permanent failures among them: parking counts these
+
+
+@dataclass(frozen=True, slots=True)
 class Claim:
     """What a replica holds after claiming an outbox under its lease."""
 
@@ -30,6 +39,9 @@ class Claim:
     epoch: int
     position: int
     key: int  # the lease's advisory lock; every write proves it is still held
+    halted: str | None = None  # why the outbox must not move until an operator acts
+    retry: RetryCount | None = None
+    start_xmin: int | None = None  # `start: end` not settled yet: see EventSource.start_point
 
 
 class Store:
@@ -39,33 +51,50 @@ class Store:
         self._parked = f"{s}.parked"
 
     async def claim(
-        self, conn: asyncpg.Connection, outbox: str, holder: str, start: int, key: int
+        self,
+        conn: asyncpg.Connection,
+        outbox: str,
+        holder: str,
+        start: int,
+        key: int,
+        *,
+        start_xmin: int | None = None,
     ) -> Claim:
-        """Take the next epoch, on the connection holding lock `key`; create the row if new."""
+        """Take the next epoch, on the connection holding lock `key`; create the row if new.
+
+        `start` (and `start_xmin`) only matter for a new row; an existing row keeps its own.
+        """
         await conn.execute(
-            f"INSERT INTO {self._checkpoints} (outbox, position) VALUES ($1, $2)"
+            f"INSERT INTO {self._checkpoints} (outbox, position, start_xmin) VALUES ($1, $2, $3)"
             " ON CONFLICT (outbox) DO NOTHING",
             outbox,
             start,
+            start_xmin,
         )
         row = await conn.fetchrow(
             f"UPDATE {self._checkpoints} SET epoch = epoch + 1, holder = $2, held_since = now(),"
-            " heartbeat = now(), state = 'relaying', attempts = 0, last_error = NULL,"
-            f" blocking = NULL, updated_at = now() WHERE outbox = $1 AND {holds_lock('$3')}"
-            " RETURNING epoch, position",
+            " heartbeat = now(), state = CASE WHEN halted IS NULL THEN 'relaying' ELSE 'halted'"
+            " END, blocking = NULL, updated_at = now()"
+            f" WHERE outbox = $1 AND {holds_lock('$3')}"
+            " RETURNING epoch, position, halted, retry_position, attempts, rejections, start_xmin",
             outbox,
             holder,
             key,
         )
         if row is None:
             raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
-        return Claim(outbox, row["epoch"], row["position"], key)
+        retry = None
+        if row["retry_position"] is not None:
+            retry = RetryCount(row["retry_position"], row["attempts"], row["rejections"])
+        return Claim(
+            outbox, row["epoch"], row["position"], key, row["halted"], retry, row["start_xmin"]
+        )
 
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """Move the checkpoint forwards and mark the outbox healthy."""
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET position = $3, state = 'relaying', attempts = 0,"
-            " last_error = NULL, updated_at = now()"
+            " last_error = NULL, retry_position = NULL, rejections = 0, updated_at = now()"
             f" WHERE outbox = $1 AND epoch = $2 AND position <= $3 AND {holds_lock('$4')}",
             claim.outbox,
             claim.epoch,
@@ -77,7 +106,9 @@ class Store:
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
         previous = await conn.fetchval(
-            f"UPDATE {self._checkpoints} c SET position = $3, updated_at = now()"
+            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL,"
+            " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
+            " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now()"
             f" FROM {self._checkpoints} old"
             " WHERE c.outbox = $1 AND old.outbox = c.outbox AND c.epoch = $2"
             f" AND c.position >= $3 AND {holds_lock('$4')} RETURNING old.position",
@@ -100,19 +131,49 @@ class Store:
         state: str,
         attempts: int = 0,
         last_error: str | None = None,
+        *,
+        retry: RetryCount | None = None,
     ) -> None:
         """Record the outbox's state (relaying, retrying, stopped) for `relay status`."""
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET state = $3, attempts = $4, last_error = $5,"
-            f" updated_at = now() WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$6')}",
+            " retry_position = $6, rejections = $7, updated_at = now()"
+            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$8')}",
             claim.outbox,
             claim.epoch,
             state,
             attempts,
             last_error,
+            retry.position if retry else None,
+            retry.rejections if retry else 0,
             claim.key,
         )
         _fenced_unless_updated(status, claim, f"reporting state {state}")
+
+    async def halt(self, conn: asyncpg.Connection, claim: Claim, reason: str) -> None:
+        """Stop the outbox until an operator's replay: it stays halted across restarts."""
+        status = await conn.execute(
+            f"UPDATE {self._checkpoints} SET halted = $3, state = 'halted', last_error = $3,"
+            f" blocking = NULL, updated_at = now()"
+            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
+            claim.outbox,
+            claim.epoch,
+            reason,
+            claim.key,
+        )
+        _fenced_unless_updated(status, claim, "halting the outbox")
+
+    async def settle_start(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
+        """`start: end`: put the first checkpoint where the first open transaction's events are."""
+        status = await conn.execute(
+            f"UPDATE {self._checkpoints} SET position = least(position, $3), start_xmin = NULL,"
+            f" updated_at = now() WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
+            claim.outbox,
+            claim.epoch,
+            position,
+            claim.key,
+        )
+        _fenced_unless_updated(status, claim, f"settling the starting position at {position}")
 
     async def report_blocking(
         self, conn: asyncpg.Connection, claim: Claim, blocker: Blocker | None
@@ -121,12 +182,7 @@ class Store:
         value = None
         if blocker is not None:
             value = json.dumps(
-                {
-                    "pid": blocker.pid,
-                    "application_name": blocker.application_name,
-                    "state": blocker.state,
-                    "transaction_age": round(blocker.transaction_age, 3),
-                }
+                {**blocker.fields(), "transaction_age": round(blocker.transaction_age, 3)}
             )
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET blocking = $3::jsonb,"
@@ -255,9 +311,20 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             await self.store.advance(conn, self.claim, position)
 
-    async def report(self, state: str, attempts: int = 0, last_error: str | None = None) -> None:
+    async def report(
+        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
+    ) -> None:
+        attempts = retry.attempts if retry else 0
         async with self.writer.statement() as conn:
-            await self.store.report(conn, self.claim, state, attempts, last_error)
+            await self.store.report(conn, self.claim, state, attempts, last_error, retry=retry)
+
+    async def halt(self, reason: str) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.halt(conn, self.claim, reason)
+
+    async def settle_start(self, position: int) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.settle_start(conn, self.claim, position)
 
     async def report_blocking(self, blocker: Blocker | None) -> None:
         async with self.writer.statement() as conn:

@@ -55,6 +55,30 @@ def database(pg_admin_dsn: str) -> Iterator[str]:
         postgres.drop_database(pg_admin_dsn, dsn)
 
 
+@pytest.fixture(scope="session")
+def private_pg_admin_dsn() -> Iterator[str]:
+    """A private Postgres of the tests' own, with settings the machine's server lacks.
+
+    `max_prepared_transactions` lets tests prepare transactions for two-phase commit; the
+    shared server has it at 0 and must not be restarted.
+    """
+    server = postgres.EmbeddedPostgres({"max_prepared_transactions": "10"})
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def private_database(private_pg_admin_dsn: str) -> Iterator[str]:
+    """DSN of a fresh, empty database on the private server, dropped after the test."""
+    dsn = postgres.create_database(private_pg_admin_dsn)
+    try:
+        yield dsn
+    finally:
+        postgres.drop_database(private_pg_admin_dsn, dsn)
+
+
 @pytest.fixture
 def events_table(database: str) -> str:
     """DSN of a fresh database holding the example `events` table."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from relay.commands import status
+from relay.config import RelayConfig
+from relay.control_client import Controller
 from relay.store import Store
 from tests.support.db import append, connect
+from tests.support.delivery import checkpoint
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.scenario import (
     LIBRARY_MESSAGES,
@@ -119,3 +123,75 @@ async def test_missing_stream_is_transient_retried_not_parked(
 
 async def _parked_count(dsn: str, expected: int) -> bool:
     return len(await parked_rows(dsn)) == expected
+
+
+async def _poison_config(
+    events_table: str, nats_url: str, tmp_path: Path, subject: str, name: str
+) -> RelayConfig:
+    """park_after 5, and a steady 100 ms between attempts."""
+    retry = {"initial": "100ms", "max": "100ms", "jitter": 0}
+    data = config_dict(events_table, nats_url, subject, park_after=5, retry=retry)
+    return await load_and_migrate(tmp_path / name, data)
+
+
+async def _append_poison(dsn: str) -> int:
+    async with connect(dsn) as conn:
+        return await append(conn, "book", "b1", 1, "BookLent", {"loanId": "x" * 2_000_000})
+
+
+async def test_operator_commands_do_not_reset_the_retry_count(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """A CronJob's retry-parked every 250 ms must not hold a poison message for ever."""
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    config = await _poison_config(events_table, nats_url, tmp_path, subject, "a")
+    try:
+        poison = await _append_poison(events_table)
+        async with running(config):
+            controller = Controller(config, "loans", "cron-job")
+
+            async def cron() -> None:
+                while True:
+                    await controller.run("retry-parked", {"ids": [999_999]}, 10)
+                    await asyncio.sleep(0.25)
+
+            job = asyncio.create_task(cron())
+            try:
+                await eventually(lambda: _parked_count(events_table, 1), timeout=15)
+            finally:
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+        (row,) = await parked_rows(events_table)
+        assert row["position"] == poison and row["attempts"] == 5
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def test_retry_count_survives_a_restart(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """The next holder goes on counting where the last one stopped."""
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    config = await _poison_config(events_table, nats_url, tmp_path, subject, "b")
+    try:
+        poison = await _append_poison(events_table)
+        async with running(config) as first:
+            await eventually(
+                lambda: "loans" in first.states and first.states["loans"].attempts >= 2
+            )
+        stored = await checkpoint(events_table, "loans")
+        assert stored is not None and stored["retry_position"] == poison
+        so_far = stored["attempts"]
+        assert 2 <= so_far < 5
+        async with running(config) as second:
+            await eventually(lambda: _parked_count(events_table, 1))
+            failures = second.metrics.registry.get_sample_value(
+                "relay_publish_failures_total", {"outbox": "loans", "reason": "rejected"}
+            )
+        assert failures == 5 - so_far
+        (row,) = await parked_rows(events_table)
+        assert row["attempts"] == 5
+    finally:
+        await delete_stream(nats_url, subject)

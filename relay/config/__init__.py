@@ -36,6 +36,7 @@ from relay.yaml_file import YamlDocument, load_yaml
 
 __all__ = [
     "BrokerConfig",
+    "ColumnsConfig",
     "KafkaBrokerConfig",
     "NatsBrokerConfig",
     "OutboxConfig",

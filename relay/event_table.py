@@ -1,0 +1,124 @@
+"""What the relay requires of the application's event table, checked before it reads.
+
+Each rule here guards the gap-free read or the decoding of rows: a table that
+breaks one would lose events or crash the relay later, so it is refused at
+start-up (and by `relay check`) with the key at fault and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from relay.config import SourceConfig
+from relay.errors import SourceError
+
+_INTEGER = {"smallint", "integer", "bigint"}
+_TYPES: dict[str, tuple[set[str], str]] = {
+    # column key: (accepted types, what to say)
+    "position": (_INTEGER, "an integer type"),
+    "version": (_INTEGER | {"numeric"}, "an integer type"),
+    "payload": ({"json", "jsonb", "text", "character varying"}, "json, jsonb or text"),
+    "metadata": ({"json", "jsonb", "text", "character varying"}, "json, jsonb or text"),
+    "created_at": (
+        {"timestamp with time zone", "timestamp without time zone"},
+        "timestamptz (or timestamp)",
+    ),
+}
+
+# Every table of the inheritance or partition tree, and the sequence its position
+# column's default takes values from (NULL when it has no nextval default).
+_TREE = """
+WITH RECURSIVE tree(relid) AS (
+  SELECT $1::regclass::oid
+  UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid
+)
+SELECT t.relid::regclass::text AS relation,
+  coalesce(
+    (SELECT d.refobjid::regclass::text
+     FROM pg_attrdef ad
+     JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+       AND d.refclassid = 'pg_class'::regclass
+     JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+     WHERE ad.adrelid = t.relid AND ad.adnum = a.attnum LIMIT 1),
+    pg_get_serial_sequence(t.relid::regclass::text, a.attname)
+  ) AS sequence
+FROM tree t JOIN pg_attribute a ON a.attrelid = t.relid AND a.attname = $2
+  AND NOT a.attisdropped
+"""
+
+
+async def verify(conn: asyncpg.Connection, config: SourceConfig, table: str) -> str:
+    """Check the table; return its position sequence (regclass text)."""
+    name = config.table
+    if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+        raise SourceError(f"source.table: table {name!r} does not exist")
+    columns = {
+        r["attname"]: (r["type"], r["attnotnull"])
+        for r in await conn.fetch(
+            "SELECT attname, format_type(atttypid, NULL) AS type, attnotnull FROM pg_attribute"
+            " WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped",
+            table,
+        )
+    }
+    for key, column in config.columns.model_dump().items():
+        if column is None:
+            continue
+        if column not in columns:
+            hint = " (set it to null if the table has none)" if key in _OPTIONAL else ""
+            raise SourceError(
+                f"source.columns.{key}: column {column!r} not found in table {name!r}{hint}"
+            )
+        accepted, wanted = _TYPES.get(key, (None, ""))
+        type_ = columns[column][0]
+        if accepted is not None and type_ not in accepted:
+            raise SourceError(
+                f"source.columns.{key}: column {column!r} of table {name!r} is {type_};"
+                f" the relay needs {wanted}"
+            )
+    position = config.columns.position
+    if not columns[position][1]:
+        raise SourceError(
+            f"source.columns.position: column {position!r} of table {name!r} allows NULL;"
+            f" a row without a position would never be read: ALTER TABLE {table}"
+            f" ALTER COLUMN {position} SET NOT NULL"
+        )
+    sequence = await conn.fetchval("SELECT pg_get_serial_sequence($1, $2)", table, position)
+    if sequence is None:
+        raise SourceError(
+            f"source.columns.position: column {position!r} takes no value from a sequence; "
+            "the relay needs positions assigned by nextval at insert (identity or serial)"
+        )
+    cache = await conn.fetchval(
+        "SELECT cache_size FROM pg_sequences"
+        " WHERE format('%I.%I', schemaname, sequencename)::regclass = $1::regclass",
+        sequence,
+    )
+    if cache is not None and cache > 1:
+        raise SourceError(
+            f"sequence {sequence} has CACHE {cache}: positions could be taken out of order "
+            f"by different sessions; run ALTER SEQUENCE {sequence} CACHE 1"
+        )
+    await _children_share_the_sequence(conn, table, position, sequence)
+    return str(sequence)
+
+
+_OPTIONAL = ("metadata", "created_at")
+
+
+async def _children_share_the_sequence(
+    conn: asyncpg.Connection, table: str, position: str, sequence: str
+) -> None:
+    """A partition or child with a sequence of its own would hand out positions unseen."""
+    root = await conn.fetchval("SELECT $1::regclass::oid", sequence)
+    for row in await conn.fetch(_TREE, table, position):
+        own = row["sequence"]
+        if own is None:
+            continue
+        if await conn.fetchval("SELECT $1::regclass::oid", own) != root:
+            raise SourceError(
+                f"source.table: {row['relation']} (part of {table}) takes its {position!r}"
+                f" from sequence {own}, not {sequence}: writers inserting there directly would"
+                f" take positions the relay cannot order; give it the parent's default:"
+                f" ALTER TABLE {row['relation']} ALTER COLUMN {position}"
+                f" SET DEFAULT nextval('{sequence}')"
+            )

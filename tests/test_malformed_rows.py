@@ -1,0 +1,117 @@
+"""Malformed rows are parked, named by their column; nothing malformed is published.
+
+A NULL payload, a NULL aggregate id, `NaN` or an overflowing number in a text
+payload, or text that is not JSON at all: each used to crash the relay in a
+loop, fail while being parked, or go out as invalid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from relay.commands import status
+from relay.store import Store
+from tests.support.db import connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.relay_process import run_cli
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running, save
+
+# A lax table, as some applications have: text payloads and nullable columns.
+LAX_TABLE = """
+CREATE TABLE events (
+  position bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  aggregate_type text, aggregate_id text, version bigint, type text NOT NULL,
+  payload text, metadata text, created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+GOOD = '{"loanId": "L", "memberId": "m"}'
+ROWS: list[tuple[str | None, str | None, int | None, str | None, str | None]] = [
+    # aggregate_type, aggregate_id, version, payload, metadata
+    ("book", "good-1", 1, GOOD, "{}"),
+    ("book", "null-payload", 1, None, "{}"),
+    ("book", None, 1, GOOD, "{}"),
+    ("book", "nan", 1, '{"loanId": NaN}', "{}"),
+    ("book", "infinite", 1, '{"loanId": 1e999}', "{}"),
+    ("book", "not-json", 1, "loan L, member m", "{}"),
+    ("book", "bad-metadata", 1, GOOD, "{'trace': 1}"),
+    ("book", "null-version", None, GOOD, "{}"),
+    ("book", "good-2", 1, GOOD, None),
+]
+# What each malformed row is parked for: the column at fault, in the error.
+FAULTS = {
+    "null-payload": "column 'payload' is NULL",
+    None: "column 'aggregate_id' is NULL",
+    "nan": "column 'payload' is not valid JSON",
+    "infinite": "column 'payload' is not valid JSON",
+    "not-json": "column 'payload' is not valid JSON",
+    "bad-metadata": "column 'metadata' is not valid JSON",
+    "null-version": "column 'version' is NULL",
+}
+
+
+async def _fill(dsn: str) -> None:
+    async with connect(dsn) as conn:
+        await conn.execute(LAX_TABLE)
+        for aggregate_type, aggregate_id, version, payload, metadata in ROWS:
+            await conn.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload,"
+                " metadata) VALUES ($1, $2, $3, 'BookLent', $4, $5)",
+                aggregate_type,
+                aggregate_id,
+                version,
+                payload,
+                metadata,
+            )
+
+
+async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    subject = unique_name("malformed")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    await _fill(database)
+    data = config_dict(database, nats_url, subject, park_after=1)
+    data["outboxes"]["loans"]["messages"]["BookLent"]["payload"] = {"loanId": "data.loanId"}
+    config = await load_and_migrate(tmp_path, data)
+    try:
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=2)
+
+            async def all_parked() -> bool:
+                return (await status(config))[0]["parked"] == len(FAULTS)
+
+            await eventually(all_parked)
+            row = (await status(config))[0]
+            assert row["checkpoint"] == len(ROWS)
+        assert [m.headers["ce-id"] for m in received] == ["book/good-1@1", "book/good-2@1"]
+        for message in received:  # strictly valid JSON, nothing like NaN went out
+            json.loads(message.data, parse_constant=_refuse)
+        async with connect(database) as conn:
+            parked = await Store("relay").parked(conn, "loans")
+        by_id = {p["aggregate_id"]: p for p in parked}
+        assert set(by_id) == set(FAULTS)
+        for aggregate_id, fault in FAULTS.items():
+            assert by_id[aggregate_id]["reason"] == "malformed"
+            assert fault in by_id[aggregate_id]["error"], by_id[aggregate_id]["error"]
+            assert by_id[aggregate_id]["message_id"] is None  # nothing was built, or sent
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def test_relay_check_shows_malformed_rows_as_they_would_be_handled(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    await _fill(database)
+    config = save(tmp_path, config_dict(database, nats_url, "anything"))
+    result = run_cli(["check", "--config", str(config), "--last", str(len(ROWS))])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for fault in FAULTS.values():
+        assert f"would be parked (malformed): {fault}" in result.stdout, result.stdout
+    rows = json.loads(run_cli(["check", "--config", str(config), "--last", "9", "--json"]).stdout)
+    assert sum(1 for r in rows if r.get("parked") == "malformed") == len(FAULTS)
+
+
+def _refuse(constant: str) -> None:
+    raise AssertionError(f"{constant} published")
