@@ -104,7 +104,9 @@ def check(
     from relay.commands import preview
 
     cfg = _load(config)
-    rows = _run(lambda: preview(cfg, last))
+    rows, warnings = _run(lambda: preview(cfg, last))
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -11,8 +12,9 @@ import asyncpg
 
 from relay.config import RelayConfig
 from relay.database import Database
-from relay.errors import ConfigError, MappingError, RelayError
+from relay.errors import ConfigError, DatabaseError, MappingError, RelayError
 from relay.lease import lock_key
+from relay.logs import redact
 from relay.mapping import Event, Mapper
 from relay.migrations import Migrated, OnWait, ensure_migrated
 from relay.migrations import migrate as apply_migrations
@@ -24,11 +26,17 @@ from relay.store import Store
 
 @contextlib.asynccontextmanager
 async def _connection(config: RelayConfig, role: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection for one command; a driver error inside becomes one DatabaseError line."""
     conn = await Database(config.database, identity()).connect(role)
     try:
         yield conn
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        raise DatabaseError(f"the database failed the command: {redact(str(exc))}") from exc
     finally:
-        await conn.close()
+        try:
+            await asyncio.wait_for(conn.close(), timeout=2)
+        except (OSError, TimeoutError, asyncpg.InterfaceError):
+            conn.terminate()
 
 
 async def migrate(config: RelayConfig, on_wait: OnWait | None = None) -> Migrated:
@@ -36,12 +44,13 @@ async def migrate(config: RelayConfig, on_wait: OnWait | None = None) -> Migrate
         return await apply_migrations(conn, config, on_wait)
 
 
-async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
-    """Map the table's last events as each outbox would, publishing nothing."""
+async def preview(config: RelayConfig, last: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Map the table's last events as each outbox would, publishing nothing; and warnings."""
     source = EventSource(config.source)
     async with _connection(config, "check") as conn:
         await source.check(conn)
         events = await source.latest(conn, last) if last else []
+        warnings = await _server_warnings(conn, config)
     mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
     rows: list[dict[str, Any]] = []
     for event in events:
@@ -69,7 +78,22 @@ async def preview(config: RelayConfig, last: int) -> list[dict[str, Any]]:
                         body=message.body.decode(),
                     )
             rows.append(row)
-    return rows
+    return rows, warnings
+
+
+async def _server_warnings(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:
+    """What the server's settings mean for this config."""
+    warnings = []
+    prepared = int(await conn.fetchval("SELECT current_setting('max_prepared_transactions')"))
+    if config.source.notify_trigger and prepared > 0:
+        warnings.append(
+            "source.notify_trigger is on and this server allows two-phase commit"
+            f" (max_prepared_transactions = {prepared}): a transaction that inserts into"
+            f" {config.source.table} runs the trigger's NOTIFY and then cannot PREPARE"
+            " TRANSACTION. If the application prepares transactions, set notify_trigger to"
+            " false (polling still finds every event)."
+        )
+    return warnings
 
 
 def _ref(event: Event) -> str:
@@ -90,9 +114,11 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
             " AND datname = current_database()"
         )
         out = []
-        for name in config.outboxes:
+        for name, outbox in config.outboxes.items():
             row = rows.get(name)
             checkpoint = row["position"] if row else None
+            # Never relayed: the lag is what the first holder will have to publish.
+            since = checkpoint if checkpoint is not None else _first_start(outbox.start, head)
             holder = await _holder(conn, lock_key(config.lease.namespace, name))
             out.append(
                 {
@@ -102,16 +128,18 @@ async def status(config: RelayConfig) -> list[dict[str, Any]]:
                     "epoch": row["epoch"] if row else None,
                     "checkpoint": checkpoint,
                     "head": head,
-                    "lag_events": None if checkpoint is None else max(head - checkpoint, 0),
-                    "lag_seconds": None
-                    if checkpoint is None
-                    else await _lag_seconds(conn, config, checkpoint),
+                    "lag_events": max(head - since, 0),
+                    "lag_seconds": await _lag_seconds(conn, config, since),
                     "parked": row["parked"] if row else 0,
                     "last_error": _last_error(row),
                     "blocking_transaction": _blocking(row),
                 }
             )
         return out
+
+
+def _first_start(start: str, head: int) -> int:
+    return 0 if start == "beginning" else head
 
 
 async def _holder(conn: asyncpg.Connection, key: int) -> str | None:

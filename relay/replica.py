@@ -196,6 +196,7 @@ class OutboxReplica:
                 with contextlib.suppress(KeyError):
                     gauge.remove(self.name)
             metrics.retrying.labels(self.name).set(0)
+            metrics.halted.labels(self.name).set(0)  # the next holder says so, if still true
 
     async def _disconnected(self, exc: BaseException, delay: float, attempt: int) -> None:
         if self.state.role == "holder":

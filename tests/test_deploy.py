@@ -206,8 +206,8 @@ def grace_seconds(config_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """Load the rendered relay.yaml with the relay's own loader: it must be a valid config."""
     path = tmp_path / "relay.yaml"
     path.write_text(config_text, encoding="utf-8")
-    for var in ("DATABASE_URL", "NATS_PASSWORD"):
-        monkeypatch.setenv(var, "secret-value")
+    monkeypatch.setenv("DATABASE_URL", "postgresql://relay:secret-value@db.example:5432/app")
+    monkeypatch.setenv("NATS_PASSWORD", "secret-value")
     monkeypatch.delenv("NATS_URL", raising=False)
     return load_config(path).shutdown.grace_period
 
@@ -419,6 +419,7 @@ def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.Monke
         "RelayLeaseFlapping",
         "RelayLagHigh",
         "RelayParkedMessages",
+        "RelayOutboxHalted",
         "RelayPublishErrors",
         "RelayBarrierStuck",
     }
@@ -603,7 +604,7 @@ def test_alert_rules_pass_promtool(chart: Any, tmp_path: Path) -> None:
 
     checked = run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 8 rules found" in checked.stdout
+    assert "SUCCESS: 9 rules found" in checked.stdout
 
     tested = run(promtool, "test", "rules", str(tmp_path / "alerts.test.yaml"))
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -623,6 +624,7 @@ def test_every_alert_has_a_unit_test() -> None:
         "RelayLeaseFlapping",
         "RelayLagHigh",
         "RelayParkedMessages",
+        "RelayOutboxHalted",
         "RelayPublishErrors",
         "RelayBarrierStuck",
     }
