@@ -50,6 +50,19 @@ WHERE locktype = 'relation' AND relation = $1::regclass AND granted
   AND pid IS DISTINCT FROM pg_backend_pid()
 """
 _STILL_HOLDING = _HOLDERS + " AND virtualtransaction = ANY($2::text[])"
+# The oldest top-level transaction id among the sequence's lock holders, or $2 (the next
+# xid) when none has one yet; compared by age, so xid wraparound is harmless.
+_OLDEST_HOLDER = """
+SELECT x::text::int8 FROM (
+  SELECT t.transactionid AS x FROM pg_locks s
+  JOIN pg_locks t ON t.virtualtransaction = s.virtualtransaction
+    AND t.locktype = 'transactionid' AND t.granted
+  WHERE s.locktype = 'relation' AND s.relation = $1::regclass AND s.granted
+    AND s.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND s.pid IS DISTINCT FROM pg_backend_pid()
+  UNION ALL SELECT $2::xid
+) holders ORDER BY age(x) DESC LIMIT 1
+"""
 _SESSIONS = """
 SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
        coalesce(a.state, '') AS state,
@@ -170,11 +183,13 @@ class EventSource:
     async def start_point(self, conn: asyncpg.Connection, start: str) -> tuple[int, int | None]:
         """Where a new checkpoint starts: (position, start_xmin).
 
-        `beginning` is position 0. `end` is the head now, together with the oldest
-        transaction id still running (from one snapshot): any event not committed at this
-        moment was written by a transaction at least that new, so once they have ended,
-        `first_open_position` finds the first such event and nothing committed after the
-        relay started is skipped.
+        `beginning` is position 0. `end` is the head now, with the oldest transaction id
+        that may still commit a position up to it: the oldest top-level xid among the
+        transactions holding the sequence's lock, or the next xid to be handed out when
+        they have none yet. Their events (savepoints included: a subtransaction's xid is
+        newer than its parent's) are all written by transactions at least that new, so
+        once they have ended `first_open_position` finds the first one, and nothing that
+        commits after the relay started is skipped.
         """
         if start == "beginning":
             return 0, None
@@ -182,10 +197,14 @@ class EventSource:
             await self.check(conn)
         row = await conn.fetchrow(
             "SELECT pg_sequence_last_value($1::regclass),"
-            " pg_snapshot_xmin(pg_current_snapshot())::text::int8",
+            " (pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296)",
             self._sequence,
         )
-        return int(row[0] or 0), int(row[1])
+        head, next_xid = int(row[0] or 0), int(row[1])
+        # Then the holders, as the barrier does: one that took a position up to the head
+        # and has not ended is among them.
+        oldest = await conn.fetchval(_OLDEST_HOLDER, self._sequence, next_xid)
+        return head, int(oldest)
 
     async def first_open_position(
         self, conn: asyncpg.Connection, upto: int, start_xmin: int

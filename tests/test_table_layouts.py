@@ -255,20 +255,36 @@ async def test_reset_sequence_halts_the_outbox_loudly_until_replayed(
         await delete_stream(nats_url, subject)
 
 
+@pytest.mark.parametrize("savepoint", [False, True], ids=["plain", "in-a-savepoint"])
 async def test_start_end_publishes_a_transaction_open_at_the_start(
-    events_table: str, nats_url: str, tmp_path: Path
+    savepoint: bool, events_table: str, pg_admin_dsn: str, nats_url: str, tmp_path: Path
 ) -> None:
-    """`start: end` skips what was committed before the first start, never what commits after."""
+    """`start: end` skips what was committed before the first start, never what commits after.
+
+    An old transaction in another database of the cluster must not make it publish the
+    events committed before the start either.
+    """
     subject = await stream_for(nats_url)
     data = config_dict(events_table, nats_url, subject, start="end")
     config = await load_and_migrate(tmp_path, data)
     try:
-        async with connect(events_table) as conn, connect(events_table) as writer:
+        async with (
+            connect(events_table) as conn,
+            connect(events_table) as writer,
+            connect(pg_admin_dsn) as elsewhere,
+        ):
+            old_tx = elsewhere.transaction()
+            await old_tx.start()
+            await elsewhere.fetchval("SELECT pg_current_xact_id()")  # an old xid, elsewhere
             await append(conn, "book", "old-1", 1, LENT, lent("old-1"))
             await append(conn, "book", "old-2", 1, LENT, lent("old-2"))
             tx = writer.transaction()
             await tx.start()
+            if savepoint:  # the row's xmin is a subtransaction's xid, not the top-level one
+                await writer.execute("SAVEPOINT s")
             await append(writer, "book", "in-flight", 1, LENT, lent("in-flight"))
+            if savepoint:
+                await writer.execute("RELEASE SAVEPOINT s")
             pid = await writer.fetchval("SELECT pg_backend_pid()")
             async with running(config):
 
@@ -280,6 +296,7 @@ async def test_start_end_publishes_a_transaction_open_at_the_start(
                 await tx.commit()  # commits after the relay said it started
                 await append(conn, "book", "new", 1, LENT, lent("new"))
                 received = await fetch_all(nats_url, subject, expected=2)
+            await old_tx.rollback()
         got = ids(received)
         assert "book/in-flight@1" in got and "book/new@1" in got
         assert "book/old-1@1" not in got and "book/old-2@1" not in got
