@@ -122,12 +122,12 @@ def nats_factory(tmp_path: Path) -> Iterator[Callable[[], NatsServer]]:
 
 
 @pytest.fixture
-def tcp_proxy() -> Iterator[Callable[[str, int], TcpProxy]]:
-    """Start proxies in front of a host:port: `proxy = tcp_proxy(host, port)`."""
+def tcp_proxy() -> Iterator[Callable[..., TcpProxy]]:
+    """Start proxies in front of a host:port: `proxy = tcp_proxy(host, port, record=False)`."""
     proxies: list[TcpProxy] = []
 
-    def start(host: str, port: int) -> TcpProxy:
-        proxy = TcpProxy(host, port)
+    def start(host: str, port: int, *, record: bool = False) -> TcpProxy:
+        proxy = TcpProxy(host, port, record=record)
         proxies.append(proxy)
         return proxy
 

@@ -1,15 +1,29 @@
-"""The NATS JetStream adapter against a real server: headers, acks, dedup, error classes."""
+"""The NATS JetStream adapter against a real server: headers, acks, dedup, errors, subjects, TLS."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from ipaddress import IPv4Address
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
 from relay.errors import PermanentPublishError, TransientPublishError
 from relay.publishing import Message
+from relay.store import Store
+from tests.support import db
 from tests.support.jetstream import connect, create_stream, delete_stream, fetch_all, unique_name
+from tests.support.nats_server import NatsServer
 from tests.support.net import free_port
+from tests.support.proxy import TcpProxy
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running
 
 
 def message(subject: str, n: int, body: bytes = b'{"n":1}') -> Message:
@@ -132,3 +146,318 @@ async def test_core_nats_publishes_without_acknowledgements(nats_url: str) -> No
         finally:
             await sub.unsubscribe()
             await pub.close()
+
+
+# -- subjects the client must never send ----------------------------------------------------
+
+INVALID_SUBJECTS = [
+    ("{s}.*", "wildcard"),
+    ("{s}.>", "wildcard"),
+    ("{s}.star*", "wildcard"),
+    ("{s}.gt>", "wildcard"),
+    ("{s}.a..b", "empty token"),
+    ("{s}.", "starts or ends with '.'"),
+    (".{s}", "starts or ends with '.'"),
+    ("{s}.a b", "whitespace or a control character"),
+    ("{s}.a\tb", "whitespace or a control character"),
+    ("{s}.a\x00b", "whitespace or a control character"),
+    ("{s}.a\x7fb", "whitespace or a control character"),
+]
+
+
+@pytest.mark.parametrize(("template", "rule"), INVALID_SUBJECTS)
+async def test_invalid_subject_is_permanent_and_stops_the_rest(
+    nats_url: str, template: str, rule: str
+) -> None:
+    stream = unique_name("subject")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    pub = publisher(nats_url)
+    bad = template.format(s=stream)
+    try:
+        batch = [message(f"{stream}.ok", 1), message(bad, 2), message(f"{stream}.ok", 3)]
+        first, refused, later = await pub.publish(batch)
+        assert first is None
+        assert isinstance(refused, PermanentPublishError)
+        assert f"invalid subject {bad!r}" in str(refused)
+        assert rule in str(refused)
+        assert isinstance(later, TransientPublishError)
+        assert "not sent: an earlier message of the batch failed" in str(later)
+        received = await fetch_all(nats_url, stream, expected=1)
+        assert [(m.subject, m.headers["ce-id"]) for m in received] == [
+            (f"{stream}.ok", "book/b1@1")
+        ]
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, stream)
+
+
+async def test_unusual_but_valid_subjects_are_published(nats_url: str) -> None:
+    stream = unique_name("subject")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    pub = publisher(nats_url)
+    subjects = [f"{stream}.book-1_x", f"{stream}.$price", f"{stream}.café", f"{stream}.a/b@2"]
+    try:
+        batch = [message(subject, n) for n, subject in enumerate(subjects, 1)]
+        assert await pub.publish(batch) == [None] * len(batch)
+        received = await fetch_all(nats_url, stream, expected=len(batch))
+        assert [m.subject for m in received] == subjects
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, stream)
+
+
+async def test_core_nats_refuses_an_oversized_message_alone(nats_url: str) -> None:
+    """Messages written before it count as published; only it is refused, and parked later."""
+    subject = unique_name("core")
+    pub = NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=False))
+    async with connect(nats_url) as nc:
+        sub = await nc.subscribe(f"{subject}.>")
+        await nc.flush()
+        try:
+            batch = [
+                message(f"{subject}.ok", 1),
+                message(f"{subject}.ok", 2, body=b"x" * (2 * 1024 * 1024)),
+                message(f"{subject}.ok", 3),
+            ]
+            first, refused, later = await pub.publish(batch)
+            assert first is None
+            assert isinstance(refused, PermanentPublishError)
+            assert isinstance(later, TransientPublishError)
+            got = await sub.next_msg(timeout=5)
+            await nc.flush()
+            assert (got.headers or {}).get("ce-id") == "book/b1@1"
+            assert sub.pending_msgs == 0
+        finally:
+            await sub.unsubscribe()
+            await pub.close()
+
+
+async def test_core_nats_keeps_order_around_an_invalid_subject(nats_url: str) -> None:
+    subject = unique_name("core")
+    pub = NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=False))
+    async with connect(nats_url) as nc:
+        sub = await nc.subscribe(f"{subject}.>")
+        await nc.flush()
+        try:
+            batch = [
+                message(f"{subject}.ok", 1),
+                message(f"{subject}.*", 2),
+                message(f"{subject}.ok", 3),
+            ]
+            first, refused, later = await pub.publish(batch)
+            assert first is None
+            assert isinstance(refused, PermanentPublishError)
+            assert isinstance(later, TransientPublishError)
+            got = await sub.next_msg(timeout=5)
+            await nc.flush()  # anything else the server routed to us has arrived by now
+            assert (got.subject, sub.pending_msgs) == (f"{subject}.ok", 0)
+        finally:
+            await sub.unsubscribe()
+            await pub.close()
+
+
+async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Ids spliced into the subject: the bad ones are parked, the rest go out in order."""
+    subject = unique_name("subject")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    messages = {
+        "BookLent": {
+            "type": "library.book-lent.v1",
+            "destination": "{subject}.books.{aggregate_id}",
+            "payload": {"bookId": "aggregate_id"},
+        }
+    }
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, subject, messages=messages)
+    )
+    ids = ["ok-1", "*", ">", "ok-2", "star*", "gt>", "a..b", "ok-3"]
+    invalid = [i for i in ids if not i.startswith("ok-")]
+    try:
+        async with db.connect(events_table) as conn:
+            await db.append_many(conn, [("book", i, 1, "BookLent", {}) for i in ids])
+        async with running(config):
+
+            async def all_parked() -> bool:
+                return len(await parked(events_table)) == len(invalid)
+
+            await eventually(all_parked)
+            received = await fetch_all(nats_url, subject, expected=3)
+        assert [m.subject for m in received] == [
+            f"{subject}.books.ok-1",
+            f"{subject}.books.ok-2",
+            f"{subject}.books.ok-3",
+        ]
+        assert not any("*" in m.subject or ">" in m.subject for m in received)
+        rows = await parked(events_table)
+        assert [row["message_id"] for row in rows] == [f"book/{i}@1" for i in invalid]
+        assert {row["reason"] for row in rows} == {"rejected"}
+        assert all("invalid subject" in str(row["error"]) for row in rows)
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def parked(dsn: str) -> list[dict[str, object]]:
+    async with db.connect(dsn) as conn:
+        return await Store("relay").parked(conn, "loans")
+
+
+# -- TLS: never a cleartext CONNECT ---------------------------------------------------------
+
+PASSWORD = "s3cret-never-in-cleartext"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tls"),
+    [("tls", {}), ("tls", None), ("nats", {})],
+    ids=["tls-url-and-tls-block", "tls-url-only", "tls-block-only"],
+)
+async def test_tls_refuses_a_server_without_tls_before_sending_credentials(
+    nats_factory: Callable[[], NatsServer],
+    tcp_proxy: Callable[..., TcpProxy],
+    scheme: str,
+    tls: dict[str, str] | None,
+) -> None:
+    """Also guards the hook into nats-py: if it stops being called, CONNECT shows up here."""
+    server = nats_factory()
+    proxy = tcp_proxy("127.0.0.1", server.port, record=True)
+    config = NatsBrokerConfig(
+        type="nats",
+        servers=[f"{scheme}://127.0.0.1:{proxy.port}"],
+        user="relay",
+        password=PASSWORD,
+        tls=tls,
+    )
+    pub = NatsPublisher("nats", config)
+    try:
+        await pub.connect()
+    except TransientPublishError as exc:
+        error = str(exc)
+    else:
+        error = "connected"
+    finally:
+        await pub.close()
+    await eventually(lambda: proxy.connections == 0)
+    sent = proxy.client_bytes()
+    assert b"CONNECT" not in sent
+    assert PASSWORD.encode() not in sent
+    assert error == (
+        f"broker 'nats': cannot connect: server 127.0.0.1:{proxy.port} does not require TLS;"
+        " refusing to send credentials in cleartext"
+    )
+
+
+class TlsNats(NatsServer):
+    """A private nats-server that requires TLS of every client."""
+
+    def __init__(self, store_dir: Path, cert: Path, key: Path) -> None:
+        super().__init__(store_dir)
+        self.tls_args = ["--tls", "--tlscert", str(cert), "--tlskey", str(key)]
+
+    def command(self) -> list[str]:
+        return [*super().command(), *self.tls_args]
+
+
+def write_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA, and a certificate for 127.0.0.1 it signed: (ca, cert, key) PEM files."""
+    now = datetime.now(UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay test CA")])
+
+    def builder(subject: str, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        )
+
+    ca = (
+        builder("relay test CA", ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), True
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    leaf = (
+        builder("127.0.0.1", leaf_key)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
+        )
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(IPv4Address("127.0.0.1"))]), False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[TlsNats, Path]]:
+    """A nats-server requiring TLS, and the file of the CA that signed its certificate."""
+    ca, cert, key = write_certificates(tmp_path)
+    server = TlsNats(tmp_path / "nats-tls", cert, key).start()
+    try:
+        yield server, ca
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("scheme", ["tls", "nats"])
+async def test_tls_server_verified_with_the_configured_ca(
+    tls_server: tuple[TlsNats, Path], scheme: str
+) -> None:
+    server, ca = tls_server
+    name = unique_name("tls")
+    config = NatsBrokerConfig(
+        type="nats",
+        servers=[f"{scheme}://127.0.0.1:{server.port}"],
+        user="relay",
+        password=PASSWORD,
+        tls={"ca_file": ca},
+        stream={"name": name, "subjects": [f"{name}.>"]},
+    )
+    pub = NatsPublisher("nats", config)
+    try:
+        assert await pub.publish([message(f"{name}.loans", 1)]) == [None]
+    finally:
+        await pub.close()
+
+
+async def test_tls_url_without_tls_block_verifies_with_the_system_trust_store(
+    tls_server: tuple[TlsNats, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, ca = tls_server
+    name = unique_name("tls")
+    config = NatsBrokerConfig(
+        type="nats",
+        servers=[f"tls://127.0.0.1:{server.port}"],
+        stream={"name": name, "subjects": [f"{name}.>"]},
+    )
+    pub = NatsPublisher("nats", config)
+    try:
+        (untrusted,) = await pub.publish([message(f"{name}.loans", 1)])
+        assert isinstance(untrusted, TransientPublishError)
+        assert "CERTIFICATE_VERIFY_FAILED" in str(untrusted)
+        # The same CA, now in the trust store OpenSSL reads by default: trusted.
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        assert await pub.publish([message(f"{name}.loans", 1)]) == [None]
+    finally:
+        await pub.close()

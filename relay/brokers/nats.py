@@ -11,6 +11,13 @@ keeps one retry policy, visible in `status`, for every broker.
 
 Core NATS (`jetstream: false`) has no acknowledgement: a flush proves the
 server read the batch, not that anyone received it. The relay warns at start.
+
+Each subject is checked before it is sent. The server would store a message
+on a wildcard subject, and answers an empty token as if no stream captured
+it: a transient error that would hold the outbox back for ever.
+
+With TLS configured, the client refuses a server that does not require TLS
+before it sends CONNECT, so credentials never cross the network in cleartext.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -29,6 +38,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
+from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 from relay.publishing import Message, Outcome
@@ -39,6 +49,12 @@ log = structlog.get_logger("relay.brokers.nats")
 _PERMANENT_CODES = {
     10054,  # message size exceeds the stream's maximum
 }
+
+# A token of a publish subject: not empty, and free of the separator, the wildcards,
+# whitespace and control characters (a CR or LF would end the protocol line). One regex
+# match per message keeps the check cheap on the hot path.
+_TOKEN = r"[^.*>\s\x00-\x1f\x7f-\x9f]+"
+_VALID_SUBJECT = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")
 
 
 class NatsPublisher:
@@ -73,9 +89,10 @@ class NatsPublisher:
             options["token"] = c.token.get_secret_value()
         if c.creds_file:
             options["user_credentials"] = c.creds_file
-        if c.tls:
-            options["tls"] = c.tls.context()
-        nc = Client()
+        tls = c.tls is not None or any(urlsplit(url).scheme == "tls" for url in c.servers)
+        if tls:
+            options["tls"] = (c.tls or TlsConfig()).context()
+        nc = _TlsOnlyClient() if tls else Client()
         try:
             await nc.connect(**options)
         except (OSError, TimeoutError, nats.errors.Error) as exc:
@@ -134,6 +151,21 @@ class NatsPublisher:
             )
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        # Only what comes before the first invalid subject is sent, so order is kept.
+        sendable = next(
+            (i for i, m in enumerate(messages) if not _VALID_SUBJECT.fullmatch(m.destination)),
+            len(messages),
+        )
+        outcomes = await self._send(messages[:sendable]) if sendable else []
+        if sendable < len(messages):
+            subject = messages[sendable].destination
+            refused = PermanentPublishError(
+                f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
+            )
+            outcomes += [refused, *_not_sent(len(messages) - sendable - 1)]
+        return outcomes
+
+    async def _send(self, messages: Sequence[Message]) -> list[Outcome]:
         try:
             await self.connect()
         except TransientPublishError as exc:
@@ -151,27 +183,37 @@ class NatsPublisher:
                 )
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 # Nothing after a failed message is sent, so order is kept on retry.
-                not_sent = TransientPublishError("not sent: an earlier message of the batch failed")
                 return [
                     *await self._acks(futures),
                     self._classify(exc),
-                    *[not_sent] * (len(messages) - i - 1),
+                    *_not_sent(len(messages) - i - 1),
                 ]
         return await self._acks(futures)
 
     async def _publish_core(self, messages: Sequence[Message]) -> list[Outcome]:
-        """Core NATS: written in order, then one PING/PONG proves the server read them."""
+        """Core NATS: written in order, then one PING/PONG proves the server read them.
+
+        A message the client refuses (too large, say) fails alone: those written before
+        it are still flushed and count as published, those after it are not sent.
+        """
         assert self._nc is not None
-        try:
-            for message in messages:
+        written, refused = len(messages), None
+        for i, message in enumerate(messages):
+            try:
                 await self._nc.publish(message.destination, message.body, headers=_headers(message))
+            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
+                written, refused = i, self._classify(exc)
+                break
+        try:
             await self._nc.flush(timeout=math.ceil(self._config.ack_timeout))
         except Exception as exc:  # noqa: BLE001 - classified, not swallowed
-            failure = self._classify(exc)
-            if not isinstance(failure, PermanentPublishError):
-                await self.close()
-            return [failure] * len(messages)
-        return [None] * len(messages)
+            await self.close()
+            return [self._classify(exc)] * len(messages)
+        if refused is None:
+            return [None] * written
+        if not isinstance(refused, PermanentPublishError):
+            await self.close()
+        return [None] * written + [refused, *_not_sent(len(messages) - written - 1)]
 
     async def _acks(self, futures: list[asyncio.Future[Any]]) -> list[Outcome]:
         if not futures:
@@ -211,6 +253,49 @@ class NatsPublisher:
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+def _not_sent(count: int) -> list[Outcome]:
+    """Messages held back after a failed one: sending them would break order on retry."""
+    return [TransientPublishError("not sent: an earlier message of the batch failed")] * count
+
+
+class _TlsOnlyClient(Client):
+    """A nats-py client that sends CONNECT only over TLS.
+
+    nats-py upgrades to TLS only when the server's INFO says `tls_required`; any other
+    server gets CONNECT, credentials included, in cleartext, even from a tls:// URL.
+    `_connect_command` runs after INFO is read and any upgrade is done, just before CONNECT
+    is written: raising there sends nothing. It is private to nats-py; the test of a
+    server without TLS fails if a new version stops calling it.
+    """
+
+    def _connect_command(self) -> bytes:
+        assert self._current_server is not None  # set before the INFO was read
+        if not self._server_info.get("tls_required"):
+            uri = self._current_server.uri
+            raise _NoTlsError(
+                f"server {uri.hostname}:{uri.port} does not require TLS;"
+                " refusing to send credentials in cleartext"
+            )
+        return super()._connect_command()
+
+
+class _NoTlsError(nats.errors.Error):
+    """A nats-py error, so that connect() fails the way it does for any refused server."""
+
+
+def _broken_rule(subject: str) -> str:
+    """Why a subject that failed _VALID_SUBJECT cannot be published to; off the hot path."""
+    if not subject:
+        return "it is empty"
+    if subject.startswith(".") or subject.endswith("."):
+        return "it starts or ends with '.'"
+    if ".." in subject:
+        return "it has an empty token ('..')"
+    if "*" in subject or ">" in subject:
+        return "'*' and '>' are wildcards, for subscribing only"
+    return "it contains whitespace or a control character"
 
 
 def _headers(message: Message) -> dict[str, str]:

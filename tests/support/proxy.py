@@ -2,6 +2,8 @@
 
 It runs one selector loop in a background thread, so it also serves subprocesses (the relay
 under test). Every control call is executed by that thread and returns once it took effect.
+With `record=True` it also keeps what clients send, so a test can check what crossed the
+wire (off by default: a long run would keep every byte).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class _Pipe:
     """A client connection and its upstream twin, with bytes waiting to be written to each."""
 
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.client = client
         self.peer = {client: upstream, upstream: client}
         self.outgoing = {client: b"", upstream: b""}
 
@@ -27,8 +30,9 @@ class _Pipe:
 class TcpProxy:
     """Forwards 127.0.0.1:`port` to target_host:target_port."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, *, record: bool = False) -> None:
         self.target = (target_host, target_port)
+        self._record = record
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
@@ -39,6 +43,7 @@ class TcpProxy:
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]]
         self._calls = queue.SimpleQueue()
         self._pipes: dict[socket.socket, _Pipe] = {}
+        self._from_clients = bytearray()
         self._paused = False
         self._running = True
         self._closed = False
@@ -49,6 +54,19 @@ class TcpProxy:
     @property
     def host(self) -> str:
         return "127.0.0.1"
+
+    @property
+    def connections(self) -> int:
+        """Client connections being forwarded now; a client's close shows here once read."""
+        return len(self._pipes) // 2
+
+    def client_bytes(self) -> bytes:
+        """Every byte clients have sent through the proxy so far (needs `record=True`)."""
+        if not self._record:
+            raise RuntimeError("this proxy does not record: create it with record=True")
+        copy: list[bytes] = []
+        self._call(lambda: copy.append(bytes(self._from_clients)))
+        return copy[0]
 
     def pause(self) -> None:
         """Stop forwarding in both directions; connections stay open (a black hole)."""
@@ -152,6 +170,8 @@ class TcpProxy:
                 if not data:
                     self._drop(pipe)
                     return
+                if self._record and sock is pipe.client:
+                    self._from_clients += data
                 pipe.outgoing[peer] += data
                 sent = peer.send(pipe.outgoing[peer])
                 pipe.outgoing[peer] = pipe.outgoing[peer][sent:]
