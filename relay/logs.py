@@ -1,7 +1,9 @@
 """structlog set-up: JSON lines when not on a terminal, and no secrets, ever.
 
 Connection strings are redacted by a processor that sees every event, so a
-password cannot leak through an exception message or a stray field.
+password cannot leak through an exception message or a stray field: strings,
+strings inside mappings and lists, the repr of any other value, and formatted
+tracebacks, from structlog and from the standard library's loggers alike.
 """
 
 from __future__ import annotations
@@ -9,29 +11,46 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
 
-_DSN_PASSWORD = re.compile(
-    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]*)@", re.I
-)
+# Everything from `scheme://` to the last `@` before whitespace: a raw `/`, `@`, `#`, `?` or
+# `:` in a password must not end the match early and leave the rest of it in view. Hiding
+# too much (a path with an `@` in it) is the lesser harm.
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)\S*@", re.I)
 _KV_PASSWORD = re.compile(
     r"(?P<key>password|passwd|pwd|token|secret)\s*=\s*(?P<val>[^\s&;]+)", re.I
 )
 
 
 def redact(text: str) -> str:
-    """Hide passwords in URLs (`user:***@`) and `password=...` pairs."""
-    text = _DSN_PASSWORD.sub(r"\g<scheme>\g<user>:***@", text)
+    """Hide the whole userinfo of URLs (`scheme://***@host`) and `password=...` values."""
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
     return _KV_PASSWORD.sub(r"\g<key>=***", text)
+
+
+def _scrub(value: Any) -> Any:
+    """`value` with every string in it redacted; other objects become their redacted repr.
+
+    The renderers would print those objects by repr anyway (an exception, a URL object), after
+    this processor; turning them into text here is what lets redaction see them.
+    """
+    if isinstance(value, str):
+        return redact(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, Mapping):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_scrub(v) for v in value]
+    return redact(repr(value))
 
 
 def _redact_event(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key, value in event.items():
-        if isinstance(value, str):
-            event[key] = redact(value)
+        event[key] = _scrub(value)
     return event
 
 
@@ -57,7 +76,13 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
                 _redact_event,
                 renderer,
             ],
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            # format_exc_info: a library's traceback becomes text before _redact_event, not
+            # after it in the renderer, where an exception's message would go out unredacted.
+            foreign_pre_chain=[
+                *shared,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.format_exc_info,
+            ],
         )
     )
     root = logging.getLogger()

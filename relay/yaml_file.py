@@ -3,13 +3,17 @@
 ruamel.yaml keeps each key's line, so an error found later by pydantic can
 still point at `relay.yaml:14`. Expansion happens on parsed scalars, never on
 raw text, so a value can never inject YAML structure.
+
+Expansion is parsed, not matched with a regex: a default may itself hold
+`${...}` (`${A:-${B:-x}}`), and a regex that stops at the first `}` would turn
+that into the literal text `${B}` without a word.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,8 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from relay.errors import ConfigError
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FORMS = "write ${NAME} or ${NAME:-default}, and $$ for a literal $"
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,12 @@ def _expand(
     if isinstance(node, list):
         return [_expand(v, (*loc, i), doc, env) for i, v in enumerate(node)]
     if isinstance(node, str):
-        return expand_vars(node, env, lambda name: _missing(name, loc, doc))
+        try:
+            return expand_vars(node, env, lambda name: _missing(name, loc, doc))
+        except ExpansionError as exc:
+            # The message never quotes the value: it may be a URL with a password in it.
+            key = ".".join(str(p) for p in loc)
+            raise ConfigError(f"{doc.where(loc)}: {key}: {exc}") from None
     return node
 
 
@@ -92,18 +102,84 @@ def _missing(name: str, loc: tuple[str | int, ...], doc: YamlDocument) -> Config
     )
 
 
-def expand_vars(text: str, env: Mapping[str, str], missing: Any) -> str:
-    """Expand `${VAR}` and `${VAR:-default}`; `$$` is a literal dollar."""
+class ExpansionError(ValueError):
+    """A `${` that is not a well-formed `${NAME}` or `${NAME:-default}`."""
 
-    def sub(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name, default = match.group(1), match.group(2)
-        value = env.get(name)
-        if value is None or (value == "" and default is not None):
-            if default is None:
-                raise missing(name)
-            return default
-        return value
 
-    return _VAR.sub(sub, text)
+@dataclass(frozen=True)
+class _Var:
+    name: str
+    default: tuple[str | _Var, ...] | None  # None: no `:-`, so an unset variable is an error
+
+
+def expand_vars(text: str, env: Mapping[str, str], missing: Callable[[str], Exception]) -> str:
+    """Expand `${VAR}` and `${VAR:-default}`; `$$` is a literal dollar.
+
+    A default may contain further `${...}`, nested to any depth; it is expanded only when it
+    is used, so `${A:-${B}}` needs B only when A is unset or empty. A variable's value is never
+    expanded again. `missing(name)` makes the error for an unset variable without a default.
+    """
+    parts, _ = _parse(text, 0, nested=False)
+    return _render(parts, env, missing)
+
+
+def _parse(text: str, pos: int, *, nested: bool) -> tuple[list[str | _Var], int]:
+    """Parts of `text` from `pos`; in a default (`nested`), up to and past its closing `}`."""
+    parts: list[str | _Var] = []
+    literal: list[str] = []
+    while pos < len(text):
+        if nested and text[pos] == "}":
+            return [*parts, "".join(literal)], pos + 1
+        if text.startswith("$$", pos):
+            literal.append("$")
+            pos += 2
+        elif text.startswith("${", pos):
+            parts.append("".join(literal))
+            literal = []
+            var, pos = _parse_var(text, pos + 2)
+            parts.append(var)
+        else:
+            literal.append(text[pos])
+            pos += 1
+    if nested:
+        raise ExpansionError(f"unterminated ${{: a closing }} is missing ({_FORMS})")
+    return [*parts, "".join(literal)], pos
+
+
+def _parse_var(text: str, pos: int) -> tuple[_Var, int]:
+    """`NAME}` or `NAME:-default}`, just after a `${`."""
+    match = _NAME.match(text, pos)
+    end = match.end() if match else pos
+    if match is not None and text.startswith("}", end):
+        return _Var(match.group(), None), end + 1
+    if match is not None and text.startswith(":-", end):
+        default, end = _parse(text, end + 2, nested=True)
+        return _Var(match.group(), tuple(default)), end
+    if "}" not in text[pos:]:
+        raise ExpansionError(f"unterminated ${{: a closing }} is missing ({_FORMS})")
+    if match is None:
+        raise ExpansionError(
+            "${ must be followed by a variable name: letters, digits and _, not starting "
+            f"with a digit ({_FORMS})"
+        )
+    raise ExpansionError(
+        f"in ${{{match.group()}...}}, the variable name must be followed by }} or by "
+        f":-default}} ({_FORMS})"
+    )
+
+
+def _render(
+    parts: Sequence[str | _Var], env: Mapping[str, str], missing: Callable[[str], Exception]
+) -> str:
+    out: list[str] = []
+    for part in parts:
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        value = env.get(part.name)
+        if value is None or (value == "" and part.default is not None):
+            if part.default is None:
+                raise missing(part.name)
+            value = _render(part.default, env, missing)
+        out.append(value)
+    return "".join(out)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from relay.config import RelayConfig, load_config
+from relay.config import RabbitMqBrokerConfig, RelayConfig, load_config
 from relay.errors import ConfigError
+from relay.yaml_file import expand_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "relay.example.yaml"
@@ -205,3 +206,350 @@ def test_model_rejects_unknown_top_level_key(tmp_path: Path) -> None:
     message = error_of(tmp_path, GOOD + "extra_section: {}\n")
     assert "extra_section: unknown key" in message
     assert RelayConfig.model_config["frozen"] is True
+
+
+# -- database.url ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://relay:s3cret@db/app",
+        "postgres://db",
+        "postgresql://",
+        "postgresql:///app?host=/var/run/postgresql",
+        "postgresql://%2Fvar%2Frun%2Fpostgresql/app",
+        "postgresql://[::1]:5432/app",
+        "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        "postgresql://relay@db:5432/app?sslmode=verify-full&sslrootcert=/etc/relay/ca.pem",
+        "postgresql://:5433/app",
+        "postgresql://relay:s3cret:more@db/app",
+        "postgresql://relay:s3cret@db/app?application_name=x&port=5433",
+    ],
+)
+def test_valid_database_urls_load(tmp_path: Path, url: str) -> None:
+    config = load_config(write(tmp_path, GOOD.replace("postgresql://relay:s3cret@db/app", url)))
+    assert config.database.url.get_secret_value() == url
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("mysql://relay:s3cret@db/app", "must start with postgresql:// or postgres://"),
+        ("db:5432/app", "must start with postgresql:// or postgres://"),
+        ("host=db password=s3cret dbname=app", "write it as a postgresql:// URL"),
+        ("postgresql://relay:s3cret@db:0/app", "port"),
+        ("postgresql://relay:s3cret@db:65536/app", "port"),
+        ("postgresql://relay:s3cret@db:54x/app", "port"),
+        ("postgresql://relay:s3cret@d!b/app", "host"),
+        ("postgresql://relay:s3cret@[::1/app", "host"),
+        ("postgresql://relay:s3cret@db/app#top", "#"),
+        ("postgresql://relay:s3cret@db/app?sslmode", "query"),
+        ("postgresql://relay:s3cret@db/app?port=x", "port"),
+        (
+            "postgresql://relay:s3cret@db/app?sslmode=bogus",
+            "sslmode must be one of disable, allow, prefer, require, verify-ca, verify-full",
+        ),
+    ],
+)
+def test_bad_database_url_is_a_config_error(tmp_path: Path, url: str, expected: str) -> None:
+    message = error_of(tmp_path, GOOD.replace("postgresql://relay:s3cret@db/app", url))
+    assert "relay.yaml:2: database.url:" in message
+    assert expected in message
+    assert "s3cret" not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "amqp://guest:guest@127.0.0.1:5672/",
+        "amqps://relay:s3cret@rabbit.internal:5671/%2F",
+        "amqp://rabbit?heartbeat=30",
+        "amqp://relay:p%2Fw%40x@rabbit/library",
+    ],
+)
+def test_valid_rabbitmq_urls_load(tmp_path: Path, url: str) -> None:
+    text = GOOD.replace(
+        '    type: nats\n    servers: ["nats://127.0.0.1:4222"]\n',
+        f"    type: rabbitmq\n    url: {url}\n",
+    )
+    broker = load_config(write(tmp_path, text)).brokers["nats"]
+    assert isinstance(broker, RabbitMqBrokerConfig)
+    assert broker.url.get_secret_value() == url
+
+
+def test_rabbitmq_tls_needs_amqps(tmp_path: Path) -> None:
+    text = GOOD.replace(
+        '    type: nats\n    servers: ["nats://127.0.0.1:4222"]\n',
+        "    type: rabbitmq\n    url: amqp://rabbit/\n    tls: {}\n",
+    )
+    assert "relay.yaml:7: brokers.nats.tls: needs an amqps:// url" in error_of(tmp_path, text)
+    assert load_config(write(tmp_path, text.replace("amqp://", "amqps://")))
+
+
+# -- ${VAR} expansion -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        ("${A:-${B}}", {"B": "b"}, "b"),
+        ("${A:-${B}}", {"A": "a"}, "a"),  # B unset: the default is not needed, not looked at
+        ("${A:-${B}}", {"A": "", "B": "b"}, "b"),
+        ("${A:-${B:-x}}", {}, "x"),
+        ("${A:-${B:-${C:-deep}}}", {}, "deep"),
+        ("${A:-pre-${B:-x}-post}", {}, "pre-x-post"),
+        ("${A:-${B:-x}}/${C:-y}", {"C": "c"}, "x/c"),
+        ("$${A:-${B}}", {"B": "b"}, "${A:-b}"),
+        ("${A:-$$}", {}, "$"),
+        ("${A:-a$${B}}", {}, "a${B}"),
+        ("cost: $$5", {}, "cost: $5"),
+        ("$HOME and $ alone", {}, "$HOME and $ alone"),
+        ("${ID:-{aggregate_id}}", {}, "{aggregate_id}"),
+        ("${A}", {"A": "${B}"}, "${B}"),  # a value is never expanded again
+    ],
+)
+def test_nested_defaults_expand(text: str, env: dict[str, str], expected: str) -> None:
+    def missing(name: str) -> ConfigError:
+        return ConfigError(f"{name} is not set")
+
+    assert expand_vars(text, env, missing) == expected
+
+
+def test_nested_default_in_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NATS_SERVER_XYZ", raising=False)
+    monkeypatch.setenv("NATS_FALLBACK_XYZ", "nats://fallback:4222")
+    text = GOOD.replace('["nats://127.0.0.1:4222"]', '["${NATS_SERVER_XYZ:-${NATS_FALLBACK_XYZ}}"]')
+    config = load_config(write(tmp_path, text))
+    assert config.brokers["nats"].servers == ["nats://fallback:4222"]  # type: ignore[union-attr]
+
+
+def test_missing_variable_in_a_nested_default_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NATS_SERVER_XYZ", raising=False)
+    monkeypatch.delenv("NATS_FALLBACK_XYZ", raising=False)
+    text = GOOD.replace('["nats://127.0.0.1:4222"]', '["${NATS_SERVER_XYZ:-${NATS_FALLBACK_XYZ}}"]')
+    message = error_of(tmp_path, text)
+    assert "relay.yaml:6: brokers.nats.servers.0: environment variable NATS_FALLBACK_XYZ" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("postgresql://relay:s3cret${PGPASS@db/app", "unterminated ${"),
+        ("${DATABASE_URL:-${FALLBACK}", "unterminated ${"),
+        ("${DATABASE_URL", "unterminated ${"),
+        ("postgresql://relay:s3cret${}@db/app", "variable name"),
+        ("postgresql://relay:s3cret${9X}@db/app", "variable name"),
+        ("${DATABASE_URL:postgresql://relay:s3cret@db/app}", "variable name"),
+    ],
+)
+def test_bad_expansion_names_file_line_and_key(tmp_path: Path, value: str, expected: str) -> None:
+    message = error_of(tmp_path, GOOD.replace("postgresql://relay:s3cret@db/app", value))
+    assert message.startswith(f"{tmp_path / 'relay.yaml'}:2: database.url: "), message
+    assert expected in message
+    assert "$$" in message  # how to write a literal dollar
+    assert "s3cret" not in message
+
+
+# -- source.poll_interval and warnings -------------------------------------------------------
+
+
+@pytest.mark.parametrize("interval", ["1ms", "9ms", "500us", "0.005"])
+def test_poll_interval_has_a_floor(tmp_path: Path, interval: str) -> None:
+    message = error_of(tmp_path, GOOD + f"source:\n  poll_interval: {interval}\n")
+    assert "relay.yaml:17: source.poll_interval:" in message
+    assert "at least 10ms" in message
+    assert "source.notify_trigger" in message
+
+
+def test_poll_interval_floor_applies_to_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RELAY_SOURCE__POLL_INTERVAL", "2ms")
+    message = error_of(tmp_path, GOOD)
+    assert "poll_interval" in message
+    assert "at least 10ms" in message
+
+
+def test_poll_interval_of_10ms_loads(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD + "source:\n  poll_interval: 10ms\n"))
+    assert config.source.poll_interval == pytest.approx(0.010)
+
+
+def test_default_config_has_no_warnings(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, GOOD)).warnings() == []
+
+
+@pytest.mark.parametrize(("settings", "passes"), [("50ms", "about 17"), ("20ms", "about 33")])
+def test_short_poll_without_notify_trigger_warns(
+    tmp_path: Path, settings: str, passes: str
+) -> None:
+    config = load_config(write(tmp_path, GOOD + f"source:\n  poll_interval: {settings}\n"))
+    (warning,) = config.warnings()
+    assert "source.poll_interval" in warning
+    assert f"{passes} barrier passes a second" in warning
+    assert "source.notify_trigger" in warning
+
+
+def test_short_poll_warning_counts_linger_and_outboxes(tmp_path: Path) -> None:
+    text = GOOD + "    batch: {linger: 0}\n" + "source:\n  poll_interval: 10ms\n"
+    (warning,) = load_config(write(tmp_path, text)).warnings()
+    assert "about 100 barrier passes a second" in warning
+    two = text.replace(
+        "outboxes:\n",
+        "outboxes:\n  other:\n    broker: nats\n"
+        "    messages: {BookReturned: {type: t, destination: d}}\n",
+    )
+    (warning,) = load_config(write(tmp_path, two)).warnings()
+    assert "about 100 barrier passes a second (2 outboxes: about 200)" in warning
+
+
+def test_short_poll_with_notify_trigger_warns_that_it_is_only_a_fallback(tmp_path: Path) -> None:
+    text = GOOD + "source:\n  poll_interval: 50ms\n  notify_trigger: true\n"
+    (warning,) = load_config(write(tmp_path, text)).warnings()
+    assert "fallback" in warning
+    assert "source.poll_interval" in warning
+
+
+def test_poll_of_100ms_without_trigger_does_not_warn(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD + "source:\n  poll_interval: 100ms\n"))
+    assert config.warnings() == []
+
+
+# -- two outboxes publishing the same ids ---------------------------------------------------
+
+TWO_OUTBOXES = """\
+database:
+  url: postgresql://relay:s3cret@db/app
+brokers:
+  nats:
+    type: nats
+    servers: ["nats://127.0.0.1:4222"]
+  other:
+    type: nats
+    servers: ["nats://127.0.0.1:4223"]
+outboxes:
+  loans-v1:
+    broker: nats
+    messages:
+      BookLent:
+        type: library.book-lent.v1
+        destination: library.loans
+  loans-v2:
+    broker: nats
+    messages:
+      BookLent:
+        type: library.book-lent.v2
+        destination: library.loans
+"""
+
+
+def test_two_outboxes_with_the_same_ids_to_one_destination_are_refused(tmp_path: Path) -> None:
+    message = error_of(tmp_path, TWO_OUTBOXES)
+    assert "relay.yaml:20: outboxes.loans-v2.messages.BookLent:" in message
+    for fragment in (
+        "loans-v1",
+        "loans-v2",
+        "BookLent",
+        "'library.loans'",
+        "'{aggregate_type}/{aggregate_id}@{version}'",
+        "broker 'nats'",
+        "duplicate",
+        "different `id` template",
+    ):
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        # loans-v2 sets an outbox-level id, but its message takes loans-v1's id back.
+        (
+            (
+                "  loans-v2:\n    broker: nats\n",
+                "  loans-v2:\n    broker: nats\n    id: '{aggregate_id}/v2'\n",
+            ),
+            "relay.yaml:23: outboxes.loans-v2.messages.BookLent.id:",
+        ),
+        # Both set the same id at outbox level.
+        (
+            ("    broker: nats\n", "    broker: nats\n    id: '{aggregate_id}@{version}'\n"),
+            "relay.yaml:20: outboxes.loans-v2.id:",
+        ),
+        # Overlapping aggregate filters.
+        (
+            ("    broker: nats\n", "    broker: nats\n    aggregates: [book, member]\n"),
+            "outboxes.loans-v2.messages.BookLent:",
+        ),
+    ],
+    ids=["message-id-overrides-outbox-id", "same-outbox-id", "aggregates-overlap"],
+)
+def test_same_ids_are_found_through_overrides_and_filters(
+    tmp_path: Path, change: tuple[str, str], where: str
+) -> None:
+    text = TWO_OUTBOXES.replace(*change)
+    if "{aggregate_id}/v2" in text:
+        text = text.replace(
+            "        type: library.book-lent.v2\n",
+            "        type: library.book-lent.v2\n"
+            "        id: '{aggregate_type}/{aggregate_id}@{version}'\n",
+        )
+    message = error_of(tmp_path, text)
+    assert where in message, message
+    assert "loans-v1" in message
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("  loans-v2:\n    broker: nats\n", "  loans-v2:\n    broker: other\n"),
+        (
+            "        destination: library.loans\n  loans-v2",
+            "        destination: library.v1\n  loans-v2",
+        ),
+        (
+            "  loans-v2:\n    broker: nats\n",
+            "  loans-v2:\n    broker: nats\n"
+            "    id: '{aggregate_type}/{aggregate_id}@{version}/v2'\n",
+        ),
+        (
+            "        type: library.book-lent.v2\n",
+            "        type: library.book-lent.v2\n        id: '{aggregate_id}@{version}/v2'\n",
+        ),
+    ],
+    ids=["other-broker", "other-destination", "outbox-id-differs", "message-id-differs"],
+)
+def test_outboxes_whose_ids_cannot_collide_load(tmp_path: Path, change: tuple[str, str]) -> None:
+    text = TWO_OUTBOXES.replace(*change)
+    assert text != TWO_OUTBOXES
+    assert set(load_config(write(tmp_path, text)).outboxes) == {"loans-v1", "loans-v2"}
+
+
+def test_disjoint_aggregate_filters_cannot_collide(tmp_path: Path) -> None:
+    text = TWO_OUTBOXES.replace(
+        "  loans-v1:\n    broker: nats\n", "  loans-v1:\n    broker: nats\n    aggregates: [book]\n"
+    ).replace(
+        "  loans-v2:\n    broker: nats\n", "  loans-v2:\n    broker: nats\n    aggregates: [dvd]\n"
+    )
+    assert set(load_config(write(tmp_path, text)).outboxes) == {"loans-v1", "loans-v2"}
+    one_unfiltered = text.replace("    aggregates: [dvd]\n", "")
+    assert "loans-v2" in error_of(tmp_path, one_unfiltered)
+    one_relays_nothing = text.replace("aggregates: [dvd]", "aggregates: []")
+    assert "loans-v2" in load_config(write(tmp_path, one_relays_nothing)).outboxes
+
+
+def test_model_level_errors_point_at_their_line(tmp_path: Path) -> None:
+    message = error_of(tmp_path, GOOD.replace("broker: nats", "broker: kafka"))
+    assert "relay.yaml:9: outboxes.loans-outbox.broker: unknown broker 'kafka'" in message
+
+
+def test_broker_level_errors_name_the_key_not_the_broker_type(tmp_path: Path) -> None:
+    text = GOOD.replace(
+        '    servers: ["nats://127.0.0.1:4222"]\n',
+        '    servers: ["nats://127.0.0.1:4222"]\n    jetstream: false\n'
+        "    stream: {name: LIBRARY, subjects: [library.>]}\n",
+    )
+    message = error_of(tmp_path, text)
+    assert "relay.yaml:8: brokers.nats.stream: a stream needs JetStream" in message

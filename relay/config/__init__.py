@@ -15,14 +15,13 @@ from pydantic import (
     AfterValidator,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from relay.config.base import Duration, Identifier, Model, PositiveDuration
+from relay.config.base import Duration, Identifier, Model, PositiveDuration, PostgresUrl
 from relay.config.brokers import (
     BrokerConfig,
     KafkaBrokerConfig,
@@ -50,13 +49,17 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
 class DatabaseConfig(Model):
-    url: SecretStr = Field(description="libpq URL of the database holding the event table.")
+    # Checked at load: a URL the driver cannot read would otherwise be retried for ever as an
+    # outage, and the driver's error text can quote a piece of the password.
+    url: PostgresUrl = Field(description="libpq URL of the database holding the event table.")
     schema_: Identifier = Field(
         "relay", alias="schema", description="Schema of the relay's tables."
     )
     connect_timeout: PositiveDuration = 5.0
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, hide_input_in_errors=True
+    )
 
 
 class ColumnsConfig(Model):
@@ -72,6 +75,25 @@ class ColumnsConfig(Model):
     created_at: Identifier | None = "created_at"
 
 
+MIN_POLL_INTERVAL = 0.010
+COSTLY_POLL_INTERVAL = 0.100
+
+
+def _poll_floor(value: float) -> float:
+    """Each poll of an idle table runs the drain barrier and a read; 1ms kept 34% of a core busy."""
+    if value < MIN_POLL_INTERVAL * (1 - 1e-9):
+        raise ValueError(
+            "must be at least 10ms: even on an idle table every poll runs the drain barrier "
+            "and a read, so a shorter interval keeps a CPU core busy in the relay and in the "
+            "database; for low latency set source.notify_trigger: true (and run relay migrate), "
+            "which wakes the relay at each insert, and keep poll_interval as the fallback (1s)"
+        )
+    return value
+
+
+PollInterval = Annotated[PositiveDuration, AfterValidator(_poll_floor)]
+
+
 class SourceConfig(Model):
     table: Annotated[
         str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_$]*\.)?[A-Za-z_][A-Za-z0-9_$]*$")
@@ -80,7 +102,7 @@ class SourceConfig(Model):
     strategy: Literal["barrier"] = "barrier"
     notify_channel: Identifier = "relay_events"
     notify_trigger: bool = False  # `relay migrate` installs a NOTIFY trigger
-    poll_interval: PositiveDuration = 1.0
+    poll_interval: PollInterval = 1.0
     barrier_report_after: Duration = 1.0
 
 
@@ -245,6 +267,7 @@ class RelayConfig(BaseSettings):
         extra="forbid",
         frozen=True,
         populate_by_name=True,
+        hide_input_in_errors=True,  # errors are worded by load_config; inputs may be secrets
     )
 
     database: DatabaseConfig
@@ -278,6 +301,89 @@ class RelayConfig(BaseSettings):
                     f" (configured: {known})"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _ids_do_not_collide(self) -> RelayConfig:
+        """Refuse two outboxes that would send the same event with the same id to one place.
+
+        Both read the same row, so both messages carry the same id; the broker (JetStream's
+        Nats-Msg-Id, an SQS FIFO queue) or the consumers drop the second as a duplicate, and
+        one outbox silently delivers nothing.
+        """
+        names = list(self.outboxes)
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                if clash := _clash(first, self.outboxes[first], second, self.outboxes[second]):
+                    raise ValueError(clash)
+        return self
+
+    def warnings(self) -> list[str]:
+        """Settings that are legal but cost more than they are likely worth, in words.
+
+        Not errors: a short poll is a valid trade of CPU for latency. The commands decide where
+        to show these (`relay check`, the log of `relay run`).
+        """
+        found: list[str] = []
+        poll = self.source.poll_interval
+        if poll < COSTLY_POLL_INTERVAL:
+            # An idle outbox waits poll_interval, lingers, then runs one barrier pass and a read.
+            linger = min(outbox.batch.linger for outbox in self.outboxes.values())
+            rate = 1 / (poll + linger)
+            passes = f"an idle outbox makes about {rate:.0f} barrier passes a second"
+            if len(self.outboxes) > 1:
+                passes += f" ({len(self.outboxes)} outboxes: about {rate * len(self.outboxes):.0f})"
+            if self.source.notify_trigger:
+                found.append(
+                    f"source.poll_interval is {poll * 1000:g}ms: with source.notify_trigger on, "
+                    f"polling is only the fallback for a missed NOTIFY, yet {passes}; "
+                    "1s is usually enough"
+                )
+            else:
+                found.append(
+                    f"source.poll_interval is {poll * 1000:g}ms and source.notify_trigger is "
+                    f"off: {passes}, each a few queries, even when nothing is written; for low "
+                    "latency set source.notify_trigger: true (and run relay migrate) and keep "
+                    "poll_interval at 1s"
+                )
+        return found
+
+
+def _may_share_events(a: list[str] | None, b: list[str] | None) -> bool:
+    """Whether one event can pass both aggregate filters (None lets every aggregate through)."""
+    if a is None:
+        return b is None or bool(b)
+    if b is None:
+        return bool(a)
+    return bool({*a} & {*b})
+
+
+def _clash(first: str, a: OutboxConfig, second: str, b: OutboxConfig) -> str | None:
+    """Why `a` and `b` would publish the same ids to the same place, or None if they cannot."""
+    if a.broker != b.broker:
+        return None
+    if not _may_share_events(a.aggregates, b.aggregates):
+        return None
+    for event_type, mb in b.messages.items():
+        ma = a.messages.get(event_type)
+        if ma is None or ma.destination != mb.destination:
+            continue
+        id_a, id_b = ma.id or a.id, mb.id or b.id  # a message's own id overrides its outbox's
+        if id_a != id_b:
+            continue
+        if mb.id is not None:
+            where = f"outboxes.{second}.messages.{event_type}.id"
+        elif "id" in b.model_fields_set:
+            where = f"outboxes.{second}.id"
+        else:
+            where = f"outboxes.{second}.messages.{event_type}"
+        return (
+            f"{where}: outboxes {first!r} and {second!r} both publish event type "
+            f"{event_type!r} to destination {ma.destination!r} on broker {a.broker!r} with the "
+            f"id template {id_a!r}: the broker or the consumers would drop one outbox's "
+            "messages as duplicates of the other's; give one of them a different `id` "
+            f"template, for example {id_a + '/' + second!r}"
+        )
+    return None
 
 
 def config_path(path: str | Path | None) -> Path:
@@ -322,14 +428,32 @@ def _describe(exc: ValidationError, doc: YamlDocument) -> str:
 def _point_at_field(
     loc: tuple[str | int, ...], msg: str, doc: YamlDocument
 ) -> tuple[tuple[str | int, ...], str]:
-    """`payload: loanId: bad` becomes `payload.loanId: bad` when loanId is a key there."""
+    """`payload: loanId: bad` becomes `payload.loanId: bad` when loanId is a key there.
+
+    A whole-file check has no location of its own; its message starts with the dotted key it
+    is about (`outboxes.x.broker: ...`), which is found in the file so that it gets a line.
+    """
     node: Any = doc.data
     for part in loc:
         node = _child(node, part)
     field, sep, rest = msg.partition(": ")
     if sep and isinstance(node, dict) and field in node:
         return (*loc, field), rest
+    if sep and not loc and (path := _dotted(doc.data, field)):
+        return path, rest
     return loc, msg
+
+
+def _dotted(node: Any, key: str) -> tuple[str, ...] | None:
+    """The path of `key` (`outboxes.loans.v2.id`) in `node`; names may contain dots."""
+    if not isinstance(node, dict):
+        return None
+    for name in sorted(node, key=len, reverse=True):
+        if key == name:
+            return (name,)
+        if key.startswith(f"{name}.") and (rest := _dotted(node[name], key[len(name) + 1 :])):
+            return (name, *rest)
+    return None
 
 
 _ABSENT = object()
@@ -353,6 +477,8 @@ def _clean_loc(loc: tuple[str | int, ...], doc: YamlDocument) -> tuple[str | int
         if child is not _ABSENT:
             out.append(part)
             node = child
+        elif isinstance(node, dict) and node.get("type") == part:
+            continue  # the tag of a union chosen by `type` (a broker), not a key
         elif last and isinstance(node, dict) and not str(part).startswith("["):
             out.append(part)
         elif isinstance(part, str) and part.startswith("function-"):

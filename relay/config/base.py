@@ -1,13 +1,15 @@
-"""Shared building blocks of the config models: strict frozen models, durations, names."""
+"""Shared building blocks of the config models: strict frozen models, durations, names, URLs."""
 
 from __future__ import annotations
 
 import re
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)\s*$")
@@ -30,7 +32,9 @@ Identifier = Annotated[str, Field(pattern=_IDENT)]
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: a ValidationError printed by whoever builds a model in code must not
+    # carry a secret it was given; `load_config` words its own messages from the errors' text.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class TlsConfig(Model):
@@ -47,3 +51,138 @@ class TlsConfig(Model):
             key = str(self.key_file) if self.key_file else None
             context.load_cert_chain(str(self.cert_file), key)
         return context
+
+
+# -- connection URLs --------------------------------------------------------------------------
+#
+# A reserved character written raw in a password makes every URL parser split the URL inside
+# the password: `postgresql://relay:Tr0ub4dor/x@db/app` has the host `relay`, the port
+# `Tr0ub4dor` and the database `x@db/app`. The parsers' errors then quote that piece
+# (`invalid literal for int() with base 10: 'Tr0ub4dor'`), or, worse, the URL parses and the
+# relay connects somewhere else. So URLs are checked here, at load time, by rules that only
+# say what is wrong: no message below quotes any part of the URL, since any part may hold a
+# piece of the password.
+
+PERCENT_ENCODING = (
+    "percent-encode reserved characters in the user or password: "
+    "/ → %2F, @ → %40, : → %3A, # → %23, % → %25, ? → %3F, [ → %5B, ] → %5D, \\ → %5C, "
+    "space → %20 "
+    "(in Python: urllib.parse.quote(password, safe=''))"
+)
+SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+_HOST_NAME = re.compile(r"(?:[\w.-]|%[0-9A-Fa-f]{2})+")  # a name, IPv4, or %-encoded socket path
+_IPV6 = re.compile(r"\[(?P<addr>[0-9A-Fa-f:.]+(?:%25[\w.-]+)?)\](?::(?P<port>.*))?")
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_KEYWORD_DSN = re.compile(r"^\s*[A-Za-z_]+\s*=")
+
+
+@dataclass(frozen=True)
+class _UrlParts:
+    hostspec: str
+    query: str
+
+
+class UrlError(ValueError):
+    """What is wrong with a URL, in words that quote none of it."""
+
+
+def _broken(what: str) -> UrlError:
+    """The usual cause of a URL that does not parse is a raw reserved character in a password."""
+    return UrlError(f"not a valid URL: {what}; {PERCENT_ENCODING}")
+
+
+def _split(url: str, schemes: tuple[str, ...]) -> _UrlParts:
+    """Split like libpq, asyncpg and yarl do, refusing whatever they would read differently."""
+    text = url.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        first = " or ".join(f"{s}://" for s in schemes)
+        raise UrlError(f"must start with {first}")
+    if any(c.isspace() for c in text):
+        raise _broken("it contains whitespace")
+    if "#" in rest:
+        raise _broken("it contains a '#', which ends the URL there")
+    authority = re.match(r"[^/?]*", rest)
+    assert authority is not None  # matches the empty string at least
+    userinfo, at, hostspec = authority.group().rpartition("@")
+    tail = rest[authority.end() :]
+    if "@" in tail:
+        raise _broken(
+            "it has an '@' after the host, so a '/' or '?' in the user or password cut it short"
+        )
+    if at and "@" in userinfo:
+        raise _broken("it has more than one '@' before the host")
+    if any(c in userinfo for c in "[]\\"):
+        # urllib takes a bracket for an IPv6 host; yarl refuses a backslash in the authority.
+        raise _broken("the user or password contains a '[', ']' or '\\'")
+    if _BAD_ESCAPE.search(userinfo):
+        raise _broken("the user or password has a '%' that does not start a %XX escape")
+    return _UrlParts(hostspec=hostspec, query=tail.partition("?")[2])
+
+
+def _check_port(port: str) -> None:
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise _broken("the port is not a number from 1 to 65535")
+
+
+def _check_host(spec: str) -> None:
+    """`host`, `host:port`, `[ipv6]` or `[ipv6]:port`; an empty host means the default one."""
+    if spec.startswith("["):
+        match = _IPV6.fullmatch(spec)
+        if match is None:
+            raise _broken("the host is not a valid [IPv6] address")
+        host, port = match.group("addr"), match.group("port")
+    else:
+        host, sep, port = spec.partition(":")
+        port = port if sep else None
+        if host and not _HOST_NAME.fullmatch(host):
+            raise _broken("the host is not a host name, an IP address or a %-encoded socket path")
+    if port:  # `db:` with nothing after the colon means the default port, as in libpq
+        _check_port(port)
+
+
+def check_postgres_url(url: str) -> None:
+    """Raise UrlError unless libpq and asyncpg would both read `url` as written."""
+    if "://" not in url and _KEYWORD_DSN.match(url):
+        raise UrlError(
+            "a keyword=value connection string is not supported; write it as a postgresql:// "
+            f"URL instead, postgresql://user:password@host:5432/dbname?sslmode=require, and "
+            f"{PERCENT_ENCODING}"
+        )
+    parts = _split(url, ("postgresql", "postgres"))
+    hosts = parts.hostspec.split(",")
+    if len(hosts) > 1 and not all(hosts):
+        raise _broken("the list of hosts has an empty entry")
+    for host in hosts:
+        _check_host(host)
+    if not parts.query:
+        return
+    try:
+        query = parse_qs(parts.query, strict_parsing=True)
+    except ValueError:
+        raise _broken("the query (after '?') is not key=value pairs joined by '&'") from None
+    if "sslmode" in query and query["sslmode"][-1] not in SSLMODES:
+        raise UrlError(f"sslmode must be one of {', '.join(SSLMODES)}")
+    for ports in query.get("port", []):
+        for port in ports.split(","):
+            _check_port(port)
+
+
+def check_amqp_url(url: str) -> None:
+    """Raise UrlError unless yarl (and so aiormq) would read `url` as written."""
+    _check_host(_split(url, ("amqp", "amqps")).hostspec)
+
+
+def _postgres(value: SecretStr) -> SecretStr:
+    check_postgres_url(value.get_secret_value())
+    return value
+
+
+def _amqp(value: SecretStr) -> SecretStr:
+    check_amqp_url(value.get_secret_value())
+    return value
+
+
+PostgresUrl = Annotated[SecretStr, AfterValidator(_postgres)]
+AmqpUrl = Annotated[SecretStr, AfterValidator(_amqp)]
