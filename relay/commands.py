@@ -50,7 +50,7 @@ async def preview(config: RelayConfig, last: int) -> tuple[list[dict[str, Any]],
     async with _connection(config, "check") as conn:
         await source.check(conn)
         events = await source.latest(conn, last) if last else []
-        warnings = await _server_warnings(conn, config)
+        warnings = [*config.warnings(), *await _server_warnings(conn, config)]
     mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
     rows: list[dict[str, Any]] = []
     for event in events:

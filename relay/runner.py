@@ -65,6 +65,8 @@ class Relay:
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
         db = Database(self.config.database, self.identity)
+        for warning in self.config.warnings():
+            log.warning("a costly setting", detail=warning)
         http = self._http()
         if http is not None:
             await http.start()  # before the database: liveness must answer during an outage

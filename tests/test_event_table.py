@@ -145,3 +145,13 @@ async def test_relay_check_warns_that_the_notify_trigger_prevents_two_phase_comm
     quiet = save(tmp_path, data, "quiet.yaml")
     assert run_cli(["migrate", "--config", str(quiet)]).returncode == 0
     assert "warning" not in run_cli(["check", "--config", str(quiet)]).stderr
+
+
+async def test_relay_check_warns_about_a_costly_poll_interval(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    data = config_dict(events_table, nats_url, "unused")
+    data["source"]["poll_interval"] = "20ms"
+    result = run_cli(["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 0, result.stderr
+    assert "warning: source.poll_interval is 20ms" in result.stderr
