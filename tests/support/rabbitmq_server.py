@@ -111,6 +111,15 @@ class RabbitMqServer:
             raise RuntimeError(f"{exc}\n{self.log_path.read_text(errors='replace')}") from exc
         return self
 
+    def kill(self) -> None:
+        """Crash the node: SIGKILL to the start script and the Erlang VM, no goodbye."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the session it was started in
+        process.wait()
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the start script, which stops the node; SIGKILL to both if it hangs."""
         process, self._process = self._process, None

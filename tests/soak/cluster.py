@@ -1,0 +1,285 @@
+"""The soak's private world: a Postgres it can crash, replicas behind proxies it controls.
+
+Nothing here touches the machine's shared services: the Postgres cluster, the broker and
+every relay process belong to the soak, and each replica reaches the database through a
+TCP proxy of its own, so one replica's link can be black-holed or cut on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from relay.embedded import EmbeddedPostgres
+from tests.support.config import write_config
+from tests.support.postgres import address, with_address, with_database
+from tests.support.proxy import TcpProxy
+from tests.support.relay_process import RelayProcess, run_cli
+
+DATABASE = "soak"
+OUTBOX = "soak"
+
+# Fast enough to see many faults in a short run, within the relay's own rules:
+# check_interval + check_timeout < keepalive budget (1 + 1 x 2 = 3 s), < takeover_after.
+LEASE = {
+    "retry_interval": "250ms",
+    "check_interval": "500ms",
+    "check_timeout": "500ms",
+    "takeover_after": "2s",
+    "keepalives": {
+        "idle": "1s",
+        "interval": "1s",
+        "count": 2,
+        "connection_check_interval": "500ms",
+    },
+}
+TAKEOVER_AFTER = 2.0
+
+EVENTS = """
+CREATE TABLE events (
+  position       bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  aggregate_type text        NOT NULL,
+  aggregate_id   text        NOT NULL,
+  version        bigint      NOT NULL,
+  type           text        NOT NULL,
+  payload        jsonb       NOT NULL,
+  metadata       jsonb       NOT NULL DEFAULT '{}',
+  created_at     timestamptz NOT NULL DEFAULT now(),
+  UNIQUE (aggregate_type, aggregate_id, version)
+);
+"""
+# Partitioned by time, as archives are; writers also insert into `events_live` directly.
+PARTITIONED_EVENTS = """
+CREATE TABLE events (
+  position       bigserial,
+  aggregate_type text        NOT NULL,
+  aggregate_id   text        NOT NULL,
+  version        bigint      NOT NULL,
+  type           text        NOT NULL,
+  payload        jsonb       NOT NULL,
+  metadata       jsonb       NOT NULL DEFAULT '{}',
+  created_at     timestamptz NOT NULL DEFAULT now()
+) PARTITION BY RANGE (created_at);
+CREATE TABLE events_archive PARTITION OF events FOR VALUES FROM (MINVALUE) TO ('2000-01-01');
+CREATE TABLE events_live PARTITION OF events FOR VALUES FROM ('2000-01-01') TO (MAXVALUE);
+"""
+
+
+class Database:
+    """The soak's own Postgres cluster: crashed with an immediate stop, then started again."""
+
+    def __init__(self) -> None:
+        # fsync off: the soak crashes the server process, never the machine, so the OS keeps
+        # every write a commit returned for; max_prepared_transactions for two-phase writers.
+        self.server = EmbeddedPostgres({"max_prepared_transactions": "64", "fsync": "off"})
+        self.admin_dsn = ""
+        self.dsn = ""
+
+    async def start(self, partitioned: bool) -> None:
+        self.admin_dsn = await asyncio.to_thread(self.server.start)
+        self.dsn = with_database(self.admin_dsn, DATABASE)
+        conn = await asyncpg.connect(self.admin_dsn)
+        try:
+            await conn.execute(f"CREATE DATABASE {DATABASE}")
+        finally:
+            await conn.close()
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await conn.execute(PARTITIONED_EVENTS if partitioned else EVENTS)
+        finally:
+            await conn.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return address(self.admin_dsn)
+
+    async def crash(self) -> None:
+        await asyncio.to_thread(self.server.halt, "immediate")
+
+    async def restart(self) -> None:
+        await asyncio.to_thread(self.server.resume)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> Any:
+        conn = await asyncpg.connect(self.dsn, timeout=5)
+        try:
+            yield conn
+        finally:
+            conn.terminate()
+
+
+@dataclass
+class Replica:
+    """One `relay run` as Kubernetes would run it: restarted whenever it exits."""
+
+    index: int
+    config: Path
+    proxy: TcpProxy
+    log_root: Path
+    process: RelayProcess | None = None
+    starts: int = 0
+    exits: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.starts += 1
+        log_dir = self.log_root / f"replica-{self.index}-run-{self.starts}"
+        self.process = RelayProcess(["run", "--config", str(self.config)], log_dir)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def signal(self, signum: int) -> None:
+        """SIGKILL, SIGTERM, SIGSTOP or SIGCONT to the running process, if any."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        send = {
+            signal.SIGKILL: process.kill,
+            signal.SIGTERM: process.terminate,
+            signal.SIGSTOP: process.pause,
+            signal.SIGCONT: process.resume,
+        }[signal.Signals(signum)]
+        with contextlib.suppress(ProcessLookupError):
+            send()
+
+    def logs(self) -> Iterator[dict[str, Any]]:
+        for run in range(1, self.starts + 1):
+            path = self.log_root / f"replica-{self.index}-run-{run}" / "stderr.log"
+            if path.exists():
+                yield from _json_lines(path)
+
+
+def _json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                yield record
+
+
+class Replicas:
+    """N replicas, each reaching Postgres through its own proxy, restarted when they exit."""
+
+    def __init__(
+        self,
+        count: int,
+        db: Database,
+        root: Path,
+        broker_config: dict[str, Any],
+        rule: dict[str, str],
+    ) -> None:
+        self.db = db
+        self.root = root
+        self.broker_config = broker_config
+        self.rule = rule  # destination (and routing key) of the outbox's messages
+        self.members: list[Replica] = []
+        host, port = db.address
+        for index in range(count):
+            proxy = TcpProxy(host, port)
+            config = write_config(root / f"replica-{index}.yaml", self._config(proxy))
+            self.members.append(Replica(index, config, proxy, root / "logs"))
+
+    def _config(self, proxy: TcpProxy) -> dict[str, Any]:
+        return {
+            "database": {
+                "url": with_address(self.db.dsn, proxy.host, proxy.port),
+                "connect_timeout": "2s",
+            },
+            "source": {"poll_interval": "100ms", "barrier_report_after": "500ms"},
+            "brokers": {"broker": self.broker_config},
+            "outboxes": {
+                OUTBOX: {
+                    "broker": "broker",
+                    "messages": {
+                        "ItemAdded": {
+                            "type": "soak.item-added.v1",
+                            "payload": "data",
+                            **self.rule,
+                        }
+                    },
+                    "batch": {"max_messages": 200, "linger": "5ms"},
+                    "retry": {"initial": "50ms", "max": "1s"},
+                    "park_after": 3,
+                }
+            },
+            "lease": LEASE,
+            "http": {"port": 0, "host": "127.0.0.1"},
+            "logging": {"level": "info", "format": "json"},
+            "shutdown": {"grace_period": "2s"},
+        }
+
+    def migrate(self) -> None:
+        result = run_cli(["migrate", "--config", str(self.members[0].config)])
+        if result.returncode != 0:
+            raise RuntimeError(f"relay migrate failed: {result.stderr}")
+
+    def start(self) -> None:
+        for replica in self.members:
+            replica.start()
+
+    async def supervise(self, stop: asyncio.Event, rng: random.Random) -> None:
+        """Restart exited replicas after a short pause, as a Deployment's pods are."""
+        due: dict[int, float] = {}
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            for replica in self.members:
+                if replica.process is None or replica.running:
+                    continue
+                if replica.index not in due:
+                    code = replica.process.returncode
+                    replica.exits.append(code if code is not None else 0)
+                    due[replica.index] = loop.time() + rng.uniform(0.3, 1.0)
+                elif loop.time() >= due[replica.index]:
+                    del due[replica.index]
+                    replica.start()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+    async def holder(self) -> Replica | None:
+        """The replica whose session holds the outbox's lease now, by pg_locks."""
+        try:
+            conn = await asyncpg.connect(self.db.dsn, timeout=2)
+        except (OSError, TimeoutError, asyncpg.PostgresError):
+            return None
+        try:
+            name = await conn.fetchval(
+                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a"
+                " ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted"
+                " AND a.application_name LIKE 'relay:%:lease' LIMIT 1"
+            )
+        finally:
+            conn.terminate()
+        if name is None:
+            return None
+        pid = int(str(name).split(":")[2])
+        return next((r for r in self.members if r.pid == pid), None)
+
+    def stop(self) -> None:
+        for replica in self.members:
+            replica.signal(signal.SIGCONT)
+            replica.signal(signal.SIGKILL)
+            if replica.process is not None:
+                with contextlib.suppress(Exception):
+                    replica.process.wait(10)
+            replica.proxy.close()
+
+    def log_records(self) -> Iterator[dict[str, Any]]:
+        for replica in self.members:
+            yield from replica.logs()

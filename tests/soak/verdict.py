@@ -1,0 +1,164 @@
+"""What the consumer checks, and the figures a soak reports.
+
+Lost: committed (in the table at the end) but never delivered. Phantom: delivered but not
+committed. Inversion: an aggregate's first deliveries on one destination out of version
+order. Regression: the checkpoint seen lower than before. Re-sent messages are counted and
+charged to the fault that preceded them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from tests.soak.brokers import Delivery
+from tests.soak.faults import KINDS, Fault
+from tests.soak.writers import Ledger
+
+
+@dataclass
+class Verdict:
+    seed: int
+    broker: str
+    committed: int
+    delivered: int
+    lost: list[str]
+    phantoms: list[str]
+    inversions: list[str]
+    regressions: list[str]
+    drained: bool
+    ledger_problems: list[str]
+    faults: list[Fault]
+    resent: dict[str, int]
+    resume: dict[str, list[float]]
+    uncertain: tuple[int, int]  # (appeared, did not)
+    restarts: int
+    writer_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not (self.lost or self.phantoms or self.inversions or self.regressions)
+            and self.drained
+            and not self.ledger_problems
+        )
+
+    def report(self, origin: float) -> str:
+        counts = Counter(f.kind for f in self.faults)
+        lines = [
+            f"soak seed={self.seed} broker={self.broker}: {'PASS' if self.ok else 'FAIL'}",
+            f"  events committed {self.committed}, messages stored {self.delivered},"
+            f" replica restarts {self.restarts}, writer transactions {self.writer_kinds}",
+            f"  lost {len(self.lost)}, phantom {len(self.phantoms)},"
+            f" inversions {len(self.inversions)}, regressions {len(self.regressions)},"
+            f" drained {self.drained}",
+            f"  uncertain commits: {self.uncertain[0]} appeared, {self.uncertain[1]} did not",
+            "  fault                     count  re-sent  resumed p50 / max (s)",
+        ]
+        for kind in (*KINDS, "before any fault"):
+            if kind not in counts and not self.resent.get(kind):
+                continue
+            times = self.resume.get(kind, [])
+            timing = f"{statistics.median(times):6.2f} / {max(times):6.2f}" if times else "     -"
+            lines.append(
+                f"  {kind:<24} {counts.get(kind, 0):6} {self.resent.get(kind, 0):8}  {timing}"
+            )
+        for name, items in (
+            ("lost", self.lost),
+            ("phantoms", self.phantoms),
+            ("inversions", self.inversions),
+            ("regressions", self.regressions),
+            ("ledger", self.ledger_problems),
+        ):
+            if items:
+                lines.append(f"  {name}: {items[:10]}")
+        lines.append("  faults in order:")
+        lines += [f"    {f.describe(origin)}" for f in self.faults]
+        return "\n".join(lines)
+
+
+def judge(
+    *,
+    seed: int,
+    broker: str,
+    deliveries: list[Delivery],
+    table: set[str],
+    ledger: Ledger,
+    faults: list[Fault],
+    regressions: list[str],
+    drained: bool,
+    restarts: int,
+) -> Verdict:
+    delivered = {d.uid for d in deliveries}
+    return Verdict(
+        seed=seed,
+        broker=broker,
+        committed=len(table),
+        delivered=len(deliveries),
+        lost=sorted(table - delivered),
+        phantoms=sorted(delivered - table),
+        inversions=_inversions(deliveries),
+        regressions=regressions,
+        drained=drained,
+        ledger_problems=_ledger_problems(ledger, table),
+        faults=faults,
+        resent=_resent(deliveries, faults),
+        resume=_resume_times(deliveries, faults),
+        uncertain=(len(ledger.uncertain & table), len(ledger.uncertain - table)),
+        restarts=restarts,
+        writer_kinds=dict(ledger.kinds),
+    )
+
+
+def _inversions(deliveries: list[Delivery]) -> list[str]:
+    seen: set[str] = set()
+    last: dict[tuple[str, str], int] = {}
+    out = []
+    for d in deliveries:
+        if d.id in seen:
+            continue  # only first deliveries must be in order
+        seen.add(d.id)
+        key = (d.destination, d.aggregate)
+        if d.version <= last.get(key, 0):
+            out.append(f"{d.id} after version {last[key]} on {d.destination}")
+        last[key] = max(last.get(key, 0), d.version)
+    return out
+
+
+def _ledger_problems(ledger: Ledger, table: set[str]) -> list[str]:
+    """The writers' own view must agree with the table (else the harness is wrong)."""
+    problems = [f"acknowledged commit {u} is not in the table" for u in ledger.committed - table]
+    problems += [f"rolled back {u} is in the table" for u in ledger.rolled_back & table]
+    return sorted(problems)
+
+
+def _charged_to(when: float, faults: list[Fault]) -> str:
+    kind = "before any fault"
+    for fault in faults:
+        if fault.started <= when:
+            kind = fault.kind
+    return kind
+
+
+def _resent(deliveries: list[Delivery], faults: list[Fault]) -> dict[str, int]:
+    seen: set[str] = set()
+    out: dict[str, int] = defaultdict(int)
+    for d in deliveries:
+        if d.id in seen:
+            out[_charged_to(d.stored_at, faults)] += 1
+        seen.add(d.id)
+    return dict(out)
+
+
+def _resume_times(deliveries: list[Delivery], faults: list[Fault]) -> dict[str, list[float]]:
+    """From each fault's end to the first message stored after it (if before the next fault)."""
+    stamps = sorted(d.stored_at for d in deliveries)
+    out: dict[str, list[float]] = defaultdict(list)
+    for i, fault in enumerate(faults):
+        following = faults[i + 1].started if i + 1 < len(faults) else float("inf")
+        index = bisect.bisect_left(stamps, fault.ended)
+        if index < len(stamps) and stamps[index] < following:
+            out[fault.kind].append(stamps[index] - fault.ended)
+    return dict(out)
