@@ -23,7 +23,7 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
-3. the real relay (`relay.runner.Relay`, in this process, http off, logging at warning,
+3. the real relay (`relay.ops.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position;
 4. the raw client again (mirror order; for NATS: ceiling, reference | relay | reference,
@@ -74,10 +74,10 @@ from relay.brokers.sqs import (
     _deduplication_id,
     _group_id,
 )
-from relay.commands import migrate
 from relay.config import RelayConfig
-from relay.logs import configure
-from relay.publishing import Message
+from relay.core.publishing import Message
+from relay.ops.commands import migrate
+from relay.ops.logs import configure
 from tests.support import kafka_server, sqs_server
 
 BROKERS = ("nats", "kafka", "rabbitmq", "sqs")

@@ -30,7 +30,7 @@ from pydantic import SecretStr
 
 from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
-from relay.publishing import Message
+from relay.core.publishing import Message
 
 N, BATCH = 20_000, 500
 TYPE = "library.book-lent.v1"

@@ -12,7 +12,7 @@ One run, against the machine's Postgres (127.0.0.1:5432) and NATS JetStream (127
    PubAck awaited; only the publishing is timed. As a reference it also measures
    `js.publish_async` pipelining (`--batch` in flight, then all PubAcks awaited), which is how
    the relay's own NATS publisher sends a batch;
-3. relays the backlog with the real relay (`relay.runner.Relay`, in this process, default batch
+3. relays the backlog with the real relay (`relay.ops.runner.Relay`, in this process, default batch
    and retry settings) and times it from start until `relay.checkpoints` reaches the last
    position, sampling RSS on the way;
 4. measures the reference and the ceiling again (in mirror order), and reports
@@ -56,13 +56,13 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from relay.brokers.nats import _headers  # the relay's exact CloudEvents headers
-from relay.commands import migrate
 from relay.config import RelayConfig
-from relay.logs import configure
-from relay.mapping import Mapper
-from relay.publishing import Message
-from relay.runner import Relay
-from relay.source import EventSource
+from relay.core.mapping import Mapper
+from relay.core.publishing import Message
+from relay.ops.commands import migrate
+from relay.ops.logs import configure
+from relay.ops.runner import Relay
+from relay.postgres.source import EventSource
 
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS_SQL = ROOT / "config" / "events.example.sql"

@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from relay.config import RabbitMqBrokerConfig, RelayConfig, load_config
+from relay.config.yaml_file import expand_vars
 from relay.errors import ConfigError
-from relay.yaml_file import expand_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "relay.example.yaml"

@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.config import load_config
-from relay.metrics import Metrics
+from relay.core.metrics import Metrics
 
 try:
     import helm_python
@@ -649,7 +649,7 @@ def test_rules_and_dashboard_use_real_metric_names(chart: Any) -> None:
     exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
     used = {name for expr in exprs for name in re.findall(r"\brelay_[a-z_]+\b", expr)}
     assert used, "no metric found in the rules and the dashboard"
-    assert used <= exposed, f"not exposed by relay.metrics: {sorted(used - exposed)}"
+    assert used <= exposed, f"not exposed by relay.core.metrics: {sorted(used - exposed)}"
 
 
 def github_anchors(markdown: str) -> set[str]:

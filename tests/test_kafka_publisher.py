@@ -17,10 +17,10 @@ from aiokafka.partitioner import murmur2
 
 from relay.brokers import kafka as kafka_adapter
 from relay.brokers.kafka import KafkaPublisher
-from relay.commands import status
 from relay.config import KafkaBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import ConfigError, PermanentPublishError, TransientPublishError
-from relay.publishing import Message
+from relay.ops.commands import status
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.kafka_server import (
     TansuServer,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relay.commands import status
-from relay.store import Store
+from relay.ops.commands import status
+from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.relay_process import run_cli

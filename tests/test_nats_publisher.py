@@ -15,9 +15,9 @@ from cryptography.x509.oid import NameOID
 
 from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.publishing import Message
-from relay.store import Store
+from relay.postgres.store import Store
 from tests.support import db
 from tests.support.jetstream import connect, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.nats_server import NatsServer

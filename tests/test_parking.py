@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from relay.commands import status
 from relay.config import RelayConfig
-from relay.control_client import Controller
-from relay.store import Store
+from relay.ops.commands import status
+from relay.ops.operator import Controller
+from relay.postgres.store import Store
 from tests.support.db import append, connect
 from tests.support.delivery import checkpoint
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name

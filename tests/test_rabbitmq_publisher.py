@@ -14,8 +14,8 @@ import pytest
 
 from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.publishing import Message
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import asyncpg
 
-from relay.commands import status
-from relay.runner import Relay
-from relay.state import OutboxState
+from relay.core.state import OutboxState
+from relay.ops.commands import status
+from relay.ops.runner import Relay
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running

@@ -22,9 +22,10 @@ import structlog
 from pydantic import SecretStr, ValidationError
 
 from relay.config import DatabaseConfig, RabbitMqBrokerConfig, load_config
-from relay.database import Database, DatabaseUnavailable
 from relay.errors import ConfigError, DatabaseError
-from relay.logs import configure, redact
+from relay.ops.logs import configure
+from relay.postgres.database import Database, DatabaseUnavailable
+from relay.redaction import redact
 from tests.support.relay_process import run_cli
 
 RESERVED = ["/", "@", ":", "#", "%", "?", "[", "]", "\\"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from relay.commands import status
-from relay.control_client import Controller, ReplayFrom
-from relay.runner import Relay
+from relay.ops.commands import status
+from relay.ops.operator import Controller, ReplayFrom
+from relay.ops.runner import Relay
 from tests.support import postgres
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name

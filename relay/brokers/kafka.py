@@ -53,8 +53,8 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
+from relay.core.publishing import Message, Outcome
 from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 log = structlog.get_logger("relay.brokers.kafka")
 

@@ -40,8 +40,8 @@ from nats.js.api import StorageType, StreamConfig
 
 from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
+from relay.core.publishing import Message, Outcome
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 log = structlog.get_logger("relay.brokers.nats")
 

@@ -32,8 +32,8 @@ from pamqp.commands import Basic
 from yarl import URL
 
 from relay.config import RabbitMqBrokerConfig
+from relay.core.publishing import Message, Outcome
 from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 # RabbitMQ closes the channel with PRECONDITION_FAILED when a body exceeds the
 # server's `max_message_size` (128 MiB by default on 3.x, at most 512 MiB);

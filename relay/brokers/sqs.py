@@ -48,8 +48,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from relay.config import SqsBrokerConfig
+from relay.core.publishing import Message, Outcome
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
 MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)

@@ -29,9 +29,9 @@ from relay.config.brokers import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
+from relay.config.expressions import ExpressionError, compile_expression, compile_template
+from relay.config.yaml_file import YamlDocument, load_yaml
 from relay.errors import ConfigError
-from relay.expressions import ExpressionError, compile_expression, compile_template
-from relay.yaml_file import YamlDocument, load_yaml
 
 __all__ = [
     "BrokerConfig",

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from relay.commands import status
+from relay.ops.commands import status
 from tests.contract.harness import BrokerHarness, Consumed
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.scenario import eventually, load_and_migrate, running

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from relay.commands import migrate
 from relay.config import RelayConfig, load_config
-from relay.runner import Relay
+from relay.ops.commands import migrate
+from relay.ops.runner import Relay
 from tests.support.config import write_config
 
 LIBRARY_MESSAGES: dict[str, Any] = {

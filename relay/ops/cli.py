@@ -15,7 +15,8 @@ import typer
 from relay import __version__
 from relay.config import RelayConfig, load_config
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.logs import configure, redact
+from relay.ops.logs import configure
+from relay.redaction import redact
 
 app = typer.Typer(
     name="relay",
@@ -66,7 +67,7 @@ def run(
     ] = None,
 ) -> None:
     """Relay every configured outbox until SIGTERM or SIGINT."""
-    from relay.runner import Relay, install_signal_handlers
+    from relay.ops.runner import Relay, install_signal_handlers
 
     cfg = _load(config)
 
@@ -81,7 +82,7 @@ def run(
 @app.command()
 def migrate(config: ConfigOption = None) -> None:
     """Create or upgrade the relay's own tables (idempotent)."""
-    from relay.commands import migrate as do_migrate
+    from relay.ops.commands import migrate as do_migrate
 
     cfg = _load(config)
     done = _run(lambda: do_migrate(cfg, lambda text: typer.echo(text, err=True)))
@@ -101,7 +102,7 @@ def check(
     as_json: JsonOption = False,
 ) -> None:
     """Validate the config and the event table; show what the last events would become."""
-    from relay.commands import preview
+    from relay.ops.commands import preview
 
     cfg = _load(config)
     rows, warnings = _run(lambda: preview(cfg, last))
@@ -127,7 +128,7 @@ def check(
 @app.command()
 def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
     """Who relays each outbox, how far behind it is, and what it waits for."""
-    from relay.commands import status as read_status
+    from relay.ops.commands import status as read_status
 
     cfg = _load(config)
     rows = _run(lambda: read_status(cfg))
@@ -175,8 +176,8 @@ def replay(
     as_json: JsonOption = False,
 ) -> None:
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
-    from relay.control_client import Controller, ReplayFrom
-    from relay.runner import identity
+    from relay.ops.operator import Controller, ReplayFrom
+    from relay.ops.runner import identity
 
     chosen = [from_position is not None, from_start, from_time is not None]
     if sum(chosen) != 1:
@@ -236,8 +237,8 @@ def retry_parked(
     as_json: JsonOption = False,
 ) -> None:
     """Map parked messages again with the current config and publish them."""
-    from relay.control_client import Controller
-    from relay.runner import identity
+    from relay.ops.operator import Controller
+    from relay.ops.runner import identity
 
     if bool(ids) == all_:
         typer.echo("error: give --id ID (repeatable) or --all", err=True)
@@ -295,7 +296,7 @@ def parked_list(
     as_json: JsonOption = False,
 ) -> None:
     """Parked messages of OUTBOX, in position order."""
-    from relay.commands import parked_list as read
+    from relay.ops.commands import parked_list as read
 
     cfg = _load(config)
     rows = _run(lambda: read(cfg, outbox))
@@ -312,7 +313,7 @@ def parked_show(
     as_json: JsonOption = False,
 ) -> None:
     """One parked message, whole."""
-    from relay.commands import parked_show as read
+    from relay.ops.commands import parked_show as read
 
     cfg = _load(config)
     row = _run(lambda: read(cfg, id_))
@@ -332,7 +333,7 @@ def parked_drop(
     as_json: JsonOption = False,
 ) -> None:
     """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
-    from relay.commands import parked_drop as drop
+    from relay.ops.commands import parked_drop as drop
 
     if bool(ids) == all_:
         typer.echo("error: give parked message ids, or --all", err=True)
@@ -360,7 +361,7 @@ def demo(
     ] = None,
 ) -> None:
     """The whole product in under a minute, on embedded Postgres and NATS."""
-    from relay.demo import run_demo
+    from relay.ops.demo import run_demo
 
     configure("warning", "console")
     raise typer.Exit(_run(lambda: run_demo(database_url, nats_url)))

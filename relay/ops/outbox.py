@@ -20,7 +20,12 @@ import asyncpg
 import structlog
 
 from relay.config import OutboxConfig
-from relay.control import CommandQueue, Operations
+from relay.core.mapping import Event, Mapper
+from relay.core.metrics import Metrics
+from relay.core.publishing import Message, Publisher
+from relay.core.retry import Backoff
+from relay.core.state import OutboxState
+from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import (
     DatabaseError,
     MappingError,
@@ -28,14 +33,10 @@ from relay.errors import (
     RelayError,
     TransientPublishError,
 )
-from relay.mapping import Event, Mapper
-from relay.metrics import Metrics
-from relay.publishing import Message, Publisher
-from relay.retry import Backoff
-from relay.source import Blocker, EventSource
-from relay.state import OutboxState
-from relay.store import ClaimedOutbox, RetryCount, Store
-from relay.waiting import sleep_unless, wait_any
+from relay.ops.operations import Operations
+from relay.postgres.command_queue import CommandQueue
+from relay.postgres.source import Blocker, EventSource
+from relay.postgres.store import ClaimedOutbox, RetryCount, Store
 
 # Driver errors that mean "the database went away": retry, never crash.
 DB_ERRORS = (
@@ -104,7 +105,7 @@ class OutboxRelay:
         self.state = state
         self.wake = wake
         self.stop = stop
-        self.log = structlog.get_logger("relay.outbox").bind(outbox=name)
+        self.log = structlog.get_logger("relay.ops.outbox").bind(outbox=name)
         self._types = list(config.messages)
         self._horizon = 0
         self._duplicates_seen = 0

@@ -30,11 +30,11 @@ import asyncpg
 import nats
 from ruamel.yaml import YAML
 
-from relay.commands import status as read_status
 from relay.config import RelayConfig, load_config
-from relay.embedded import EmbeddedNats, EmbeddedPostgres
 from relay.errors import RelayError
-from relay.migrations import migrate
+from relay.ops.commands import status as read_status
+from relay.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from relay.postgres.migrations import migrate
 
 STREAM = "LIBRARY"
 MESSAGES = {

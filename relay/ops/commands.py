@@ -11,17 +11,17 @@ from typing import Any
 import asyncpg
 
 from relay.config import RelayConfig
-from relay.database import Database
+from relay.core.mapping import Event, Mapper
 from relay.errors import ConfigError, DatabaseError, MappingError, RelayError
-from relay.lease import lock_key
-from relay.logs import redact
-from relay.mapping import Event, Mapper
-from relay.migrations import Migrated, OnWait, ensure_migrated
-from relay.migrations import migrate as apply_migrations
-from relay.runner import identity
-from relay.source import EventSource
-from relay.sql import qualified, quote
-from relay.store import Store
+from relay.ops.runner import identity
+from relay.postgres.database import Database
+from relay.postgres.lease import lock_key
+from relay.postgres.migrations import Migrated, OnWait, ensure_migrated
+from relay.postgres.migrations import migrate as apply_migrations
+from relay.postgres.source import EventSource
+from relay.postgres.sql import qualified, quote
+from relay.postgres.store import Store
+from relay.redaction import redact
 
 
 @contextlib.asynccontextmanager

@@ -20,17 +20,18 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
-from relay.control import CommandQueue, Operations
-from relay.database import Database
+from relay.core.mapping import Mapper
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.lease import Lease
-from relay.mapping import Mapper
-from relay.migrations import ensure_migrated
-from relay.source import EventSource
-from relay.sql import quote
-from relay.store import Claim, Store
+from relay.ops.operations import Operations
+from relay.postgres.command_queue import CommandQueue
+from relay.postgres.database import Database
+from relay.postgres.lease import Lease
+from relay.postgres.migrations import ensure_migrated
+from relay.postgres.source import EventSource
+from relay.postgres.sql import quote
+from relay.postgres.store import Claim, Store
 
-log = structlog.get_logger("relay.control")
+log = structlog.get_logger("relay.operator")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from relay.core.mapping import Event
+from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.mapping import Event
-from relay.publishing import Message
-from relay.source import Blocker
-from relay.sql import holds_lock, quote
+from relay.postgres.source import Blocker
+from relay.postgres.sql import holds_lock, quote
 
 
 @dataclass(frozen=True, slots=True)

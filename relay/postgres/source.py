@@ -33,11 +33,11 @@ from typing import Any
 
 import asyncpg
 
-from relay import event_table
 from relay.config import ColumnsConfig, SourceConfig
+from relay.core.mapping import Event
 from relay.errors import SourceError
-from relay.mapping import Event
-from relay.sql import qualified, quote
+from relay.postgres import event_table
+from relay.postgres.sql import qualified, quote
 
 # Every transaction that takes a position holds RowExclusiveLock on the sequence from its
 # first nextval until it ends (Postgres takes it in nextval and keeps it for the whole

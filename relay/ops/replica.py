@@ -19,15 +19,15 @@ import asyncpg
 import structlog
 
 from relay.config import OutboxConfig
-from relay.database import Database
+from relay.core.retry import Backoff
+from relay.core.state import OutboxState
+from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
-from relay.lease import Lease, LeaseBudget
-from relay.outbox import DB_ERRORS, OutboxRelay, Session
-from relay.retry import Backoff
-from relay.source import EventSource
-from relay.state import OutboxState
-from relay.store import ClaimedOutbox, Store
-from relay.waiting import sleep_unless, wait_any
+from relay.ops.outbox import DB_ERRORS, OutboxRelay, Session
+from relay.postgres.database import Database
+from relay.postgres.lease import Lease, LeaseBudget
+from relay.postgres.source import EventSource
+from relay.postgres.store import ClaimedOutbox, Store
 
 
 class OutboxReplica:
@@ -55,7 +55,7 @@ class OutboxReplica:
         self.lease_wake = lease_wake
         self.stop = stop
         self.state: OutboxState = relay.state
-        self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
+        self.log = structlog.get_logger("relay.postgres.lease").bind(outbox=self.name)
 
     async def run(self) -> None:
         """Until `stop`: hold the lease when it can be had, stand by otherwise."""

@@ -6,7 +6,7 @@ import asyncpg
 
 from relay.config import DatabaseConfig
 from relay.errors import DatabaseError
-from relay.logs import redact
+from relay.redaction import redact
 
 _UNREACHABLE = (
     OSError,

@@ -23,22 +23,22 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
-from relay.control import COMMAND_CHANNEL, CommandQueue
-from relay.database import Database, DatabaseUnavailable
+from relay.core.metrics import Metrics
+from relay.core.retry import Backoff
+from relay.core.state import OutboxState
+from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
-from relay.http import Health, HttpServer
-from relay.lease import LEASE_CHANNEL, Lease, LeaseBudget
-from relay.metrics import Metrics
-from relay.migrations import ensure_migrated
-from relay.outbox import DB_ERRORS, OutboxRelay
-from relay.replica import OutboxReplica
-from relay.retry import Backoff
-from relay.source import EventSource
-from relay.state import OutboxState
-from relay.store import Store
-from relay.waiting import sleep_unless
+from relay.ops.http import Health, HttpServer
+from relay.ops.outbox import DB_ERRORS, OutboxRelay
+from relay.ops.replica import OutboxReplica
+from relay.postgres.command_queue import COMMAND_CHANNEL, CommandQueue
+from relay.postgres.database import Database, DatabaseUnavailable
+from relay.postgres.lease import LEASE_CHANNEL, Lease, LeaseBudget
+from relay.postgres.migrations import ensure_migrated
+from relay.postgres.source import EventSource
+from relay.postgres.store import Store
 
-log = structlog.get_logger("relay.runner")
+log = structlog.get_logger("relay.ops.runner")
 
 
 def identity() -> str:

@@ -26,9 +26,9 @@ import asyncpg
 import structlog
 
 from relay.config import LeaseConfig
-from relay.database import Database
 from relay.errors import DatabaseError
-from relay.sql import holds_lock, quote
+from relay.postgres.database import Database
+from relay.postgres.sql import holds_lock, quote
 
 LEASE_CHANNEL = "relay_lease"
 
@@ -83,7 +83,7 @@ class Lease:
             f"UPDATE {self._checkpoints} SET heartbeat = now() WHERE outbox = $1 AND epoch = $2"
             f" AND {holds_lock('$3')} RETURNING true"
         )
-        self.log = structlog.get_logger("relay.lease").bind(outbox=outbox)
+        self.log = structlog.get_logger("relay.postgres.lease").bind(outbox=outbox)
 
     async def _connection(self) -> asyncpg.Connection:
         if self.conn is None or self.conn.is_closed():

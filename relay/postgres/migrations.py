@@ -16,7 +16,7 @@ import asyncpg
 
 from relay.config import RelayConfig, SourceConfig
 from relay.errors import DatabaseError, NotMigratedError
-from relay.sql import qualified, quote
+from relay.postgres.sql import qualified, quote
 
 # Each entry is applied once, in order, in its own transaction. Never edit a
 # released step: append a new one.
