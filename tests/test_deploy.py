@@ -35,6 +35,7 @@ from packaging.utils import canonicalize_name
 from relay.config import load_config
 from relay.core.metrics import Metrics
 
+helm_python: Any
 try:
     import helm_python
 except ImportError:  # reported by the `chart` fixture, with the install command
@@ -157,7 +158,10 @@ def chart() -> Iterator[Any]:
 def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
     """{template path: rendered text}, as `helm install` would render it."""
     chart.validate_schema(values or {})
-    return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    rendered: dict[str, str] = chart.render(
+        values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True
+    )
+    return rendered
 
 
 def objects(manifests: dict[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -188,7 +192,8 @@ def pod_spec(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
 
 def container(spec: dict[str, Any], name: str, key: str = "containers") -> dict[str, Any]:
     (found,) = [c for c in spec[key] if c["name"] == name]
-    return found
+    container_spec: dict[str, Any] = found
+    return container_spec
 
 
 def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -635,7 +640,7 @@ def test_every_alert_has_a_unit_test() -> None:
 def exposed_metric_names() -> set[str]:
     """Every sample name the relay's /metrics can expose."""
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
-    names = set()
+    names: set[str] = set()
     for family in Metrics().registry.collect():
         names.update(family.name + suffix for suffix in suffixes[family.type])
     return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from ipaddress import IPv4Address
 from pathlib import Path
@@ -300,7 +301,7 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
 
 async def parked(dsn: str) -> list[dict[str, object]]:
     async with db.connect(dsn) as conn:
-        return await Store("relay").parked(conn, "loans")
+        return [asdict(p) for p in await Store("relay").parked(conn, "loans")]
 
 
 # -- TLS: never a cleartext CONNECT ---------------------------------------------------------

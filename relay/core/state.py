@@ -1,12 +1,13 @@
 """What this process knows about each outbox, kept in one place.
 
-The CLI's `status`, the metrics and the health endpoints all read from here
-(or from the same facts in the checkpoints table), never from the loop's
-locals.
+The health endpoints and the tests read from here (the CLI's `status` reads the
+same facts from the checkpoints table), never from the loop's locals. Each
+change is a named transition, so that a typo is a type error, not a new field.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +15,7 @@ Role = Literal["starting", "holder", "standby", "stopped"]
 Activity = Literal["idle", "relaying", "retrying", "waiting", "halted", "disconnected", "stopped"]
 
 
-@dataclass
+@dataclass(slots=True)
 class OutboxState:
     name: str
     role: Role = "starting"
@@ -29,6 +30,46 @@ class OutboxState:
     published: int = 0
     parked: int = 0
 
-    def set(self, **changes: object) -> None:
-        for key, value in changes.items():
-            setattr(self, key, value)
+    # -- the lease -----------------------------------------------------------------------------
+
+    def standing_by(self, holder: str | None) -> None:
+        self.role, self.activity, self.holder = "standby", "idle", holder
+        self.held_since = self.epoch = None
+
+    def holding(self, identity: str, epoch: int, checkpoint: int) -> None:
+        self.role, self.activity, self.holder = "holder", "relaying", identity
+        self.held_since, self.epoch, self.checkpoint = time.time(), epoch, checkpoint
+        self.last_error = None
+
+    def lost(self, reason: str) -> None:
+        self.role, self.activity, self.holder, self.last_error = "standby", "idle", None, reason
+
+    def disconnected(self, error: str) -> None:
+        self.role, self.activity, self.last_error = "standby", "disconnected", error
+
+    def stopped(self) -> None:
+        self.role = self.activity = "stopped"
+
+    # -- the holder's loop ---------------------------------------------------------------------
+
+    def moved(self, checkpoint: int) -> None:
+        """The checkpoint was written (forwards, or back by a replay)."""
+        self.checkpoint = checkpoint
+
+    def relaying(self) -> None:
+        self.activity, self.attempts, self.blocked_by = "relaying", 0, None
+
+    def idle(self) -> None:
+        self.activity = "idle"
+
+    def retrying(self, attempts: int, error: str) -> None:
+        self.activity, self.attempts, self.last_error = "retrying", attempts, error
+
+    def waiting(self, blocker: str) -> None:
+        self.activity, self.blocked_by = "waiting", blocker
+
+    def halted(self, reason: str) -> None:
+        self.activity, self.last_error = "halted", reason
+
+    def resumed(self) -> None:
+        self.activity, self.last_error = "relaying", None

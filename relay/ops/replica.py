@@ -4,8 +4,8 @@
        ^                    |
        +---- released <-----+ (on stop: stop publishing, last checkpoint, unlock, close)
 
-While holding, the relay loop and the lease watch run side by side. If the
-watch cannot prove the lease, the loop is cancelled at once: the in-flight
+While holding, the relay loop and the lease watch run side by side (holding.py).
+If the watch cannot prove the lease, the loop is cancelled at once: the in-flight
 batch is abandoned without a checkpoint and the replica goes back to standby.
 """
 
@@ -13,67 +13,57 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import asyncpg
 import structlog
 
-from relay.config import OutboxConfig
+from relay.config import RetryConfig
 from relay.core.retry import Backoff
-from relay.core.state import OutboxState
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
-from relay.ops.outbox import DB_ERRORS, OutboxRelay, Session
-from relay.postgres.database import Database
+from relay.ops import holding
+from relay.ops.context import OutboxContext
+from relay.ops.outbox import OutboxRelay, Session
+from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.lease import Lease, LeaseBudget
-from relay.postgres.source import EventSource
-from relay.postgres.store import ClaimedOutbox, Store
 
 
 class OutboxReplica:
     def __init__(
         self,
-        relay: OutboxRelay,
+        context: OutboxContext,
         *,
-        config: OutboxConfig,
         lease: Lease,
         budget: LeaseBudget,
         db: Database,
-        store: Store,
-        source: EventSource,
-        lease_wake: asyncio.Event,
-        stop: asyncio.Event,
+        reconnect: RetryConfig,
     ) -> None:
-        self.relay = relay
-        self.name = relay.name
-        self.config = config
+        self.ctx = context
+        self.name = context.name
         self.lease = lease
         self.budget = budget
         self.db = db
-        self.store = store
-        self.source = source
-        self.lease_wake = lease_wake
-        self.stop = stop
-        self.state: OutboxState = relay.state
-        self.log = structlog.get_logger("relay.postgres.lease").bind(outbox=self.name)
+        self.reconnect = reconnect
+        self.relay = OutboxRelay(context)
+        self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
 
     async def run(self) -> None:
         """Until `stop`: hold the lease when it can be had, stand by otherwise."""
-        backoff, attempt = Backoff(self.config.retry), 0
+        backoff, attempt, stop = Backoff(self.reconnect), 0, self.ctx.stop
         try:
-            while not self.stop.is_set():
+            while not stop.is_set():
                 try:
                     if await self._acquire():
                         await self._hold()
                     else:
                         await self._stand_by()
                     attempt = 0
-                except (DatabaseError, *DB_ERRORS) as exc:
+                except (DatabaseError, *CONNECTION_LOST) as exc:
                     attempt += 1
                     await self._disconnected(exc, backoff.delay(attempt), attempt)
         finally:
             await self.lease.release()
-            self.state.set(role="stopped", activity="stopped")
+            self.ctx.state.stopped()
 
     async def _acquire(self) -> bool:
         if not self.budget.try_take():
@@ -86,20 +76,16 @@ class OutboxReplica:
         return got
 
     async def _stand_by(self) -> None:
+        state = self.ctx.state
         holder = await self.lease.holder()
-        if holder is not None and holder.identity != self.state.holder:
+        if holder is not None and holder.identity != state.holder:
             self.log.info("standing by", holder=holder.identity)
-        self.state.set(
-            role="standby",
-            activity="idle",
-            holder=holder.identity if holder else None,
-            held_since=None,
-            epoch=None,
-        )
+        state.standing_by(holder.identity if holder else None)
         if holder is not None and await self.lease.take_over_if_silent(holder):
             return  # its session is gone: try again at once
-        self.lease_wake.clear()
-        await wait_any(self.stop, self.lease_wake, within=self.lease.config.retry_interval)
+        self.ctx.wakes.lease.clear()
+        wait = self.lease.config.retry_interval
+        await wait_any(self.ctx.stop, self.ctx.wakes.lease, within=wait)
 
     async def _hold(self) -> None:
         fenced = False
@@ -111,87 +97,69 @@ class OutboxReplica:
             fenced = True
         except DatabaseError as exc:
             if not self.lease.connection_lost():
-                await self.lease.release()
-                self.budget.give()
+                await self._let_go()
                 raise
             reason = f"lease connection lost: {exc}"
         except BaseException:
-            await self.lease.release()
-            self.budget.give()
+            await self._let_go()
             raise
         if reason is None:  # stopped gracefully
-            await self.lease.release()
-            self.budget.give()
+            await self._let_go()
             self.log.info("lease released")
             self._transition("released")
             return
         self.lease.abandon()
         self.budget.give()
-        self.state.set(role="standby", activity="idle", holder=None, last_error=reason)
+        self.ctx.state.lost(reason)
         self.log.error("lease lost: stopped publishing, back to standby", reason=reason)
         self._transition("fenced" if fenced else "lost")
         # A replica that just lost its lease is the suspect one: let a healthy standby
         # (which retries every retry_interval) take over first.
-        await sleep_unless(self.stop, 2 * self.lease.config.retry_interval)
+        await sleep_unless(self.ctx.stop, 2 * self.lease.config.retry_interval)
+
+    async def _let_go(self) -> None:
+        await self.lease.release()
+        self.budget.give()
 
     async def _claim(self) -> Session:
-        async with self.lease.statement() as conn:
-            await self.source.check(conn)
-            start, start_xmin = await self.source.start_point(conn, self.config.start)
-            claim = await self.store.claim(
-                conn, self.name, self.lease.identity, start, self.lease.key, start_xmin=start_xmin
-            )
-            await self.relay.commands.abandon_running(conn, self.name)
-        reader = await self.db.connect("reader")
-        self.state.set(
-            role="holder",
-            holder=self.lease.identity,
-            held_since=time.time(),
-            epoch=claim.epoch,
-            checkpoint=claim.position,
-            activity="relaying",
-            last_error=None,
+        ctx = self.ctx
+        claimant = holding.Claimant(
+            self.name, ctx.config.start, ctx.source, ctx.store, ctx.commands
         )
+        claimed = await holding.claim(self.lease, claimant)
+        reader = await self.db.connect("reader")
+        claim = claimed.claim
+        ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
         self._transition("acquired")
-        async with self.lease.statement() as conn:
-            parked = await self.store.parked_count(conn, self.name)
-        self.relay.metrics.parked.labels(self.name).set(parked)
-        return Session(reader=reader, checkpoint=ClaimedOutbox(self.store, self.lease, claim))
+        ctx.metrics.parked.labels(self.name).set(await claimed.parked_count())
+        return Session(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, session: Session) -> str | None:
         """Relay until stopped (None) or until the lease is lost (why)."""
-        relaying = asyncio.create_task(self.relay.run(session), name=f"relay:{self.name}")
-        watching = asyncio.create_task(
-            self.lease.watch(session.checkpoint.claim.epoch), name=f"lease:{self.name}"
-        )
+
+        def stop_publishing() -> None:
+            self.lease.abandon()
+            session.reader.terminate()
+
         try:
-            done, _ = await asyncio.wait({relaying, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if watching in done:
-                # Stop publishing first; closing the sockets makes any statement stuck
-                # on a dead path fail at once instead of at the next keepalive.
-                self.lease.abandon()
-                session.reader.terminate()
-                relaying.cancel()
-                await asyncio.gather(relaying, return_exceptions=True)
-                return watching.result()
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
-            relaying.result()  # FencedError or DatabaseError propagate from here
-            return None
+            held = await holding.while_held(
+                self.lease,
+                session.claimed.claim.epoch,
+                self.relay.run(session),
+                on_lost=stop_publishing,
+            )
+            return held.lost
         finally:
-            for task in (relaying, watching):
-                task.cancel()
-            await asyncio.gather(relaying, watching, return_exceptions=True)
             await _close(session.reader)
 
     def _transition(self, event: str) -> None:
         """Count the lease change; only a holder reports lag and parked gauges."""
-        metrics = self.relay.metrics
+        metrics = self.ctx.metrics
         metrics.lease_transitions.labels(self.name, event).inc()
-        holding = event == "acquired"
-        metrics.lease_held.labels(self.name).set(1 if holding else 0)
-        if not holding:
+        holding_now = event == "acquired"
+        metrics.lease_held.labels(self.name).set(1 if holding_now else 0)
+        if not holding_now:
             for gauge in (metrics.lag_events, metrics.lag_seconds, metrics.parked):
                 with contextlib.suppress(KeyError):
                     gauge.remove(self.name)
@@ -199,17 +167,17 @@ class OutboxReplica:
             metrics.halted.labels(self.name).set(0)  # the next holder says so, if still true
 
     async def _disconnected(self, exc: BaseException, delay: float, attempt: int) -> None:
-        if self.state.role == "holder":
+        if self.ctx.state.role == "holder":
             self._transition("released")
         self.lease.abandon()
-        self.state.set(role="standby", activity="disconnected", last_error=str(exc))
+        self.ctx.state.disconnected(str(exc))
         self.log.warning(
             "database unavailable, retrying",
             error=str(exc),
             attempt=attempt,
             retry_in=round(delay, 3),
         )
-        await sleep_unless(self.stop, delay)
+        await sleep_unless(self.ctx.stop, delay)
 
 
 async def _close(conn: asyncpg.Connection) -> None:

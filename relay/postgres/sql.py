@@ -1,4 +1,4 @@
-"""Quoting identifiers that come from the config (table, column, schema names)."""
+"""SQL pieces: quoting names from the config, and how an advisory lock shows in pg_locks."""
 
 from __future__ import annotations
 
@@ -8,16 +8,36 @@ def quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
-def holds_lock(key_param: str) -> str:
-    """SQL that is true only on the connection holding advisory lock `key_param` (a bigint).
+def _advisory(key_param: str, alias: str = "") -> str:
+    """Rows of pg_locks for advisory lock `key_param` (a bigint), granted.
 
     A bigint key shows in pg_locks as classid (high 32 bits) and objid (low 32 bits)
-    with objsubid = 1.
+    with objsubid = 1; this is the one place that knows it.
     """
     return (
-        "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
-        " AND pid = pg_backend_pid() AND objsubid = 1"
-        f" AND ((classid::bigint << 32) | objid::bigint) = {key_param}::bigint)"
+        f"{alias}locktype = 'advisory' AND {alias}granted AND {alias}objsubid = 1"
+        f" AND (({alias}classid::bigint << 32) | {alias}objid::bigint) = {key_param}::bigint"
+    )
+
+
+def holds_lock(key_param: str) -> str:
+    """SQL that is true only on the connection holding advisory lock `key_param`."""
+    return (
+        f"EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND {_advisory(key_param)})"
+    )
+
+
+def lock_holder(key_param: str, *, columns: str = "", join: str = "") -> str:
+    """A query for the session holding advisory lock `key_param` in this database.
+
+    It selects `pid` and `application_name`, then `columns`; `join` may add tables.
+    """
+    return (
+        f"SELECT l.pid, coalesce(a.application_name, '') AS application_name{columns}"
+        f" FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid{join}"
+        f" WHERE {_advisory(key_param, 'l.')}"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " LIMIT 1"
     )
 
 
