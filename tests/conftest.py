@@ -39,6 +39,9 @@ SERVICE_FIXTURES = {
     "tansu_factory",
     "kafka_topic",
     "sqs_endpoint",
+    "tls_server",
+    "private_postgres",
+    "chart",
 }
 
 

@@ -41,6 +41,10 @@ try:
 except ImportError:  # reported by the `chart` fixture, with the install command
     helm_python = None
 
+# Helm renders the chart; kubernetes-validate, promtool and hadolint check it: tools, not
+# services, but seconds each, so not in the fast tier.
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "outbox-relay"
 DOCKERFILE = ROOT / "Dockerfile"
