@@ -1,6 +1,6 @@
 """Outbox Relay benchmark: backlog throughput against the nats-py ceiling, memory, latency.
 
-    .venv/bin/python bench/relay_bench.py [--events 100000] [--batch 500]
+    .venv/bin/python -m bench.relay_bench [--events 100000] [--batch 500]
 
 One run, against the machine's Postgres (127.0.0.1:5432) and NATS JetStream (127.0.0.1:4222):
 
@@ -12,7 +12,7 @@ One run, against the machine's Postgres (127.0.0.1:5432) and NATS JetStream (127
    PubAck awaited; only the publishing is timed. As a reference it also measures
    `js.publish_async` pipelining (`--batch` in flight, then all PubAcks awaited), which is how
    the relay's own NATS publisher sends a batch;
-3. relays the backlog with the real relay (`relay.runner.Relay`, in this process, default batch
+3. relays the backlog with the real relay (`relay.ops.runner.Relay`, in this process, default batch
    and retry settings) and times it from start until `relay.checkpoints` reaches the last
    position, sampling RSS on the way;
 4. measures the reference and the ceiling again (in mirror order), and reports
@@ -56,13 +56,14 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from relay.brokers.nats import _headers  # the relay's exact CloudEvents headers
-from relay.commands import migrate
 from relay.config import RelayConfig
-from relay.logs import configure
-from relay.mapping import Mapper
-from relay.publishing import Message
-from relay.runner import Relay
-from relay.source import EventSource
+from relay.core.mapping import Mapper
+from relay.core.publishing import Message
+from relay.ops.logs import configure
+from relay.ops.runner import Relay
+from relay.postgres.database import Database
+from relay.postgres.migrations import migrate_database
+from relay.postgres.source import EventSource
 
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS_SQL = ROOT / "config" / "events.example.sql"
@@ -565,7 +566,9 @@ async def _load(spec: LoadSpec) -> dict[str, Any]:
 async def latency(
     config: RelayConfig, spec: LoadSpec, last: int, mode: str, pool: ProcessPoolExecutor
 ) -> Latency:
-    await migrate(config)  # installs the NOTIFY trigger, or removes it
+    await migrate_database(
+        Database(config.database, "relay:bench:0"), config
+    )  # installs the NOTIFY trigger, or removes it
     async with running(config) as relay:
         for _ in range(200):  # holding the lease and caught up with everything before
             state = relay.states.get(OUTBOX)
@@ -654,7 +657,7 @@ async def bench(args: argparse.Namespace) -> Results:
         nats_version = await create_stream(args.nats, name)
         await admin_execute(dsn, read_events_sql())
         config = relay_config(dsn, args.nats, name, batch=args.batch)
-        await migrate(config)
+        await migrate_database(Database(config.database, "relay:bench:0"), config)
         results.machine = await machine_info(dsn, nats_version)
         say(f"database and stream {name}; inserting {args.events:,} events")
 

@@ -1,3 +1,3 @@
-from relay.cli import main
+from relay.ops.cli import main
 
 main()

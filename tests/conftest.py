@@ -9,17 +9,47 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.support import postgres
+from tests.support.jetstream import create_stream, delete_stream, unique_name
 from tests.support.nats_server import MACHINE_URL, NatsServer, jetstream_reachable
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess
 
 FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
+
+# Tests that need a real service (or start one): the `integration` tier. The rest run in
+# seconds with nothing on the machine: `pytest -m "not integration"`.
+SERVICE_FIXTURES = {
+    "pg_admin_dsn",
+    "database",
+    "events_table",
+    "private_pg_admin_dsn",
+    "private_database",
+    "nats_url",
+    "nats_factory",
+    "relay_process",
+    "rabbitmq_url",
+    "rabbitmq_small_url",
+    "tansu",
+    "tansu_factory",
+    "kafka_topic",
+    "sqs_endpoint",
+    "tls_server",
+    "private_postgres",
+    "chart",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
 
 # Each broker's test server lives in its own module, beside the adapter it tests.
 pytest_plugins = [
@@ -101,6 +131,17 @@ def nats_url() -> Iterator[str]:
             yield server.url
         finally:
             server.stop()
+
+
+@pytest.fixture
+async def stream(nats_url: str) -> AsyncIterator[str]:
+    """A fresh stream on the shared server capturing `<name>.>`; `<name>` is also the subject."""
+    name = unique_name("stream")
+    await create_stream(nats_url, name, [f"{name}.>"])
+    try:
+        yield name
+    finally:
+        await delete_stream(nats_url, name)
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from relay.config import RabbitMqBrokerConfig, RelayConfig, load_config
+from relay.config import NatsBrokerConfig, RabbitMqBrokerConfig, RelayConfig, load_config
+from relay.config.yaml_file import expand_vars
 from relay.errors import ConfigError
-from relay.yaml_file import expand_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "relay.example.yaml"
@@ -87,7 +87,9 @@ def test_environment_expansion_and_defaults(
     monkeypatch.delenv("NATS_PORT", raising=False)
     text = GOOD.replace('["nats://127.0.0.1:4222"]', '["nats://${NATS_HOST}:${NATS_PORT:-4222}"]')
     config = load_config(write(tmp_path, text))
-    assert config.brokers["nats"].servers == ["nats://nats.internal:4222"]
+    nats = config.brokers["nats"]
+    assert isinstance(nats, NatsBrokerConfig)
+    assert nats.servers == ["nats://nats.internal:4222"]
 
 
 def test_relay_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 
 def run_demo(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -22,6 +23,7 @@ def run_demo(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.integration  # it starts an embedded Postgres and NATS itself
 def test_demo_on_embedded_services_tells_the_whole_story() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "NATS_URL")}
     result = run_demo(env)

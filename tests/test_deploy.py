@@ -33,12 +33,17 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.config import load_config
-from relay.metrics import Metrics
+from relay.core.metrics import Metrics
 
+helm_python: Any
 try:
     import helm_python
 except ImportError:  # reported by the `chart` fixture, with the install command
     helm_python = None
+
+# Helm renders the chart; kubernetes-validate, promtool and hadolint check it: tools, not
+# services, but seconds each, so not in the fast tier.
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "outbox-relay"
@@ -157,7 +162,10 @@ def chart() -> Iterator[Any]:
 def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
     """{template path: rendered text}, as `helm install` would render it."""
     chart.validate_schema(values or {})
-    return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    rendered: dict[str, str] = chart.render(
+        values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True
+    )
+    return rendered
 
 
 def objects(manifests: dict[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -188,7 +196,8 @@ def pod_spec(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
 
 def container(spec: dict[str, Any], name: str, key: str = "containers") -> dict[str, Any]:
     (found,) = [c for c in spec[key] if c["name"] == name]
-    return found
+    container_spec: dict[str, Any] = found
+    return container_spec
 
 
 def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -635,7 +644,7 @@ def test_every_alert_has_a_unit_test() -> None:
 def exposed_metric_names() -> set[str]:
     """Every sample name the relay's /metrics can expose."""
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
-    names = set()
+    names: set[str] = set()
     for family in Metrics().registry.collect():
         names.update(family.name + suffix for suffix in suffixes[family.type])
     return names
@@ -649,7 +658,7 @@ def test_rules_and_dashboard_use_real_metric_names(chart: Any) -> None:
     exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
     used = {name for expr in exprs for name in re.findall(r"\brelay_[a-z_]+\b", expr)}
     assert used, "no metric found in the rules and the dashboard"
-    assert used <= exposed, f"not exposed by relay.metrics: {sorted(used - exposed)}"
+    assert used <= exposed, f"not exposed by relay.core.metrics: {sorted(used - exposed)}"
 
 
 def github_anchors(markdown: str) -> set[str]:

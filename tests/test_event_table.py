@@ -13,7 +13,7 @@ import pytest
 
 from relay.config import SourceConfig
 from relay.errors import SourceError
-from relay.source import EventSource
+from relay.postgres.source import EventSource
 from tests.support import postgres
 from tests.support.db import connect
 from tests.support.relay_process import run_cli

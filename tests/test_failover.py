@@ -24,7 +24,14 @@ from tests.support.jetstream import create_stream, delete_stream, fetch_all, uni
 from tests.support.postgres import with_address
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, save
+from tests.support.scenario import (
+    LIBRARY_MESSAGES,
+    config_dict,
+    eventually,
+    migrate_cli,
+    save,
+    write_config,
+)
 
 Start = Callable[..., RelayProcess]
 MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
@@ -101,12 +108,16 @@ async def _setup(
 ) -> tuple[Path, str]:
     stream = unique_name("failover")
     await create_stream(nats_url, stream, [f"{stream}.>"])
-    data = config_dict(
-        events_table, nats_url, stream, messages=MESSAGES, batch={"max_messages": 50}
+    path = write_config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        lease={"retry_interval": "1s", **lease},
+        messages=MESSAGES,
+        batch={"max_messages": 50},
     )
-    data["lease"] = {"retry_interval": "1s", **lease}
-    path = save(tmp_path, data)
-    assert run_cli(["migrate", "--config", str(path)]).returncode == 0
+    migrate_cli(path)
     return path, stream
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from relay.errors import FencedError
-from relay.lease import lock_key
-from relay.store import Store
+from relay.postgres.lease import lock_key
+from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import unique_name
 from tests.support.scenario import config_dict, load_and_migrate

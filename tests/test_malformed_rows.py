@@ -8,14 +8,14 @@ loop, fail while being parked, or go out as invalid JSON.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from relay.commands import status
-from relay.store import Store
+from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.relay_process import run_cli
-from tests.support.scenario import config_dict, eventually, load_and_migrate, running, save
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running, save, status
 
 # A lax table, as some applications have: text payloads and nullable columns.
 LAX_TABLE = """
@@ -79,7 +79,7 @@ async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
             received = await fetch_all(nats_url, subject, expected=2)
 
             async def all_parked() -> bool:
-                return (await status(config))[0]["parked"] == len(FAULTS)
+                return bool((await status(config))[0]["parked"] == len(FAULTS))
 
             await eventually(all_parked)
             row = (await status(config))[0]
@@ -88,7 +88,7 @@ async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
         for message in received:  # strictly valid JSON, nothing like NaN went out
             json.loads(message.data, parse_constant=_refuse)
         async with connect(database) as conn:
-            parked = await Store("relay").parked(conn, "loans")
+            parked = [asdict(p) for p in await Store("relay").parked(conn, "loans")]
         by_id = {p["aggregate_id"]: p for p in parked}
         assert set(by_id) == set(FAULTS)
         for aggregate_id, fault in FAULTS.items():

@@ -10,11 +10,11 @@ import jmespath
 import pytest
 
 from relay.config import OutboxConfig, RetryConfig
+from relay.config.expressions import ExpressionError, compile_expression, compile_template
+from relay.core.mapping import Event, Mapper
+from relay.core.retry import Backoff
 from relay.errors import MappingError
-from relay.expressions import ExpressionError, compile_expression, compile_template
-from relay.logs import redact
-from relay.mapping import Event, Mapper
-from relay.retry import Backoff
+from relay.redaction import redact
 
 WHEN = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
 

@@ -8,6 +8,7 @@ waited behind. Each test holds a real writer transaction open on the table.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
@@ -20,9 +21,10 @@ LENT = {"loanId": "L", "memberId": "m"}
 
 
 def _config(tmp_path: Path, dsn: str, nats_url: str, *, trigger: bool) -> Path:
+    name = f"relay-{trigger}.yaml"
     data = config_dict(dsn, nats_url, "unused")
     data["source"]["notify_trigger"] = trigger
-    return save(tmp_path, data, f"relay-{trigger}.yaml")
+    return save(tmp_path, data, name)
 
 
 async def _triggers(dsn: str) -> int:
@@ -60,7 +62,7 @@ async def test_migrate_on_an_up_to_date_schema_takes_no_lock_on_the_table(
 
 
 async def test_migrate_that_must_change_the_trigger_waits_politely_and_says_for_whom(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: type[RelayProcess]
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Callable[..., RelayProcess]
 ) -> None:
     config = _config(tmp_path, events_table, nats_url, trigger=True)
     assert await _triggers(events_table) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from ipaddress import IPv4Address
 from pathlib import Path
@@ -15,9 +16,9 @@ from cryptography.x509.oid import NameOID
 
 from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.publishing import Message
-from relay.store import Store
+from relay.postgres.store import Store
 from tests.support import db
 from tests.support.jetstream import connect, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.nats_server import NatsServer
@@ -300,7 +301,7 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
 
 async def parked(dsn: str) -> list[dict[str, object]]:
     async with db.connect(dsn) as conn:
-        return await Store("relay").parked(conn, "loans")
+        return [asdict(p) for p in await Store("relay").parked(conn, "loans")]
 
 
 # -- TLS: never a cleartext CONNECT ---------------------------------------------------------

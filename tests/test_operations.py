@@ -15,7 +15,14 @@ from typing import Any
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, save
+from tests.support.scenario import (
+    LIBRARY_MESSAGES,
+    config_dict,
+    eventually,
+    migrate_cli,
+    save,
+    write_config,
+)
 
 LENT = LIBRARY_MESSAGES["BookLent"]
 
@@ -39,8 +46,8 @@ async def _setup(
 ) -> tuple[Path, str]:
     stream = unique_name("ops")
     await create_stream(nats_url, stream, [f"{stream}.>"])
-    config = save(tmp_path, config_dict(events_table, nats_url, stream, **options))
-    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    config = write_config(tmp_path, events_table, nats_url, stream, **options)
+    migrate_cli(config)
     return config, stream
 
 
@@ -58,7 +65,7 @@ async def _relay_then_stop(relay_process: Any, config: Path, position: int) -> N
 
 async def _relayed_up_to(config: Path, position: int) -> None:
     async def caught_up() -> bool:
-        return cli(config, "status")[0]["checkpoint"] == position
+        return bool(cli(config, "status")[0]["checkpoint"] == position)
 
     await eventually(caught_up, timeout=20)
 
@@ -85,7 +92,7 @@ async def test_replay_is_carried_out_by_the_holder_never_the_standby(
 
         # The holder publishes the 20 again; JetStream's dedup absorbs them (same ids).
         async def republished() -> bool:
-            return sum(r.get("duplicates", 0) for r in first.logs()) == 20
+            return bool(sum(r.get("duplicates", 0) for r in first.logs()) == 20)
 
         await eventually(republished, timeout=20)
         assert len(await fetch_all(nats_url, stream, expected=30)) == 30

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from pathlib import Path
 
-from relay.commands import status
 from relay.config import RelayConfig
-from relay.control_client import Controller
-from relay.store import Store
+from relay.ops.operator import Operator
+from relay.postgres.command_queue import CommandKind
+from relay.postgres.store import Store
 from tests.support.db import append, connect
 from tests.support.delivery import checkpoint
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
@@ -18,12 +19,13 @@ from tests.support.scenario import (
     eventually,
     load_and_migrate,
     running,
+    status,
 )
 
 
 async def parked_rows(dsn: str) -> list[dict[str, object]]:
     async with connect(dsn) as conn:
-        return await Store("relay").parked(conn, "loans")
+        return [asdict(p) for p in await Store("relay").parked(conn, "loans")]
 
 
 async def test_oversized_message_is_parked_and_the_rest_flows(
@@ -103,7 +105,9 @@ async def test_missing_stream_is_transient_retried_not_parked(
 
             async def retrying_past_park_after() -> bool:
                 row = (await status(config))[0]
-                return row["state"] == "retrying" and row["last_error"].startswith("attempt 5:")
+                return bool(
+                    row["state"] == "retrying" and row["last_error"].startswith("attempt 5:")
+                )
 
             await eventually(retrying_past_park_after)
             row = (await status(config))[0]
@@ -112,7 +116,7 @@ async def test_missing_stream_is_transient_retried_not_parked(
             received = await fetch_all(nats_url, subject, expected=1)
 
             async def relaying() -> bool:
-                return (await status(config))[0]["state"] == "relaying"
+                return bool((await status(config))[0]["state"] == "relaying")
 
             await eventually(relaying)
         assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
@@ -149,11 +153,11 @@ async def test_operator_commands_do_not_reset_the_retry_count(
     try:
         poison = await _append_poison(events_table)
         async with running(config):
-            controller = Controller(config, "loans", "cron-job")
+            controller = Operator(config, "loans", "cron-job")
 
             async def cron() -> None:
                 while True:
-                    await controller.run("retry-parked", {"ids": [999_999]}, 10)
+                    await controller.run(CommandKind.RETRY_PARKED, {"ids": [999_999]}, 10)
                     await asyncio.sleep(0.25)
 
             job = asyncio.create_task(cron())

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,16 @@ from tests.support.delivery import (
     analyse,
     append_backlog,
     checkpoint,
+    checkpoint_position,
     settled_count,
     wait_for_checkpoint,
     wait_for_count,
 )
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.jetstream import create_stream, fetch_all, unique_name
 from tests.support.nats_server import NatsServer
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import config_dict, eventually, save
+from tests.support.scenario import eventually, write_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,37 +54,6 @@ StartRelay = Callable[..., RelayProcess]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def stream(nats_url: str) -> AsyncIterator[str]:
-    """A fresh stream on the shared server capturing `<name>.>`; `<name>` is also the subject."""
-    name = unique_name("process")
-    await create_stream(nats_url, name, [f"{name}.>"])
-    try:
-        yield name
-    finally:
-        await delete_stream(nats_url, name)
-
-
-def write_config(
-    tmp_path: Path,
-    dsn: str,
-    nats_url: str,
-    subject: str,
-    *,
-    name: str = "relay.yaml",
-    broker: dict[str, Any] | None = None,
-    shutdown: dict[str, Any] | None = None,
-    lease: dict[str, Any] | None = None,
-    **outbox_options: Any,
-) -> Path:
-    data = config_dict(dsn, nats_url, subject, outbox=OUTBOX, **outbox_options)
-    data["brokers"]["nats"].update(broker or {})
-    data["shutdown"].update(shutdown or {})
-    if lease:
-        data["lease"] = lease
-    return save(tmp_path, data, name)
 
 
 def nats_port(url: str) -> int:
@@ -178,7 +148,7 @@ async def test_sigterm_mid_stream_then_restart_delivers_every_event_once(
     assert code == 0, first.output()
     assert took < GRACE, f"graceful stop took {took:.2f}s"
 
-    position = (await checkpoint(events_table, OUTBOX))["position"]
+    position = await checkpoint_position(events_table, OUTBOX)
     before = analyse(await fetch_all(nats_url, stream))
     print(f"SIGTERM: exit 0 after {took:.2f}s, checkpoint {position} of {last}")
     print(before.report("after SIGTERM"))
@@ -198,7 +168,7 @@ async def test_sigterm_mid_stream_then_restart_delivers_every_event_once(
     print(f"PubAcks marked duplicate after the restart: {resent}")
     assert resent == 0, "a graceful stop left published-but-unrecorded messages"
     assert_exactly_once(after, set(expected.values()))
-    assert (await checkpoint(events_table, OUTBOX))["position"] == last
+    assert await checkpoint_position(events_table, OUTBOX) == last
 
 
 @pytest.mark.parametrize("moment", ["mid-stream", "between-ack-and-checkpoint"])
@@ -232,7 +202,8 @@ async def test_sigkill_then_restart_loses_nothing(
     await wait_for_count(nats_url, stream, lambda n: n >= 200, process=first)
     if stall:
         broker.pause()
-        await asyncio.sleep(0.2)  # the relay is now awaiting the PubAcks of its next batch
+        # The relay writes its next batch into the silence: it now awaits the PubAcks.
+        await eventually(lambda: broker.waiting_from_clients() > 0, timeout=10)
         pg.pause()
         broker.resume()  # the batch is stored and acknowledged; its checkpoint write hangs
         await settled_count(nats_url, stream, quiet=0.2)
@@ -243,7 +214,7 @@ async def test_sigkill_then_restart_loses_nothing(
         pg.resume()
     # Let whatever the dead process had already written to NATS or Postgres land.
     stored = await settled_count(nats_url, stream)
-    at_kill = (await checkpoint(events_table, OUTBOX))["position"]
+    at_kill = await checkpoint_position(events_table, OUTBOX)
     before = analyse(await fetch_all(nats_url, stream))
     through = {i for p, i in expected.items() if p <= at_kill}
     beyond = {i for p, i in expected.items() if p > at_kill} & set(before.counts)
@@ -292,7 +263,7 @@ async def test_sigint_stops_gracefully(
     assert await process.wait_async(GRACE + 5) == 0, process.output()
     signals = [r for r in process.logs() if r.get("event") == "signal received, stopping"]
     assert [r["signal"] for r in signals] == ["SIGINT"]
-    assert (await checkpoint(events_table, OUTBOX))["position"] == max(expected)
+    assert await checkpoint_position(events_table, OUTBOX) == max(expected)
 
 
 async def events_read(process: RelayProcess) -> float:
@@ -388,7 +359,7 @@ async def test_second_sigterm_during_shutdown_exits_at_once(
     print(f"second SIGTERM: exit {code} after {took:.3f}s")
     assert code == 130, process.output()
     assert any(r.get("event") == "second signal, exiting now" for r in process.logs())
-    assert (await checkpoint(events_table, OUTBOX))["position"] == 1
+    assert await checkpoint_position(events_table, OUTBOX) == 1
 
 
 async def test_grace_period_abandons_a_stuck_batch_without_moving_the_checkpoint(
@@ -421,7 +392,7 @@ async def test_grace_period_abandons_a_stuck_batch_without_moving_the_checkpoint
         r.get("event") == "grace period over, abandoning the in-flight batch"
         for r in process.logs()
     )
-    assert (await checkpoint(events_table, OUTBOX))["position"] == 1
+    assert await checkpoint_position(events_table, OUTBOX) == 1
 
     proxy.resume()  # whatever the dead relay left in the proxy may now reach the stream
     restarted = relay_process(["run", "--config", str(path)])
@@ -576,7 +547,7 @@ async def test_sigterm_while_waiting_for_the_database_exits_0_at_once(
     With a long backoff (the default retry.max is 30s) the start-up wait must still end at once.
     """
     path = write_config(
-        tmp_path, PASSWORD_URL, nats_url, unique_name("nodb"), retry={"initial": "5s"}
+        tmp_path, PASSWORD_URL, nats_url, unique_name("nodb"), database={"retry": {"initial": "5s"}}
     )
     process = relay_process(["run", "--config", str(path)])
     await process.wait_for_log("database unreachable, retrying", timeout=10)

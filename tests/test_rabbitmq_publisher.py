@@ -14,8 +14,8 @@ import pytest
 
 from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.publishing import Message
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (
@@ -27,6 +27,7 @@ from tests.support.rabbitmq_server import (
     delete_topology,
     unique_name,
 )
+from tests.support.scenario import eventually
 
 TYPE = "library.book-lent.v1"
 
@@ -372,7 +373,7 @@ async def test_cancelled_publish_and_close_return_at_once_while_the_broker_is_si
             proxy.pause()
             for _ in range(2):  # in flight on an open connection, then while connecting
                 task = asyncio.create_task(pub.publish([message(exchange, 2)]))
-                await asyncio.sleep(0.3)
+                await eventually(lambda: proxy.waiting_from_clients() > 0)  # it has written
                 started = time.monotonic()
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):

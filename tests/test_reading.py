@@ -15,12 +15,11 @@ from pathlib import Path
 
 import asyncpg
 
-from relay.commands import status
-from relay.runner import Relay
-from relay.state import OutboxState
+from relay.core.state import OutboxState
+from relay.ops.runner import Relay
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
-from tests.support.scenario import config_dict, eventually, load_and_migrate, running
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running, status
 
 LENT = "BookLent"
 
@@ -218,7 +217,7 @@ async def test_unmapped_types_and_filtered_aggregates_are_skipped(
             received = await fetch_all(nats_url, subject, expected=1)
 
             async def checkpoint_past_skipped() -> bool:
-                return (await status(config))[0]["checkpoint"] == last
+                return bool((await status(config))[0]["checkpoint"] == last)
 
             await eventually(checkpoint_past_skipped)
         assert ids(received) == ["book/b1@2"]

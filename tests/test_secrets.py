@@ -22,9 +22,10 @@ import structlog
 from pydantic import SecretStr, ValidationError
 
 from relay.config import DatabaseConfig, RabbitMqBrokerConfig, load_config
-from relay.database import Database, DatabaseUnavailable
 from relay.errors import ConfigError, DatabaseError
-from relay.logs import configure, redact
+from relay.ops.logs import configure
+from relay.postgres.database import Database, DatabaseUnavailable
+from relay.redaction import redact
 from tests.support.relay_process import run_cli
 
 RESERVED = ["/", "@", ":", "#", "%", "?", "[", "]", "\\"]
@@ -84,6 +85,7 @@ CASES = [
 ]
 
 
+@pytest.mark.integration  # runs `relay check` as a process
 @pytest.mark.parametrize(("char", "encoded"), CASES)
 def test_database_url_password_with_reserved_character(
     tmp_path: Path, char: str, encoded: bool
@@ -111,6 +113,7 @@ def test_database_url_password_with_reserved_character(
     assert_hidden(output, secret)
 
 
+@pytest.mark.integration  # runs `relay check` as a process
 @pytest.mark.parametrize(("char", "encoded"), CASES)
 def test_rabbitmq_url_password_with_reserved_character(
     tmp_path: Path, char: str, encoded: bool
@@ -268,6 +271,7 @@ async def test_connect_refuses_a_bad_url_for_good_without_the_parsers_text(url: 
     assert_hidden(str(info.value), "Xk7Tq2/Zp9Wm4")
 
 
+@pytest.mark.integration  # runs `relay check` as a process
 @pytest.mark.parametrize(
     ("url", "expected"),
     [

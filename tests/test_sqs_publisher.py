@@ -19,8 +19,8 @@ from typing import Any
 
 from relay.brokers.sqs import CONCURRENCY, SqsPublisher
 from relay.config import SqsBrokerConfig
+from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.publishing import Message
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from relay.commands import status
-from relay.control_client import Controller, ReplayFrom
-from relay.runner import Relay
+from relay.ops.operator import Operator, ReplayFrom
+from relay.ops.runner import Relay
+from relay.postgres.command_queue import CommandKind
 from tests.support import postgres
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
-from tests.support.scenario import config_dict, eventually, load_and_migrate, running
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running, status
 
 LENT = "BookLent"
 
@@ -226,7 +226,7 @@ async def test_reset_sequence_halts_the_outbox_loudly_until_replayed(
                     await append(conn, "book", "after", version, LENT, lent(f"a{version}"))
 
                 async def halted() -> bool:
-                    return (await status(config))[0]["state"] == "halted"
+                    return bool((await status(config))[0]["state"] == "halted")
 
                 await eventually(halted, timeout=10)
                 row = (await status(config))[0]
@@ -239,14 +239,14 @@ async def test_reset_sequence_halts_the_outbox_loudly_until_replayed(
                 await eventually(halted, timeout=10)
                 await asyncio.sleep(0.5)  # a duration: nothing may be published meanwhile
                 assert len(await fetch_all(nats_url, subject)) == 10
-                controller = Controller(config, "loans", "test-operator")
+                controller = Operator(config, "loans", "test-operator")
                 target, _ = await controller.replay_target(ReplayFrom(start=True))
-                outcome = await controller.run("replay", {"to": target}, 10)
+                outcome = await controller.run(CommandKind.REPLAY, {"to": target}, 10)
                 assert outcome.ok, outcome.detail
                 received = await fetch_all(nats_url, subject, expected=15)
 
                 async def relaying() -> bool:
-                    return (await status(config))[0]["state"] == "relaying"
+                    return bool((await status(config))[0]["state"] == "relaying")
 
                 await eventually(relaying, timeout=10)
                 assert _halted_gauge(relay) == 0

@@ -10,8 +10,8 @@ import importlib
 from typing import Any
 
 from relay.config import BrokerConfig
+from relay.core.publishing import Publisher
 from relay.errors import ConfigError
-from relay.publishing import Publisher
 
 _ADAPTERS: dict[str, tuple[str, str, str]] = {
     # type: (module, class, extra)

@@ -51,10 +51,11 @@ from aiokafka.errors import (
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
+from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 log = structlog.get_logger("relay.brokers.kafka")
 
@@ -95,6 +96,37 @@ class _Batch:
 
 class _Discard(Exception):
     """A failure after which the producer must not be used again."""
+
+
+@dataclass
+class _Tally:
+    """One outcome per message of a publish, and whether it is final yet."""
+
+    outcomes: list[Outcome]
+    done: list[bool]
+
+    @classmethod
+    def of(cls, count: int) -> _Tally:
+        return cls([None] * count, [False] * count)
+
+    def record(self, indexes: Sequence[int], outcome: Outcome) -> None:
+        for i in indexes:
+            self.outcomes[i], self.done[i] = outcome, True
+
+    def fill(self, failure: Outcome) -> None:
+        """Every message without a final outcome yet gets `failure`."""
+        self.record([i for i, final in enumerate(self.done) if not final], failure)
+
+    def reopen_acknowledged(self) -> None:
+        """A transaction failed: nothing it held is acknowledged before the commit."""
+        for i, outcome in enumerate(self.outcomes):
+            if outcome is None:
+                self.done[i] = False
+
+    def replace_acknowledged(self, failure: Outcome) -> None:
+        for i, outcome in enumerate(self.outcomes):
+            if outcome is None:
+                self.outcomes[i] = failure
 
 
 class KafkaPublisher:
@@ -186,34 +218,33 @@ class KafkaPublisher:
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
             return []
-        try:
-            await self.connect()
-        except TransientPublishError as exc:
-            return [exc] * len(messages)
-        assert self._producer is not None
-        producer = self._producer
-        outcomes: list[Outcome] = [None] * len(messages)
-        done = [False] * len(messages)
+        if failed := await connect_or_fail(self.connect, len(messages)):
+            return failed
+        producer = connected(self._producer)
+        tally = _Tally.of(len(messages))
+        outcomes = tally.outcomes
         try:
             async with asyncio.timeout(self._config.ack_timeout):
                 if self._config.transactional_id is None:
-                    await self._send(producer, messages, outcomes, done)
+                    await self._send(producer, messages, tally)
                 else:
-                    await self._send_transaction(producer, messages, outcomes, done)
+                    await self._send_transaction(producer, messages, tally)
         except TimeoutError:
             reason = f"{self._stage}: no answer within {self._config.ack_timeout}s"
             if self._config.transactional_id is not None:
                 await self._discard(reason)  # the transaction is still open
             # Otherwise the producer stays: aiokafka keeps retrying what it queued, ahead
             # of anything sent later to the same partition, so order holds either way.
-            self._fill(outcomes, done, reason)
+            tally.fill(TransientPublishError(f"broker {self.name!r}: {reason}"))
         except _Discard as exc:
             await self._discard(str(exc))
-            self._fill(outcomes, done, str(exc))
+            tally.fill(TransientPublishError(f"broker {self.name!r}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - logged, reported transient, producer replaced
             self._log.error("unexpected error from the Kafka client", exc_info=True)
             await self._discard(_text(exc))
-            self._fill(outcomes, done, f"unexpected error: {_text(exc)}")
+            tally.fill(
+                TransientPublishError(f"broker {self.name!r}: unexpected error: {_text(exc)}")
+            )
         except BaseException:
             # Cancelled: the lease was lost, or the shutdown grace is over. Stop publishing
             # now; shielded, so that a second cancellation cannot leave sockets open.
@@ -225,44 +256,23 @@ class KafkaPublisher:
             await self._discard("the producer's sender stopped")
         return outcomes
 
-    def _fill(self, outcomes: list[Outcome], done: list[bool], reason: str) -> None:
-        """Every message without an outcome yet failed for `reason`."""
-        failure = TransientPublishError(f"broker {self.name!r}: {reason}")
-        for i, finished in enumerate(done):
-            if not finished:
-                outcomes[i], done[i] = failure, True
-
     async def _send(
-        self,
-        producer: AIOKafkaProducer,
-        messages: Sequence[Message],
-        outcomes: list[Outcome],
-        done: list[bool],
+        self, producer: AIOKafkaProducer, messages: Sequence[Message], tally: _Tally
     ) -> None:
         """Send wave after wave; stop at the first wave with a failure."""
         waves, rejected = await self._plan(producer, messages)
         failed = False
         for wave in waves:
-            if not await self._send_wave(producer, wave, outcomes, done):
+            if not await self._send_wave(producer, wave, tally):
                 failed = True
                 break
-        not_sent = TransientPublishError(
-            f"broker {self.name!r}: not sent: an earlier message of the batch failed"
-        )
-        for i in range(len(messages)):
-            if not done[i]:
-                if rejected is not None and i == rejected[0] and not failed:
-                    outcomes[i] = rejected[1]
-                else:
-                    outcomes[i] = not_sent
-                done[i] = True
+        if rejected is not None and not failed and not tally.done[rejected[0]]:
+            tally.record([rejected[0]], rejected[1])
+        (held,) = not_sent(1, broker=self.name)
+        tally.fill(held)
 
     async def _send_transaction(
-        self,
-        producer: AIOKafkaProducer,
-        messages: Sequence[Message],
-        outcomes: list[Outcome],
-        done: list[bool],
+        self, producer: AIOKafkaProducer, messages: Sequence[Message], tally: _Tally
     ) -> None:
         """One transaction per call. Everything before the first failure was acknowledged
         inside it, so that prefix is committed (the relay re-sends the rest, as without a
@@ -273,8 +283,8 @@ class KafkaPublisher:
         try:
             self._stage = "beginning a transaction"
             await producer.begin_transaction()
-            await self._send(producer, messages, outcomes, done)
-            if outcomes[0] is None:
+            await self._send(producer, messages, tally)
+            if tally.outcomes[0] is None:
                 self._stage = "committing the transaction"
                 await producer.commit_transaction()
                 return
@@ -282,9 +292,7 @@ class KafkaPublisher:
             await producer.abort_transaction()
         except BaseException as exc:
             # Nothing is acknowledged before the commit returns.
-            for i, outcome in enumerate(outcomes):
-                if outcome is None:
-                    done[i] = False
+            tally.reopen_acknowledged()
             if isinstance(exc, _FATAL):
                 raise _Discard(self._fenced(exc)) from exc
             if isinstance(exc, KafkaError):
@@ -293,9 +301,7 @@ class KafkaPublisher:
         aborted = TransientPublishError(
             f"broker {self.name!r}: transaction aborted: the batch's first message failed"
         )
-        for i, outcome in enumerate(outcomes):
-            if outcome is None:
-                outcomes[i] = aborted
+        tally.replace_acknowledged(aborted)
 
     def _fenced(self, exc: BaseException) -> str:
         if isinstance(exc, ProducerFenced):
@@ -371,8 +377,7 @@ class KafkaPublisher:
         self,
         producer: AIOKafkaProducer,
         wave: dict[tuple[str, int], _Batch],
-        outcomes: list[Outcome],
-        done: list[bool],
+        tally: _Tally,
     ) -> bool:
         """Send one record batch per partition, await them all; False if any failed."""
         sent: list[tuple[_Batch, asyncio.Future[Any]]] = []
@@ -386,7 +391,7 @@ class KafkaPublisher:
             except _FATAL as exc:
                 raise _Discard(self._fenced(exc)) from exc
             except KafkaError as exc:
-                self._record(batch, self._classify(exc, len(batch.indexes)), outcomes, done)
+                tally.record(batch.indexes, self._classify(exc, len(batch.indexes)))
                 ok = False
                 break
             future.add_done_callback(_consume)
@@ -397,21 +402,16 @@ class KafkaPublisher:
         for batch, future in sent:
             error = future.exception()
             if error is None:
-                self._record(batch, None, outcomes, done)
+                tally.record(batch.indexes, None)
                 continue
             ok = False
             if isinstance(error, _FATAL):
                 discard = error
                 continue
-            self._record(batch, self._classify(error, len(batch.indexes)), outcomes, done)
+            tally.record(batch.indexes, self._classify(error, len(batch.indexes)))
         if discard is not None:
             raise _Discard(self._fenced(discard)) from discard
         return ok
-
-    @staticmethod
-    def _record(batch: _Batch, outcome: Outcome, outcomes: list[Outcome], done: list[bool]) -> None:
-        for i in batch.indexes:
-            outcomes[i], done[i] = outcome, True
 
     def _classify(self, exc: BaseException, records: int) -> PublishError:
         text = f"broker {self.name!r}: {_text(exc)}"
@@ -443,16 +443,10 @@ class KafkaPublisher:
 
 def _headers(message: Message) -> list[tuple[str, bytes]]:
     """CloudEvents Kafka binding, binary mode."""
-    headers = [
-        ("ce_specversion", b"1.0"),
-        ("ce_id", message.id.encode()),
-        ("ce_type", message.type.encode()),
-        ("ce_source", message.source.encode()),
-        ("content-type", message.content_type.encode()),
-    ]
-    if message.time is not None:
-        headers.append(("ce_time", message.time.isoformat().encode()))
-    return headers
+    attributes = cloudevent_attributes(message)
+    del attributes["partitionkey"]  # the record's key is the partition key here
+    headers = [(f"ce_{name}", value.encode()) for name, value in attributes.items()]
+    return [*headers, ("content-type", message.content_type.encode())]
 
 
 async def _stop(producer: AIOKafkaProducer) -> None:
@@ -511,20 +505,8 @@ def _check(name: str, config: KafkaBrokerConfig) -> ssl.SSLContext | None:
             raise ConfigError(
                 f"brokers.{name}.compression_type: {config.compression_type} needs {needs}"
             )
-    if config.security_protocol.startswith("SASL") and not (
-        config.sasl_username and config.sasl_password
-    ):
-        raise ConfigError(
-            f"brokers.{name}: security_protocol {config.security_protocol} needs "
-            "sasl_username and sasl_password"
-        )
     if config.security_protocol not in ("SSL", "SASL_SSL"):
-        if config.tls is not None:
-            raise ConfigError(
-                f"brokers.{name}.tls: needs security_protocol SSL or SASL_SSL, "
-                f"not {config.security_protocol}"
-            )
-        return None
+        return None  # the config model refuses tls without them
     try:
         context = (config.tls or TlsConfig()).context()
     except (OSError, ssl.SSLError) as exc:

@@ -38,10 +38,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
+from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 log = structlog.get_logger("relay.brokers.nats")
 
@@ -162,22 +163,20 @@ class NatsPublisher:
             refused = PermanentPublishError(
                 f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
             )
-            outcomes += [refused, *_not_sent(len(messages) - sendable - 1)]
+            outcomes += [refused, *not_sent(len(messages) - sendable - 1)]
         return outcomes
 
     async def _send(self, messages: Sequence[Message]) -> list[Outcome]:
-        try:
-            await self.connect()
-        except TransientPublishError as exc:
-            return [exc] * len(messages)
+        if failed := await connect_or_fail(self.connect, len(messages)):
+            return failed
         if not self._config.jetstream:
             return await self._publish_core(messages)
-        assert self._js is not None
+        js = connected(self._js)
         futures: list[asyncio.Future[Any]] = []
         for i, message in enumerate(messages):
             try:
                 futures.append(
-                    await self._js.publish_async(
+                    await js.publish_async(
                         message.destination, message.body, headers=_headers(message)
                     )
                 )
@@ -186,7 +185,7 @@ class NatsPublisher:
                 return [
                     *await self._acks(futures),
                     self._classify(exc),
-                    *_not_sent(len(messages) - i - 1),
+                    *not_sent(len(messages) - i - 1),
                 ]
         return await self._acks(futures)
 
@@ -196,16 +195,16 @@ class NatsPublisher:
         A message the client refuses (too large, say) fails alone: those written before
         it are still flushed and count as published, those after it are not sent.
         """
-        assert self._nc is not None
+        nc = connected(self._nc)
         written, refused = len(messages), None
         for i, message in enumerate(messages):
             try:
-                await self._nc.publish(message.destination, message.body, headers=_headers(message))
+                await nc.publish(message.destination, message.body, headers=_headers(message))
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 written, refused = i, self._classify(exc)
                 break
         try:
-            await self._nc.flush(timeout=math.ceil(self._config.ack_timeout))
+            await nc.flush(timeout=math.ceil(self._config.ack_timeout))
         except Exception as exc:  # noqa: BLE001 - classified, not swallowed
             await self.close()
             return [self._classify(exc)] * len(messages)
@@ -213,7 +212,7 @@ class NatsPublisher:
             return [None] * written
         if not isinstance(refused, PermanentPublishError):
             await self.close()
-        return [None] * written + [refused, *_not_sent(len(messages) - written - 1)]
+        return [None] * written + [refused, *not_sent(len(messages) - written - 1)]
 
     async def _acks(self, futures: list[asyncio.Future[Any]]) -> list[Outcome]:
         if not futures:
@@ -253,11 +252,6 @@ class NatsPublisher:
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
                 await nc.close()
-
-
-def _not_sent(count: int) -> list[Outcome]:
-    """Messages held back after a failed one: sending them would break order on retry."""
-    return [TransientPublishError("not sent: an earlier message of the batch failed")] * count
 
 
 class _TlsOnlyClient(Client):
@@ -300,18 +294,12 @@ def _broken_rule(subject: str) -> str:
 
 def _headers(message: Message) -> dict[str, str]:
     """CloudEvents NATS binding (binary mode), plus JetStream's dedup id."""
-    headers = {
+    attributes = cloudevent_attributes(message)
+    return {
         "Nats-Msg-Id": message.id,
-        "ce-specversion": "1.0",
-        "ce-id": message.id,
-        "ce-type": message.type,
-        "ce-source": message.source,
-        "ce-partitionkey": message.key,
+        **{f"ce-{name}": value for name, value in attributes.items()},
         "content-type": message.content_type,
     }
-    if message.time is not None:
-        headers["ce-time"] = message.time.isoformat()
-    return headers
 
 
 def _drop_transport(nc: Client) -> None:

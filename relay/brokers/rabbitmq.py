@@ -31,9 +31,10 @@ import aiormq.exceptions
 from pamqp.commands import Basic
 from yarl import URL
 
+from relay.brokers._batch import connect_or_fail, not_sent
 from relay.config import RabbitMqBrokerConfig
-from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 # RabbitMQ closes the channel with PRECONDITION_FAILED when a body exceeds the
 # server's `max_message_size` (128 MiB by default on 3.x, at most 512 MiB);
@@ -53,12 +54,7 @@ class RabbitMqPublisher:
     def __init__(self, name: str, config: RabbitMqBrokerConfig) -> None:
         self.name = name
         self._config = config
-        self._url = config.url.get_secret_value()
-        scheme = URL(self._url).scheme
-        if scheme not in ("amqp", "amqps"):
-            raise ConfigError(f"brokers.{name}.url: expected amqp:// or amqps://, got {scheme!r}")
-        if config.tls is not None and scheme != "amqps":
-            raise ConfigError(f"brokers.{name}.tls: needs an amqps:// url")
+        self._url = config.url.get_secret_value()  # scheme and tls checked by the config model
         self._connection: aiormq.Connection | None = None
         self._socket: _Socket | None = None
         self._channel: aiormq.Channel | None = None
@@ -109,19 +105,16 @@ class RabbitMqPublisher:
         if not messages:
             return []
         async with self._lock:
-            try:
-                await self.connect()
-            except TransientPublishError as exc:
+            if failed := await connect_or_fail(self.connect, len(messages)):
                 self._probe = True
-                return [exc] * len(messages)
+                return failed
             outcomes: list[Outcome] = []
             for segment in _segments(messages, self._probe, self._alone_above):
                 outcomes += await self._publish_segment(segment)
                 if any(outcomes):
                     break
             self._probe = any(outcomes)
-            not_sent = TransientPublishError("not sent: an earlier message of the batch failed")
-            return outcomes + [not_sent] * (len(messages) - len(outcomes))
+            return outcomes + not_sent(len(messages) - len(outcomes))
 
     async def _publish_segment(self, messages: Sequence[Message]) -> list[Outcome]:
         """Send in order, stopping before a message that cannot be sent; await the confirms."""
@@ -300,15 +293,9 @@ def _routing_key(message: Message) -> str:
 def _properties(message: Message) -> Basic.Properties:
     """Message properties plus the CloudEvents AMQP binding (binary mode) in headers."""
     headers: dict[str, Any] = {
-        "cloudEvents:specversion": "1.0",
-        "cloudEvents:id": message.id,
-        "cloudEvents:type": message.type,
-        "cloudEvents:source": message.source,
-        "cloudEvents:partitionkey": message.key,
+        **{f"cloudEvents:{name}": value for name, value in cloudevent_attributes(message).items()},
         "x-deduplication-header": message.id,
     }
-    if message.time is not None:
-        headers["cloudEvents:time"] = message.time.isoformat()
     return Basic.Properties(
         content_type=message.content_type,
         headers=headers,

@@ -47,9 +47,10 @@ import aioboto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+from relay.brokers._batch import connect_or_fail, not_sent
 from relay.config import SqsBrokerConfig
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
-from relay.publishing import Message, Outcome
 
 MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
 MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)
@@ -156,14 +157,11 @@ class SqsPublisher:
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
             return []
-        try:
-            await self.connect()
-        except TransientPublishError as exc:
-            return [exc] * len(messages)
-        not_sent = TransientPublishError(
-            f"broker {self.name!r}: not sent: an earlier message for its FIFO queue failed"
+        if failed := await connect_or_fail(self.connect, len(messages)):
+            return failed
+        results = not_sent(
+            len(messages), "an earlier message for its FIFO queue failed", broker=self.name
         )
-        results: list[Outcome] = [not_sent] * len(messages)
         by_destination: dict[str, list[int]] = {}
         for index, message in enumerate(messages):
             by_destination.setdefault(message.destination, []).append(index)
@@ -419,15 +417,8 @@ def _chunks(entries: list[_Entry]) -> Iterator[list[_Entry]]:
 
 def _attributes(message: Message) -> dict[str, dict[str, str]]:
     """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix)."""
-    values = {
-        "ce_specversion": "1.0",
-        "ce_id": message.id,
-        "ce_type": message.type,
-        "ce_source": message.source,
-        "ce_time": message.time.isoformat() if message.time is not None else "",
-        "ce_partitionkey": message.key,
-        "content-type": message.content_type,
-    }
+    values = {f"ce_{name}": value for name, value in cloudevent_attributes(message).items()}
+    values["content-type"] = message.content_type
     # SQS refuses empty attribute values; an absent attribute says the same.
     return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
 

@@ -8,6 +8,7 @@ written here. Every error names the file, the line and the dotted key.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,9 +30,9 @@ from relay.config.brokers import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
+from relay.config.expressions import ExpressionError, compile_expression, compile_template
+from relay.config.yaml_file import YamlDocument, load_yaml
 from relay.errors import ConfigError
-from relay.expressions import ExpressionError, compile_expression, compile_template
-from relay.yaml_file import YamlDocument, load_yaml
 
 __all__ = [
     "BrokerConfig",
@@ -48,6 +49,15 @@ __all__ = [
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
+class RetryConfig(Model):
+    """Backoff between attempts: initial, x multiplier each time, capped at max, jittered."""
+
+    initial: PositiveDuration = 0.1
+    multiplier: Annotated[float, Field(ge=1.0)] = 2.0
+    max: PositiveDuration = 30.0
+    jitter: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
 class DatabaseConfig(Model):
     # Checked at load: a URL the driver cannot read would otherwise be retried for ever as an
     # outage, and the driver's error text can quote a piece of the password.
@@ -56,6 +66,8 @@ class DatabaseConfig(Model):
         "relay", alias="schema", description="Schema of the relay's tables."
     )
     connect_timeout: PositiveDuration = 5.0
+    # Reconnecting after the database went away: its own pace, not any outbox's publishing.
+    retry: RetryConfig = RetryConfig()
 
     model_config = ConfigDict(
         extra="forbid", frozen=True, populate_by_name=True, hide_input_in_errors=True
@@ -111,27 +123,21 @@ class BatchConfig(Model):
     linger: Duration = 0.010
 
 
-class RetryConfig(Model):
-    initial: PositiveDuration = 0.1
-    multiplier: Annotated[float, Field(ge=1.0)] = 2.0
-    max: PositiveDuration = 30.0
-    jitter: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+def _compiles(compile_: Callable[[str], object]) -> Callable[[str], str]:
+    """A validator: the value must compile, else its compiler's message is the error."""
+
+    def check(value: str) -> str:
+        try:
+            compile_(value)
+        except ExpressionError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    return check
 
 
-def _check_expression(value: str) -> str:
-    try:
-        compile_expression(value)
-    except ExpressionError as exc:
-        raise ValueError(str(exc)) from None
-    return value
-
-
-def _check_template(value: str) -> str:
-    try:
-        compile_template(value)
-    except ExpressionError as exc:
-        raise ValueError(str(exc)) from None
-    return value
+_check_expression = _compiles(compile_expression)
+_check_template = _compiles(compile_template)
 
 
 TemplateStr = Annotated[str, Field(min_length=1)]
@@ -290,6 +296,13 @@ class RelayConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment beats the file, so an operator can override one key.
         return env_settings, init_settings
+
+    def outbox(self, name: str) -> OutboxConfig:
+        """The named outbox; a ConfigError naming the configured ones otherwise."""
+        if name not in self.outboxes:
+            known = ", ".join(sorted(self.outboxes))
+            raise ConfigError(f"unknown outbox {name!r} (configured: {known})")
+        return self.outboxes[name]
 
     @model_validator(mode="after")
     def _brokers_exist(self) -> RelayConfig:

@@ -23,20 +23,25 @@ class NatsStreamConfig(Model):
     duplicate_window: PositiveDuration = 120.0
 
 
-class NatsBrokerConfig(Model):
+class TlsCapable(Model):
+    """A broker reached over TLS when `tls` is set (see docs/brokers/README.md#tls)."""
+
+    tls: TlsConfig | None = None
+
+
+class NatsBrokerConfig(TlsCapable):
     type: Literal["nats"]
     servers: list[str] = Field(min_length=1)
     jetstream: bool = Field(
         True, description="False publishes with core NATS: no acknowledgement, no dedup."
     )
     stream: NatsStreamConfig | None = None
-    user: str | None = None
-    password: SecretStr | None = None
-    token: SecretStr | None = None
-    creds_file: str | None = None
-    tls: TlsConfig | None = None
-    connect_timeout: PositiveDuration = 2.0
-    ack_timeout: PositiveDuration = 5.0
+    user: str | None = Field(None, description="User name; with `password`.")
+    password: SecretStr | None = Field(None, description="Write it as ${VAR}.")
+    token: SecretStr | None = Field(None, description="An auth token instead of a user.")
+    creds_file: str | None = Field(None, description="A .creds file (NKey and JWT).")
+    connect_timeout: PositiveDuration = Field(2.0, description="Per connection attempt.")
+    ack_timeout: PositiveDuration = Field(5.0, description="How long a batch waits for PubAcks.")
 
     @model_validator(mode="after")
     def _stream_needs_jetstream(self) -> NatsBrokerConfig:
@@ -45,7 +50,7 @@ class NatsBrokerConfig(Model):
         return self
 
 
-class KafkaBrokerConfig(Model):
+class KafkaBrokerConfig(TlsCapable):
     type: Literal["kafka"]
     bootstrap_servers: list[str] = Field(min_length=1)
     enable_idempotence: bool = True
@@ -57,9 +62,22 @@ class KafkaBrokerConfig(Model):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
-    tls: TlsConfig | None = None
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 30.0
+
+    @model_validator(mode="after")
+    def _security_is_complete(self) -> KafkaBrokerConfig:
+        if self.security_protocol.startswith("SASL") and not (
+            self.sasl_username and self.sasl_password
+        ):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_username and sasl_password"
+            )
+        if self.tls is not None and self.security_protocol not in ("SSL", "SASL_SSL"):
+            raise ValueError(
+                f"tls: needs security_protocol SSL or SASL_SSL, not {self.security_protocol}"
+            )
+        return self
 
 
 class RabbitMqExchange(Model):
@@ -68,14 +86,13 @@ class RabbitMqExchange(Model):
     durable: bool = True
 
 
-class RabbitMqBrokerConfig(Model):
+class RabbitMqBrokerConfig(TlsCapable):
     type: Literal["rabbitmq"]
     # Checked here, not only in the adapter: yarl's error for a raw '/' in the password ends in
     # a piece of it, and a config error at load beats a traceback at the first publish.
     url: AmqpUrl = Field(description="amqp:// or amqps:// URL, credentials included.")
     mandatory: bool = True
     declare_exchanges: list[RabbitMqExchange] = []
-    tls: TlsConfig | None = None
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 10.0
 

@@ -11,12 +11,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from relay.commands import status
 from tests.contract.harness import BrokerHarness, Consumed
 from tests.support.db import NewEvent, append_many, connect
-from tests.support.scenario import eventually, load_and_migrate, running
+from tests.support.scenario import eventually, load_and_migrate, running, status
 
-EVENT_TYPES = {
+EVENT_TYPES: dict[str, dict[str, Any]] = {
     "BookLent": {
         "type": "library.book-lent.v1",
         "payload": {"bookId": "aggregate_id", "loanId": "data.loanId", "version": "version"},
@@ -142,7 +141,7 @@ async def test_permanent_rejection_is_parked_and_the_rest_flows(
         received = await broker.consume(expected=2)
 
         async def parked() -> bool:
-            return (await status(config))[0]["parked"] == 1
+            return bool((await status(config))[0]["parked"] == 1)
 
         await eventually(parked, timeout=30)
     assert [m.id for m in received] == ["book/ok@1", "book/ok@2"]

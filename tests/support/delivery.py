@@ -164,6 +164,13 @@ async def checkpoint(dsn: str, outbox: str, schema: str = "relay") -> asyncpg.Re
         return row
 
 
+async def checkpoint_position(dsn: str, outbox: str, schema: str = "relay") -> int:
+    """The outbox's checkpoint; the outbox must have been claimed."""
+    row = await checkpoint(dsn, outbox, schema)
+    assert row is not None, f"outbox {outbox!r} has no checkpoint row"
+    return int(row["position"])
+
+
 @dataclass
 class Writer:
     """Appends BookLent events at a steady rate from a task, like a live application.

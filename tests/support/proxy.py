@@ -8,10 +8,13 @@ wire (off by default: a long run would keep every byte).
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import queue
 import selectors
 import socket
+import termios
 import threading
 from collections.abc import Callable
 
@@ -67,6 +70,22 @@ class TcpProxy:
         copy: list[bytes] = []
         self._call(lambda: copy.append(bytes(self._from_clients)))
         return copy[0]
+
+    def waiting_from_clients(self) -> int:
+        """Bytes clients have sent that the proxy has not read yet: while paused, proof that
+        a client wrote something (a request now in flight) without needing a fixed wait."""
+        counts: list[int] = []
+        self._call(lambda: counts.append(self._unread_client_bytes()))
+        return counts[0]
+
+    def _unread_client_bytes(self) -> int:
+        total = 0
+        for pipe in {id(p): p for p in self._pipes.values()}.values():
+            with contextlib.suppress(OSError):
+                buffer = array.array("i", [0])
+                fcntl.ioctl(pipe.client.fileno(), termios.FIONREAD, buffer)
+                total += buffer[0]
+        return total
 
     def pause(self) -> None:
         """Stop forwarding in both directions; connections stay open (a black hole)."""

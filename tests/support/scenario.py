@@ -9,10 +9,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from relay.commands import migrate
 from relay.config import RelayConfig, load_config
-from relay.runner import Relay
-from tests.support.config import write_config
+from relay.ops.runner import Relay
+from relay.ops.status import status as read_status
+from relay.postgres.database import Database
+from relay.postgres.migrations import migrate_database
+from tests.support.config import write_config as write_yaml
+from tests.support.relay_process import run_cli
 
 LIBRARY_MESSAGES: dict[str, Any] = {
     "BookLent": {
@@ -59,7 +62,7 @@ def config_dict(
         **outbox_options,
     }
     return {
-        "database": {"url": dsn, "schema": schema},
+        "database": {"url": dsn, "schema": schema, "retry": {"initial": "20ms", "max": "200ms"}},
         "source": {"poll_interval": "100ms", "barrier_report_after": "200ms"},
         "brokers": {"nats": {"type": "nats", "servers": [nats_url], "ack_timeout": "1s"}},
         "outboxes": {outbox: {"broker": "nats", "messages": rendered, **options}},
@@ -75,13 +78,23 @@ def config_dict(
 
 
 def save(tmp_path: Path, data: dict[str, Any], name: str = "relay.yaml") -> Path:
-    return write_config(tmp_path / name, data)
+    return write_yaml(tmp_path / name, data)
 
 
 async def load_and_migrate(tmp_path: Path, data: dict[str, Any]) -> RelayConfig:
     config = load_config(save(tmp_path, data))
     await migrate(config)
     return config
+
+
+async def migrate(config: RelayConfig) -> None:
+    """`relay migrate`, in this process."""
+    await migrate_database(Database(config.database, "relay:tests:0"), config)
+
+
+async def status(config: RelayConfig) -> list[dict[str, Any]]:
+    """`relay status --json`, in this process: the stable interface operators script against."""
+    return [row.as_json() for row in await read_status(config)]
 
 
 @contextlib.asynccontextmanager
@@ -113,3 +126,34 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {check.__name__}")
         await asyncio.sleep(interval)
+
+
+def write_config(
+    tmp_path: Path,
+    dsn: str,
+    nats_url: str,
+    subject: str,
+    *,
+    name: str = "relay.yaml",
+    outbox: str = "loans",
+    broker: dict[str, Any] | None = None,
+    shutdown: dict[str, Any] | None = None,
+    lease: dict[str, Any] | None = None,
+    database: dict[str, Any] | None = None,
+    **outbox_options: Any,
+) -> Path:
+    """`config_dict` written to `tmp_path/name`, with broker, shutdown, lease and database
+    settings merged in (the outbox options go to the outbox)."""
+    data = config_dict(dsn, nats_url, subject, outbox=outbox, **outbox_options)
+    data["database"].update(database or {})
+    data["brokers"]["nats"].update(broker or {})
+    data["shutdown"].update(shutdown or {})
+    if lease:
+        data["lease"] = lease
+    return save(tmp_path, data, name)
+
+
+def migrate_cli(path: Path) -> None:
+    """`relay migrate --config path`, as an operator runs it; it must succeed."""
+    result = run_cli(["migrate", "--config", str(path)])
+    assert result.returncode == 0, result.stderr

@@ -1,19 +1,32 @@
-"""Opening connections to Postgres, with the replica's identity and no secrets in errors."""
+"""Opening connections to Postgres, and the one place that classifies its driver's errors.
+
+Every connection carries the replica's identity and timeouts of its own; no error
+message carries a secret.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import asyncpg
 
 from relay.config import DatabaseConfig
 from relay.errors import DatabaseError
-from relay.logs import redact
+from relay.redaction import redact
 
-_UNREACHABLE = (
+# The one classifier of driver errors: these mean "the database went away or the
+# connection broke", so the caller retries (with backoff) and never crashes. Everything
+# else asyncpg raises is a statement the server refused, a bug or a misconfiguration.
+CONNECTION_LOST = (
     OSError,
     TimeoutError,
     asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,  # the server is starting or stopping
     asyncpg.InterfaceError,
-    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.InternalClientError,  # a connection left mid-operation by a cancelled statement
 )
 
 
@@ -63,7 +76,22 @@ class Database:
                 "name (sslrootcert, sslcert, sslkey) exist, and that reserved characters in the "
                 "user or password are percent-encoded"
             ) from None
-        except _UNREACHABLE as exc:
+        except CONNECTION_LOST as exc:
             raise DatabaseUnavailable(f"cannot reach the database: {redact(str(exc))}") from exc
         except asyncpg.PostgresError as exc:
             raise DatabaseError(f"the database refused the connection: {redact(str(exc))}") from exc
+
+    @contextlib.asynccontextmanager
+    async def session(self, role: str) -> AsyncIterator[asyncpg.Connection]:
+        """One connection for a one-shot command; a driver error inside becomes one
+        DatabaseError line (the CLI never prints a driver's traceback)."""
+        conn = await self.connect(role)
+        try:
+            yield conn
+        except (asyncpg.PostgresError, *CONNECTION_LOST) as exc:
+            raise DatabaseError(f"the database failed the command: {redact(str(exc))}") from exc
+        finally:
+            try:
+                await asyncio.wait_for(conn.close(), timeout=2)
+            except (OSError, TimeoutError, asyncpg.InterfaceError):
+                conn.terminate()

@@ -17,15 +17,15 @@ from typing import Any
 from jmespath.exceptions import JMESPathError
 
 from relay.config import OutboxConfig
-from relay.errors import MalformedEventError, MappingError
-from relay.expressions import (
+from relay.config.expressions import (
     ExpressionError,
     Getter,
     Template,
     compile_expression,
     compile_template,
 )
-from relay.publishing import Message
+from relay.core.publishing import Message
+from relay.errors import MalformedEventError, MappingError
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ import asyncpg
 
 from relay.config import RelayConfig, SourceConfig
 from relay.errors import DatabaseError, NotMigratedError
-from relay.sql import qualified, quote
+from relay.postgres.database import Database
+from relay.postgres.sql import qualified, quote
 
 # Each entry is applied once, in order, in its own transaction. Never edit a
 # released step: append a new one.
@@ -156,6 +157,14 @@ async def migrate(
             applied.append(version)
     trigger = await _sync_notify_trigger(conn, schema, config.source, on_wait or _quiet)
     return Migrated(applied, trigger)
+
+
+async def migrate_database(
+    db: Database, config: RelayConfig, on_wait: OnWait | None = None
+) -> Migrated:
+    """`migrate` on a connection of its own, for `relay migrate` and the tests."""
+    async with db.session("migrate") as conn:
+        return await migrate(conn, config, on_wait)
 
 
 def _quiet(_: str) -> None:

@@ -32,6 +32,25 @@ class Message:
     routing_key: str | None = None  # brokers that route by key (RabbitMQ); else unused
 
 
+def cloudevent_attributes(message: Message) -> dict[str, str]:
+    """The message's CloudEvents context attributes, unprefixed (binary content mode).
+
+    Each broker's binding writes them under its own prefix: `ce-` (NATS, HTTP), `ce_`
+    (Kafka, and SQS, which allows neither `-` nor `:` to start a name), `cloudEvents:`
+    (AMQP). The data's content type goes in each protocol's own content-type field.
+    """
+    attributes = {
+        "specversion": "1.0",
+        "id": message.id,
+        "type": message.type,
+        "source": message.source,
+        "partitionkey": message.key,
+    }
+    if message.time is not None:
+        attributes["time"] = message.time.isoformat()
+    return attributes
+
+
 Outcome = PublishError | None
 """None when the broker acknowledged the message, else why it did not."""
 

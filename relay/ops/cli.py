@@ -15,7 +15,8 @@ import typer
 from relay import __version__
 from relay.config import RelayConfig, load_config
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.logs import configure, redact
+from relay.ops.logs import configure
+from relay.redaction import redact
 
 app = typer.Typer(
     name="relay",
@@ -66,7 +67,7 @@ def run(
     ] = None,
 ) -> None:
     """Relay every configured outbox until SIGTERM or SIGINT."""
-    from relay.runner import Relay, install_signal_handlers
+    from relay.ops.runner import Relay, install_signal_handlers
 
     cfg = _load(config)
 
@@ -81,10 +82,13 @@ def run(
 @app.command()
 def migrate(config: ConfigOption = None) -> None:
     """Create or upgrade the relay's own tables (idempotent)."""
-    from relay.commands import migrate as do_migrate
+    from relay.ops.identity import identity
+    from relay.postgres.database import Database
+    from relay.postgres.migrations import migrate_database
 
     cfg = _load(config)
-    done = _run(lambda: do_migrate(cfg, lambda text: typer.echo(text, err=True)))
+    db = Database(cfg.database, identity())
+    done = _run(lambda: migrate_database(db, cfg, lambda text: typer.echo(text, err=True)))
     schema = cfg.database.schema_
     if done.applied:
         typer.echo(f"schema {schema!r}: applied migration(s) {', '.join(map(str, done.applied))}")
@@ -101,7 +105,7 @@ def check(
     as_json: JsonOption = False,
 ) -> None:
     """Validate the config and the event table; show what the last events would become."""
-    from relay.commands import preview
+    from relay.ops.check import preview
 
     cfg = _load(config)
     rows, warnings = _run(lambda: preview(cfg, last))
@@ -127,10 +131,10 @@ def check(
 @app.command()
 def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
     """Who relays each outbox, how far behind it is, and what it waits for."""
-    from relay.commands import status as read_status
+    from relay.ops.status import status as read_status
 
     cfg = _load(config)
-    rows = _run(lambda: read_status(cfg))
+    rows = [row.as_json() for row in _run(lambda: read_status(cfg))]
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -175,8 +179,9 @@ def replay(
     as_json: JsonOption = False,
 ) -> None:
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
-    from relay.control_client import Controller, ReplayFrom
-    from relay.runner import identity
+    from relay.ops.identity import identity
+    from relay.ops.operator import Operator, ReplayFrom
+    from relay.postgres.command_queue import CommandKind
 
     chosen = [from_position is not None, from_start, from_time is not None]
     if sum(chosen) != 1:
@@ -188,7 +193,7 @@ def replay(
     spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
 
     async def work() -> dict[str, Any]:
-        controller = Controller(cfg, outbox, identity())
+        controller = Operator(cfg, outbox, identity())
         target, current = await controller.replay_target(spec)
         count = await controller.count(target, current)
         result: dict[str, Any] = {
@@ -199,7 +204,7 @@ def replay(
             "dry_run": dry_run,
         }
         if not dry_run:
-            outcome = await controller.run("replay", {"to": target}, wait)
+            outcome = await controller.run(CommandKind.REPLAY, {"to": target}, wait)
             result.update(
                 ok=outcome.ok,
                 executed_by=outcome.executed_by,
@@ -236,17 +241,16 @@ def retry_parked(
     as_json: JsonOption = False,
 ) -> None:
     """Map parked messages again with the current config and publish them."""
-    from relay.control_client import Controller
-    from relay.runner import identity
+    from relay.ops.identity import identity
+    from relay.ops.operator import Operator
+    from relay.postgres.command_queue import CommandKind
 
-    if bool(ids) == all_:
-        typer.echo("error: give --id ID (repeatable) or --all", err=True)
-        raise typer.Exit(2)
+    _ids_or_all(ids, all_, "--id ID (repeatable)")
     cfg = _load(config)
 
     async def work() -> dict[str, Any]:
-        outcome = await Controller(cfg, outbox, identity()).run(
-            "retry-parked", {"ids": ids or None}, wait
+        outcome = await Operator(cfg, outbox, identity()).run(
+            CommandKind.RETRY_PARKED, {"ids": ids or None}, wait
         )
         return {
             "outbox": outbox,
@@ -295,10 +299,11 @@ def parked_list(
     as_json: JsonOption = False,
 ) -> None:
     """Parked messages of OUTBOX, in position order."""
-    from relay.commands import parked_list as read
+    from relay.ops.parked import parked_list as read
+    from relay.ops.parked import summary
 
     cfg = _load(config)
-    rows = _run(lambda: read(cfg, outbox))
+    rows = [summary(parked) for parked in _run(lambda: read(cfg, outbox))]
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -312,10 +317,11 @@ def parked_show(
     as_json: JsonOption = False,
 ) -> None:
     """One parked message, whole."""
-    from relay.commands import parked_show as read
+    from relay.ops.parked import parked_show as read
+    from relay.ops.parked import whole
 
     cfg = _load(config)
-    row = _run(lambda: read(cfg, id_))
+    row = whole(_run(lambda: read(cfg, id_)))
     if as_json:
         typer.echo(json.dumps(row, indent=2, default=str))
         return
@@ -332,11 +338,9 @@ def parked_drop(
     as_json: JsonOption = False,
 ) -> None:
     """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
-    from relay.commands import parked_drop as drop
+    from relay.ops.parked import parked_drop as drop
 
-    if bool(ids) == all_:
-        typer.echo("error: give parked message ids, or --all", err=True)
-        raise typer.Exit(2)
+    _ids_or_all(ids, all_, "parked message ids,")
     cfg = _load(config)
     dropped = _run(lambda: drop(cfg, ids or None, outbox))
     if as_json:
@@ -360,7 +364,7 @@ def demo(
     ] = None,
 ) -> None:
     """The whole product in under a minute, on embedded Postgres and NATS."""
-    from relay.demo import run_demo
+    from relay.ops.demo import run_demo
 
     configure("warning", "console")
     raise typer.Exit(_run(lambda: run_demo(database_url, nats_url)))
@@ -370,6 +374,13 @@ def demo(
 def version() -> None:
     """Print the relay's version."""
     typer.echo(__version__)
+
+
+def _ids_or_all(ids: list[int] | None, all_: bool, what: str) -> None:
+    """Exactly one of the two, or a usage error (exit 2)."""
+    if bool(ids) == all_:
+        typer.echo(f"error: give {what} or --all", err=True)
+        raise typer.Exit(2)
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:

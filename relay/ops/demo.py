@@ -30,11 +30,11 @@ import asyncpg
 import nats
 from ruamel.yaml import YAML
 
-from relay.commands import status as read_status
 from relay.config import RelayConfig, load_config
-from relay.embedded import EmbeddedNats, EmbeddedPostgres
 from relay.errors import RelayError
-from relay.migrations import migrate
+from relay.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from relay.ops.status import status as read_status
+from relay.postgres.migrations import migrate
 
 STREAM = "LIBRARY"
 MESSAGES = {
@@ -339,7 +339,7 @@ async def _story(scene: Scene, a: Replica, b: Replica) -> None:
         say(f"  #{m['seq']:<3} {m['id']:<16} {m['type']:<26} {json.dumps(m['body'])}")
     say("\n$ relay status")
     for row in await read_status(config):
-        say("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        say("  " + ", ".join(f"{k}={v}" for k, v in row.as_json().items()))
 
 
 async def _outage(demo: Demo, library: Library, config: RelayConfig, url: str) -> None:
@@ -353,13 +353,13 @@ async def _outage(demo: Demo, library: Library, config: RelayConfig, url: str) -
     await library.lend("book-2", "loan-5", "member-5")
 
     async def retrying() -> bool:
-        return bool((await read_status(config))[0]["state"] == "retrying")
+        return (await read_status(config))[0].state == "retrying"
 
     await until(retrying, "status showing retrying")
     row = (await read_status(config))[0]
     slowest = max(library.durations) * 1000
     say(f"   3 commands succeeded while the broker was down (slowest {slowest:.0f} ms).")
-    say(f"   relay status: state={row['state']}, last_error={row['last_error']!r}")
+    say(f"   relay status: state={row.state}, last_error={row.last_error!r}")
     await asyncio.sleep(2)
     demo.broker.start()
     took = await until(lambda: _count(url, 8), "delivery after the outage")

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,29 +22,22 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
-from relay.control import COMMAND_CHANNEL, CommandQueue
-from relay.database import Database, DatabaseUnavailable
+from relay.core.metrics import Metrics
+from relay.core.retry import Backoff
+from relay.core.state import OutboxState
+from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
-from relay.http import Health, HttpServer
-from relay.lease import LEASE_CHANNEL, Lease, LeaseBudget
-from relay.metrics import Metrics
-from relay.migrations import ensure_migrated
-from relay.outbox import DB_ERRORS, OutboxRelay
-from relay.replica import OutboxReplica
-from relay.retry import Backoff
-from relay.source import EventSource
-from relay.state import OutboxState
-from relay.store import Store
-from relay.waiting import sleep_unless
+from relay.ops.context import OutboxContext
+from relay.ops.http import Health, HttpServer
+from relay.ops.identity import identity
+from relay.ops.replica import OutboxReplica
+from relay.postgres.command_queue import COMMAND_CHANNEL
+from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable
+from relay.postgres.lease import LEASE_CHANNEL, Lease, LeaseBudget, lease_channel_key
+from relay.postgres.migrations import ensure_migrated
+from relay.postgres.source import EventSource
 
 log = structlog.get_logger("relay.runner")
-
-
-def identity() -> str:
-    """`relay:<pod or host>:<pid>`, unique per process, readable in pg_stat_activity."""
-    host = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
-    # application_name holds 63 bytes; keep room for the `:<role>` suffix status relies on.
-    return f"relay:{host[-40:]}:{os.getpid()}"
 
 
 @dataclass
@@ -80,67 +72,37 @@ class Relay:
                 await http.close()
 
     async def _relay_all(self, db: Database) -> int:
-        wakes = {name: asyncio.Event() for name in self.config.outboxes}
-        lease_wakes: dict[str, asyncio.Event] = {}
-        command_wakes = {name: asyncio.Event() for name in self.config.outboxes}
-        replicas = [
-            self._replica(db, name, wakes[name], lease_wakes, command_wakes[name])
-            for name in self.config.outboxes
-        ]
+        contexts = {
+            name: OutboxContext.build(
+                name,
+                self.config,
+                identity=self.identity,
+                publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
+                metrics=self.metrics,
+                stop=self.stop,
+            )
+            for name, outbox in self.config.outboxes.items()
+        }
+        self.states = {name: ctx.state for name, ctx in contexts.items()}
+        replicas = [self._replica(db, ctx) for ctx in contexts.values()]
         tasks = {asyncio.create_task(r.run(), name=f"outbox:{r.name}"): r.name for r in replicas}
         self._tasks = [*tasks]
         helpers = [
-            asyncio.create_task(
-                self._listen(db, list(wakes.values()), lease_wakes, command_wakes),
-                name="listener",
-            ),
+            asyncio.create_task(self._listen(db, contexts), name="listener"),
             asyncio.create_task(self._probe(db), name="database-probe"),
         ]
         self._tasks += helpers
         try:
             return await self._supervise(tasks, helpers)
         finally:
-            for replica in replicas:
-                await replica.relay.publisher.close()
+            for ctx in contexts.values():
+                await ctx.publisher.close()
 
-    def _replica(
-        self,
-        db: Database,
-        name: str,
-        wake: asyncio.Event,
-        lease_wakes: dict[str, asyncio.Event],
-        command_wake: asyncio.Event,
-    ) -> OutboxReplica:
-        outbox = self.config.outboxes[name]
+    def _replica(self, db: Database, ctx: OutboxContext) -> OutboxReplica:
         schema = self.config.database.schema_
-        source, store = EventSource(self.config.source), Store(schema)
-        self.states[name] = OutboxState(name)
-        lease = Lease(db, self.config.lease, name, schema, self.identity)
-        lease_wakes[lease.channel_key] = asyncio.Event()
-        relay = OutboxRelay(
-            name,
-            outbox,
-            source=source,
-            publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
-            state=self.states[name],
-            wake=wake,
-            stop=self.stop,
-            store=store,
-            commands=CommandQueue(schema),
-            command_wake=command_wake,
-            identity=self.identity,
-            metrics=self.metrics,
-        )
+        lease = Lease(db, self.config.lease, ctx.name, schema, self.identity)
         return OutboxReplica(
-            relay,
-            config=outbox,
-            lease=lease,
-            budget=self._budget,
-            db=db,
-            store=store,
-            source=source,
-            lease_wake=lease_wakes[lease.channel_key],
-            stop=self.stop,
+            ctx, lease=lease, budget=self._budget, db=db, reconnect=self.config.database.retry
         )
 
     def _http(self) -> HttpServer | None:
@@ -167,7 +129,7 @@ class Relay:
                         await conn.fetchval("SELECT 1")
                     self._db_seen = time.monotonic()
                     await sleep_unless(self.stop, interval)
-            except (DatabaseError, *DB_ERRORS) as exc:
+            except (DatabaseError, *CONNECTION_LOST) as exc:
                 log.debug("database probe failed", error=str(exc))
                 await sleep_unless(self.stop, interval)
             finally:
@@ -179,7 +141,7 @@ class Relay:
 
         An unreachable database is waited for (False if stopped meanwhile).
         """
-        backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
+        backoff, attempt = Backoff(self.config.database.retry), 0
         while True:
             try:
                 conn = await db.connect("preflight")
@@ -235,32 +197,29 @@ class Relay:
         log.info("stopped", exit_code=code)
         return code
 
-    async def _listen(
-        self,
-        db: Database,
-        wakes: list[asyncio.Event],
-        lease_wakes: dict[str, asyncio.Event],
-        command_wakes: dict[str, asyncio.Event],
-    ) -> None:
+    async def _listen(self, db: Database, contexts: dict[str, OutboxContext]) -> None:
         """LISTEN for wake-up hints; polling covers any gap while reconnecting.
 
-        New events wake every outbox; a released lease wakes that outbox's standby.
+        New events wake every outbox; a released lease wakes that outbox's standby; a
+        command wakes its outbox's holder.
         """
         channel = self.config.source.notify_channel
+        namespace = self.config.lease.namespace
+        by_lease = {lease_channel_key(namespace, n): c.wakes.lease for n, c in contexts.items()}
 
         def wake(*_: object) -> None:
-            for event in wakes:
-                event.set()
+            for ctx in contexts.values():
+                ctx.wakes.events.set()
 
         def lease_released(_c: object, _pid: int, _channel: str, payload: str) -> None:
-            if payload in lease_wakes:
-                lease_wakes[payload].set()
+            if payload in by_lease:
+                by_lease[payload].set()
 
         def command_sent(_c: object, _pid: int, _channel: str, payload: str) -> None:
-            if payload in command_wakes:
-                command_wakes[payload].set()
+            if payload in contexts:
+                contexts[payload].wakes.commands.set()
 
-        backoff, attempt = Backoff(self.config.outboxes[next(iter(self.config.outboxes))].retry), 0
+        backoff, attempt = Backoff(self.config.database.retry), 0
         while not self.stop.is_set():
             conn: asyncpg.Connection | None = None
             try:
@@ -276,7 +235,7 @@ class Relay:
                         await asyncio.wait_for(lost.wait(), 5.0)
                     if not lost.is_set():
                         await conn.execute("SELECT 1")
-            except (DatabaseError, *DB_ERRORS) as exc:
+            except (DatabaseError, *CONNECTION_LOST) as exc:
                 attempt += 1
                 log.debug("listener reconnecting", error=str(exc), attempt=attempt)
                 await sleep_unless(self.stop, backoff.delay(attempt))

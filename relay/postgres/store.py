@@ -9,26 +9,18 @@ means this replica has been fenced: FencedError.
 from __future__ import annotations
 
 import json
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
 
 import asyncpg
 
+from relay.core.delivery import RetryCount
+from relay.core.mapping import Event
+from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.mapping import Event
-from relay.publishing import Message
-from relay.source import Blocker
-from relay.sql import holds_lock, quote
-
-
-@dataclass(frozen=True, slots=True)
-class RetryCount:
-    """How often the message at `position` has failed; kept across commands and holders."""
-
-    position: int
-    attempts: int
-    rejections: int  # the permanent failures among them: parking counts these
+from relay.postgres.source import Blocker
+from relay.postgres.sql import holds_lock, quote
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +34,51 @@ class Claim:
     halted: str | None = None  # why the outbox must not move until an operator acts
     retry: RetryCount | None = None
     start_xmin: int | None = None  # `start: end` not settled yet: see EventSource.start_point
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    """One outbox's row of the checkpoints table, as `relay status` reads it."""
+
+    outbox: str
+    position: int
+    epoch: int
+    holder: str | None
+    state: str
+    attempts: int
+    last_error: str | None
+    blocking: dict[str, Any] | None
+    since_update: float  # seconds since the row last changed, by the database clock
+    parked: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedMessage:
+    """A message set aside; the event's fields may be NULL when the row was malformed."""
+
+    id: int
+    outbox: str
+    position: int
+    event_type: str | None
+    aggregate_type: str | None
+    aggregate_id: str | None
+    version: int | None
+    message_id: str | None
+    message_type: str | None
+    destination: str | None
+    message_key: str | None
+    body: bytes | None
+    reason: str
+    error: str
+    attempts: int
+    parked_at: datetime
+
+    @property
+    def event(self) -> str:
+        return f"{self.aggregate_type}/{self.aggregate_id}@{self.version}"
+
+
+_PARKED_COLUMNS = ", ".join(f.name for f in fields(ParkedMessage))
 
 
 class Store:
@@ -229,29 +266,44 @@ class Store:
             )
             await self.advance(conn, claim, event.position)
 
-    async def checkpoints(self, conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    async def checkpoints(self, conn: asyncpg.Connection) -> list[CheckpointRow]:
         rows = await conn.fetch(
-            f"SELECT c.*, extract(epoch FROM now() - c.updated_at)::float8 AS since_update,"
+            "SELECT outbox, position, epoch, holder, state, attempts, last_error, blocking,"
+            " extract(epoch FROM now() - c.updated_at)::float8 AS since_update,"
             f" (SELECT count(*) FROM {self._parked} p WHERE p.outbox = c.outbox) AS parked"
             f" FROM {self._checkpoints} c ORDER BY outbox"
         )
-        return [dict(r) for r in rows]
+        return [
+            CheckpointRow(
+                **{**dict(r), "blocking": json.loads(r["blocking"]) if r["blocking"] else None}
+            )
+            for r in rows
+        ]
+
+    async def position(self, conn: asyncpg.Connection, outbox: str) -> int | None:
+        """The outbox's checkpoint; None before its first claim."""
+        value = await conn.fetchval(
+            f"SELECT position FROM {self._checkpoints} WHERE outbox = $1", outbox
+        )
+        return None if value is None else int(value)
 
     async def parked(
         self, conn: asyncpg.Connection, outbox: str, ids: list[int] | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[ParkedMessage]:
         """Parked messages of `outbox` in position order; only `ids` when given."""
         rows = await conn.fetch(
-            f"SELECT * FROM {self._parked} WHERE outbox = $1"
+            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE outbox = $1"
             " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position",
             outbox,
             ids,
         )
-        return [dict(r) for r in rows]
+        return [ParkedMessage(**dict(r)) for r in rows]
 
-    async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> dict[str, Any] | None:
-        row = await conn.fetchrow(f"SELECT * FROM {self._parked} WHERE id = $1", id_)
-        return dict(row) if row else None
+    async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> ParkedMessage | None:
+        row = await conn.fetchrow(
+            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE id = $1", id_
+        )
+        return ParkedMessage(**dict(row)) if row else None
 
     async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
         return int(
@@ -291,58 +343,6 @@ class Store:
             reason,
             claim.key,
         )
-
-
-class Writer(Protocol):
-    """Lends the lease connection for one statement at a time."""
-
-    def statement(self) -> AbstractAsyncContextManager[asyncpg.Connection]: ...
-
-
-class ClaimedOutbox:
-    """The store's writes for one claimed outbox, all made on the lease connection."""
-
-    def __init__(self, store: Store, writer: Writer, claim: Claim) -> None:
-        self.store = store
-        self.writer = writer
-        self.claim = claim
-
-    async def advance(self, position: int) -> None:
-        async with self.writer.statement() as conn:
-            await self.store.advance(conn, self.claim, position)
-
-    async def report(
-        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
-    ) -> None:
-        attempts = retry.attempts if retry else 0
-        async with self.writer.statement() as conn:
-            await self.store.report(conn, self.claim, state, attempts, last_error, retry=retry)
-
-    async def halt(self, reason: str) -> None:
-        async with self.writer.statement() as conn:
-            await self.store.halt(conn, self.claim, reason)
-
-    async def settle_start(self, position: int) -> None:
-        async with self.writer.statement() as conn:
-            await self.store.settle_start(conn, self.claim, position)
-
-    async def report_blocking(self, blocker: Blocker | None) -> None:
-        async with self.writer.statement() as conn:
-            await self.store.report_blocking(conn, self.claim, blocker)
-
-    async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
-    ) -> None:
-        async with self.writer.statement() as conn:
-            await self.store.park(
-                conn=conn,
-                claim=self.claim,
-                event=event,
-                message=message,
-                reason=reason,
-                error=error,
-                attempts=attempts,
-            )
 
 
 def _message_columns(message: Message | None) -> tuple[Any, ...]:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from relay.core.metrics import Metrics
 from relay.errors import RelayError
-from relay.metrics import Metrics
 
-log = structlog.get_logger("relay.http")
+log = structlog.get_logger("relay.ops.http")
 
 
 @dataclass

@@ -33,11 +33,11 @@ from typing import Any
 
 import asyncpg
 
-from relay import event_table
 from relay.config import ColumnsConfig, SourceConfig
+from relay.core.mapping import Event
 from relay.errors import SourceError
-from relay.mapping import Event
-from relay.sql import qualified, quote
+from relay.postgres import event_table
+from relay.postgres.sql import qualified, quote
 
 # Every transaction that takes a position holds RowExclusiveLock on the sequence from its
 # first nextval until it ends (Postgres takes it in nextval and keeps it for the whole
@@ -167,15 +167,17 @@ class EventSource:
         """Fail at start-up on what would silently break the gap-free read."""
         self._sequence = await event_table.verify(conn, self.config, self.table)
 
-    async def head(self, conn: asyncpg.Connection) -> int:
-        """The last position handed out (committed or not), 0 for an empty log."""
+    async def _last_value_and(self, conn: asyncpg.Connection, other: str) -> asyncpg.Record:
+        """The sequence's last value, and `other`, read in one statement."""
         if self._sequence is None:
             await self.check(conn)
-        row = await conn.fetchrow(
-            "SELECT pg_sequence_last_value($1::regclass),"
-            " extract(epoch FROM clock_timestamp())::float8",
-            self._sequence,
+        return await conn.fetchrow(
+            f"SELECT pg_sequence_last_value($1::regclass), {other}", self._sequence
         )
+
+    async def head(self, conn: asyncpg.Connection) -> int:
+        """The last position handed out (committed or not), 0 for an empty log."""
+        row = await self._last_value_and(conn, "extract(epoch FROM clock_timestamp())::float8")
         # Latency and lag are measured by the database's clock, never this host's.
         self.clock_offset = row[1] - time.time()
         return int(row[0] or 0)
@@ -193,12 +195,8 @@ class EventSource:
         """
         if start == "beginning":
             return 0, None
-        if self._sequence is None:
-            await self.check(conn)
-        row = await conn.fetchrow(
-            "SELECT pg_sequence_last_value($1::regclass),"
-            " (pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296)",
-            self._sequence,
+        row = await self._last_value_and(
+            conn, "pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296"
         )
         head, next_xid = int(row[0] or 0), int(row[1])
         # Then the holders, as the barrier does: one that took a position up to the head

@@ -26,23 +26,16 @@ import asyncpg
 import structlog
 
 from relay.config import LeaseConfig
-from relay.database import Database
 from relay.errors import DatabaseError
-from relay.sql import holds_lock, quote
+from relay.postgres.database import CONNECTION_LOST, Database
+from relay.postgres.sql import holds_lock, lock_holder, quote
 
 LEASE_CHANNEL = "relay_lease"
 
-_HOLDER = """
-SELECT l.pid, coalesce(a.application_name, '') AS application_name,
-       extract(epoch FROM now() - c.heartbeat)::float8 AS heartbeat_age
-FROM pg_locks l
-LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-LEFT JOIN {checkpoints} c ON c.outbox = $2
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
-LIMIT 1
-"""
+
+def lease_channel_key(namespace: str, outbox: str) -> str:
+    """The NOTIFY payload that tells standbys this outbox's lease was released."""
+    return f"{namespace}/{outbox}"
 
 
 def lock_key(namespace: str, outbox: str) -> int:
@@ -58,6 +51,14 @@ class Holder:
     pid: int
     identity: str
     heartbeat_age: float | None
+
+
+async def holder_identity(conn: asyncpg.Connection, key: int) -> str | None:
+    """The identity of the replica (or CLI) whose session holds lock `key`, if any."""
+    row = await conn.fetchrow(lock_holder("$1"), key)
+    if row is None:
+        return None
+    return str(row["application_name"]).removesuffix(":lease") or f"pid {row['pid']}"
 
 
 class LeaseLost(Exception):
@@ -79,11 +80,16 @@ class Lease:
         self.held = False
         self.lock = asyncio.Lock()  # one statement at a time on the lease connection
         self._checkpoints = f"{quote(schema)}.checkpoints"
+        self._holder = lock_holder(
+            "$1",
+            columns=", extract(epoch FROM now() - c.heartbeat)::float8 AS heartbeat_age",
+            join=f" LEFT JOIN {self._checkpoints} c ON c.outbox = $2",
+        )
         self._heartbeat = (
             f"UPDATE {self._checkpoints} SET heartbeat = now() WHERE outbox = $1 AND epoch = $2"
             f" AND {holds_lock('$3')} RETURNING true"
         )
-        self.log = structlog.get_logger("relay.lease").bind(outbox=outbox)
+        self.log = structlog.get_logger("relay.postgres.lease").bind(outbox=outbox)
 
     async def _connection(self) -> asyncpg.Connection:
         if self.conn is None or self.conn.is_closed():
@@ -114,9 +120,7 @@ class Lease:
         """The replica holding this lease now, if any (any connection may ask)."""
         async with self.lock:
             conn = await self._connection()
-            row = await conn.fetchrow(
-                _HOLDER.format(checkpoints=self._checkpoints), self.key, self.outbox
-            )
+            row = await conn.fetchrow(self._holder, self.key, self.outbox)
         if row is None:
             return None
         identity = row["application_name"].removesuffix(":lease")
@@ -150,14 +154,8 @@ class Lease:
             async with asyncio.timeout(self.config.check_timeout), self.lock:
                 conn = await self._connection()
                 held = await conn.fetchval(self._heartbeat, self.outbox, epoch, self.key)
-        except (
-            TimeoutError,
-            OSError,
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            DatabaseError,
-        ) as exc:
+        except (*CONNECTION_LOST, asyncpg.PostgresError, DatabaseError) as exc:
+            # Any refusal counts too: a lease that cannot be proven is not held.
             raise LeaseLost(f"lease check failed: {type(exc).__name__}: {exc}") from exc
         if not held:
             raise LeaseLost("lease check: this connection no longer holds the lock or the epoch")
@@ -199,7 +197,7 @@ class Lease:
 
     @property
     def channel_key(self) -> str:
-        return f"{self.config.namespace}/{self.outbox}"
+        return lease_channel_key(self.config.namespace, self.outbox)
 
     @contextlib.asynccontextmanager
     async def statement(self) -> AsyncIterator[asyncpg.Connection]:

@@ -1,0 +1,238 @@
+"""Publishing a batch in order: the acknowledged prefix moves on, the rest is retried.
+
+This is the relay's promise in code, with no database in it: a failed message is
+retried, with backoff, before anything after it; nothing after an unacknowledged
+message is checkpointed; only a message the broker rejects for good (or that
+cannot be mapped) is parked, after `park_after` permanent failures, so that the
+rest can flow. Progress goes through a `CheckpointWriter` (the fenced checkpoint
+row in production, a list in memory in the unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from relay.config import OutboxConfig
+from relay.core.mapping import Event
+from relay.core.metrics import Metrics
+from relay.core.publishing import Message, Publisher
+from relay.core.retry import Backoff
+from relay.core.state import OutboxState
+from relay.core.waiting import wait_any
+from relay.errors import MappingError, PublishError, TransientPublishError
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """An event to publish: its message, or why it could not be mapped."""
+
+    event: Event
+    message: Message | None
+    error: MappingError | None
+
+
+@dataclass(frozen=True, slots=True)
+class RetryCount:
+    """How often the message at `position` has failed; kept across commands and holders."""
+
+    position: int
+    attempts: int
+    rejections: int  # the permanent failures among them: parking counts these
+
+
+class CheckpointWriter(Protocol):
+    """Where delivery records its progress, under the lease."""
+
+    @property
+    def position(self) -> int:
+        """The checkpoint as last written."""
+
+    async def advance(self, position: int) -> None:
+        """Every event up to `position` is handled."""
+
+    async def report(
+        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
+    ) -> None:
+        """The outbox's state and retry count, for `relay status` and the next holder."""
+
+    async def park(
+        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+    ) -> None:
+        """Set the message aside and move the checkpoint past it, at once."""
+
+
+class Delivery:
+    """One outbox's publishing: order, retries, parking, and the metrics that show them."""
+
+    def __init__(
+        self,
+        name: str,
+        config: OutboxConfig,
+        *,
+        publisher: Publisher,
+        metrics: Metrics,
+        state: OutboxState,
+        stop: asyncio.Event,
+        interrupt: asyncio.Event,
+        clock_offset: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.publisher = publisher
+        self.metrics = metrics
+        self.state = state
+        self.stop = stop
+        self.interrupt = interrupt  # an operator's command: stop retrying, come back later
+        self.clock_offset = clock_offset  # database clock minus this host's
+        self.retry: RetryCount | None = None  # the head message's failures so far
+        self.log = structlog.get_logger("relay.delivery").bind(outbox=name)
+        self._duplicates_seen = 0
+        # Destination templates, not rendered destinations, label the metric: bounded.
+        self._published_to = {
+            event_type: metrics.published.labels(name, rule.destination)
+            for event_type, rule in config.messages.items()
+        }
+
+    async def deliver(
+        self,
+        checkpoint: CheckpointWriter,
+        items: Sequence[Item],
+        on_retry: Callable[[], Awaitable[None]] | None = None,
+    ) -> bool:
+        """Publish `items` in order; False if stopped or interrupted by an operator's command.
+
+        The head message's failures are counted per position in `retry`, which outlives
+        this call: a command interrupts the retrying but does not start the count again,
+        so `park_after` is reached whatever else happens.
+        """
+        backoff = Backoff(self.config.retry)
+        pending = list(items)
+        while pending:
+            outcomes = await self._publish(_sendable(pending))
+            acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
+            if acked:
+                done, pending = pending[:acked], pending[acked:]
+                self._acknowledged(done)
+                if pending:
+                    await checkpoint.advance(done[-1].event.position)
+            if not pending:
+                break
+            failure = _failure(outcomes, acked, pending[0])
+            count = self._failed(pending[0], failure)
+            if failure.permanent and count.rejections >= self.config.park_after:
+                await self._park(checkpoint, pending.pop(0), failure, count.rejections)
+                continue
+            await self._retrying(checkpoint, pending[0], failure, count)
+            if on_retry is not None:
+                await on_retry()
+            await wait_any(self.stop, self.interrupt, within=backoff.delay(count.attempts))
+            if self.stop.is_set() or self.interrupt.is_set():
+                return False  # nothing unacknowledged was checkpointed: it is read again
+        return True
+
+    def _failed(self, head: Item, failure: PublishError) -> RetryCount:
+        """Count one more failure of the head message (a new message starts at zero)."""
+        self.metrics.failures.labels(self.name, failure.reason).inc()
+        position = head.event.position
+        before = self.retry
+        if before is None or before.position != position:
+            before = RetryCount(position, 0, 0)
+        self.retry = RetryCount(
+            position, before.attempts + 1, before.rejections + failure.permanent
+        )
+        return self.retry
+
+    async def _publish(self, messages: list[Message]) -> list[PublishError | None]:
+        if not messages:
+            return []
+        started = time.monotonic()
+        outcomes = await self.publisher.publish(messages)
+        if len(outcomes) != len(messages):  # an adapter bug must not lose or stall messages
+            missing = TransientPublishError(
+                f"broker {self.publisher.name!r} returned {len(outcomes)} outcomes"
+                f" for {len(messages)} messages"
+            )
+            outcomes = [*outcomes[: len(messages)], *[missing] * (len(messages) - len(outcomes))]
+        self.metrics.publish_duration.labels(self.name).observe(time.monotonic() - started)
+        self.metrics.batch_messages.labels(self.name).observe(len(messages))
+        return outcomes
+
+    def _acknowledged(self, done: list[Item]) -> None:
+        attempts = self.retry.attempts if self.retry is not None else 0
+        self.retry = None
+        duplicates = self.publisher.duplicates - self._duplicates_seen
+        self._duplicates_seen = self.publisher.duplicates
+        self.state.published += len(done)
+        self.metrics.retrying.labels(self.name).set(0)
+        db_now = time.time() + self.clock_offset()
+        latency = self.metrics.end_to_end.labels(self.name)
+        for event_type, count in Counter(item.event.type for item in done).items():
+            self._published_to[event_type].inc(count)
+        for item in done:
+            if item.event.created_at is not None:
+                latency.observe(max(db_now - item.event.created_at.timestamp(), 0.0))
+        self.log.debug(
+            "batch acknowledged",
+            first_position=done[0].event.position,
+            last_position=done[-1].event.position,
+            messages=len(done),
+            duplicates=duplicates,
+            attempt=attempts + 1,
+        )
+
+    async def _retrying(
+        self, checkpoint: CheckpointWriter, head: Item, failure: PublishError, count: RetryCount
+    ) -> None:
+        self.state.retrying(count.attempts, str(failure))
+        self.metrics.retrying.labels(self.name).set(1)
+        self.log.warning(
+            "publish failed, retrying",
+            position=head.event.position,
+            attempt=count.attempts,
+            reason=failure.reason,
+            error=str(failure),
+        )
+        await checkpoint.report("retrying", str(failure), count)
+
+    async def _park(
+        self, checkpoint: CheckpointWriter, item: Item, failure: PublishError, attempts: int
+    ) -> None:
+        e = item.event
+        await checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
+        self.retry = None
+        self.state.parked += 1
+        self.metrics.parked_total.labels(self.name, failure.reason).inc()
+        self.metrics.parked.labels(self.name).inc()
+        self.log.error(
+            "message parked",
+            position=e.position,
+            aggregate=f"{e.aggregate_type}/{e.aggregate_id}@{e.version}",
+            reason=failure.reason,
+            error=str(failure),
+            attempts=attempts,
+        )
+
+
+def _sendable(pending: list[Item]) -> list[Message]:
+    """The messages up to the first item that could not be mapped."""
+    out = []
+    for item in pending:
+        if item.message is None:
+            break
+        out.append(item.message)
+    return out
+
+
+def _failure(outcomes: list[PublishError | None], index: int, head: Item) -> PublishError:
+    """Why the head of the pending items failed: the broker's word, or the mapping's."""
+    failure = outcomes[index] if index < len(outcomes) else head.error
+    if failure is None:  # cannot happen: an item with neither a message nor an error
+        return TransientPublishError(f"event at position {head.event.position}: nothing to send")
+    return failure

@@ -1,0 +1,70 @@
+"""`relay check`: the event table checked, and the last events mapped as each outbox would.
+
+Nothing is published. Warnings name settings that are legal but costly, or that the
+server's own settings make risky.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from relay.config import RelayConfig
+from relay.core.mapping import Event, Mapper
+from relay.errors import MappingError
+from relay.ops.identity import identity
+from relay.postgres.database import Database
+from relay.postgres.source import EventSource
+
+
+async def preview(config: RelayConfig, last: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Map the table's last events as each outbox would, publishing nothing; and warnings."""
+    source = EventSource(config.source)
+    async with Database(config.database, identity()).session("check") as conn:
+        await source.check(conn)
+        events = await source.latest(conn, last) if last else []
+        warnings = [*config.warnings(), *await _server_warnings(conn, config)]
+    mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
+    return [_preview(event, mapper) for event in events for mapper in mappers], warnings
+
+
+def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "position": event.position,
+        "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
+        "outbox": mapper.outbox,
+    }
+    if not mapper.wants(event):
+        row["skipped"] = "type not mapped or aggregate filtered out"
+        return row
+    try:
+        message = mapper.map(event)
+    except MappingError as exc:
+        row["parked"] = exc.reason
+        row["error"] = event.problem or str(exc)
+        return row
+    if message is not None:  # wants() said it maps
+        row.update(
+            id=message.id,
+            type=message.type,
+            destination=message.destination,
+            key=message.key,
+            body=message.body.decode(),
+        )
+    return row
+
+
+async def _server_warnings(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:
+    """What the server's settings mean for this config."""
+    warnings = []
+    prepared = int(await conn.fetchval("SELECT current_setting('max_prepared_transactions')"))
+    if config.source.notify_trigger and prepared > 0:
+        warnings.append(
+            "source.notify_trigger is on and this server allows two-phase commit"
+            f" (max_prepared_transactions = {prepared}): a transaction that inserts into"
+            f" {config.source.table} runs the trigger's NOTIFY and then cannot PREPARE"
+            " TRANSACTION. If the application prepares transactions, set notify_trigger to"
+            " false (polling still finds every event)."
+        )
+    return warnings

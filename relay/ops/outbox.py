@@ -1,0 +1,283 @@
+"""One outbox's relay loop: barrier, read, map, publish, checkpoint, repeat.
+
+The loop is deliberately plain. Each turn carries out any operator's command,
+makes a prefix of the log final, reads up to a batch of it, and hands the mapped
+messages to the delivery (relay/core/delivery.py), which publishes them in
+order, retries and parks; the checkpoint then moves past the batch. A head
+that went below the checkpoint halts the outbox until an operator's replay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from relay.core.delivery import Delivery, Item
+from relay.core.mapping import Event
+from relay.core.waiting import sleep_unless, wait_any
+from relay.errors import DatabaseError, MappingError
+from relay.ops.context import OutboxContext
+from relay.postgres.claimed import ClaimedOutbox
+from relay.postgres.database import CONNECTION_LOST
+from relay.postgres.source import Blocker
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    items: list[Item]
+    upto: int  # every position up to here is handled once `items` are
+    full: bool  # more may be ready at once
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What one uninterrupted hold of the lease relays with."""
+
+    reader: asyncpg.Connection
+    claimed: ClaimedOutbox
+
+
+class OutboxRelay:
+    """The holder's loop for one outbox; leases are handled around it (replica.py)."""
+
+    def __init__(self, context: OutboxContext) -> None:
+        self.ctx = context
+        self.name = context.name
+        self.config = context.config
+        self.log = structlog.get_logger("relay.outbox").bind(outbox=context.name)
+        self.delivery = Delivery(
+            context.name,
+            context.config,
+            publisher=context.publisher,
+            metrics=context.metrics,
+            state=context.state,
+            stop=context.stop,
+            interrupt=context.wakes.commands,
+            clock_offset=lambda: context.source.clock_offset,
+        )
+        self._types = list(context.config.messages)
+        self._horizon = 0
+        self._commands_checked = 0.0
+        self._lag_measured = 0.0
+        self._halted: str | None = None  # set: nothing moves until an operator's replay
+
+    async def run(self, session: Session) -> None:
+        """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
+        claim = session.claimed.claim
+        self._horizon = claim.position
+        self.delivery.retry, self._halted = claim.retry, claim.halted
+        self.ctx.metrics.halted.labels(self.name).set(0 if self._halted is None else 1)
+        try:
+            if claim.start_xmin is not None and not await self._settle_start(session):
+                return
+            await self._relay(session)
+        except CONNECTION_LOST as exc:
+            raise DatabaseError(f"lost the database connection: {exc}") from exc
+
+    async def _settle_start(self, s: Session) -> bool:
+        """`start: end`, first claim: start before the events of transactions open then.
+
+        The checkpoint was put at the head; once every transaction that held a position
+        then has ended, it moves back to just before the first event one of them wrote.
+        False if stopped first.
+        """
+        source, claim = self.ctx.source, s.claimed.claim
+        if await source.barrier(s.reader, self._blocked(s), self.ctx.stop) is None:
+            return False
+        assert claim.start_xmin is not None  # run() checked
+        first = await source.first_open_position(s.reader, claim.position, claim.start_xmin)
+        start = claim.position if first is None else first - 1
+        await s.claimed.settle_start(start)
+        self._horizon = s.claimed.position
+        self.ctx.state.moved(s.claimed.position)
+        self.log.info(
+            "start: end: starting after the events committed before the first start",
+            position=s.claimed.position,
+            head_at_start=claim.position,
+        )
+        return True
+
+    async def _relay(self, s: Session) -> None:
+        while not self.ctx.stop.is_set():
+            await self._carry_out_commands(s)
+            if self._halted is not None:
+                await self._while_halted(s)
+                continue
+            position = s.claimed.position
+            batch = await self._next_batch(s, position)
+            if batch is None:  # stopped, or just halted
+                continue
+            if batch.items and not await self.delivery.deliver(
+                s.claimed, batch.items, on_retry=lambda: self._measure_lag(s)
+            ):
+                self._horizon = s.claimed.position  # read again from the checkpoint
+                continue
+            if batch.upto > position:
+                await s.claimed.advance(batch.upto)
+                self.ctx.state.moved(batch.upto)
+                self.ctx.state.relaying()
+            if not batch.full:
+                await self._idle()
+
+    async def _carry_out_commands(self, s: Session) -> None:
+        """Between batches: run operators' commands (NOTIFY wakes us; polling covers)."""
+        now, wake = time.monotonic(), self.ctx.wakes.commands
+        due = now - self._commands_checked >= self.ctx.source.config.poll_interval
+        if not (wake.is_set() or due):
+            return
+        wake.clear()
+        self._commands_checked = now
+        claim, queue = s.claimed.claim, self.ctx.commands
+        while not self.ctx.stop.is_set():
+            async with s.claimed.writer.statement() as conn:
+                command = await queue.take(conn, claim, self.ctx.identity)
+            if command is None:
+                return
+            log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
+            log.info("carrying out command", args=command.args)
+            done = await self.ctx.operations.carry_out(
+                command.kind, command.args, s.claimed, s.reader
+            )
+            if done.moved_to is not None:
+                self._horizon = min(self._horizon, done.moved_to)
+                self.ctx.state.moved(done.moved_to)
+                self._resume_if_halted()
+            async with s.claimed.writer.statement() as conn:
+                await queue.finish(conn, command.id, done.ok, done.detail)
+            log.info("command done" if done.ok else "command failed", outcome=done.detail)
+
+    async def _next_batch(self, s: Session, position: int) -> Batch | None:
+        """The next batch to publish; None if stopped or halted meanwhile."""
+        source, metrics = self.ctx.source, self.ctx.metrics
+        if position >= self._horizon:
+            self.ctx.wakes.events.clear()
+            started = time.monotonic()
+            horizon = await source.barrier(s.reader, self._blocked(s), self.ctx.stop)
+            if horizon is None:
+                return None
+            metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
+            if horizon < position:
+                await self._halt(s, horizon, position)
+                return None
+            self._horizon = horizon
+            await self._measure_lag(s, head=horizon)
+        if self._horizon <= position:
+            return Batch([], position, full=False)
+        limit = self.config.batch.max_messages
+        events = await source.read(
+            s.reader,
+            after=position,
+            upto=self._horizon,
+            limit=limit,
+            aggregates=self.config.aggregates,
+            types=self._types,
+        )
+        metrics.events_read.labels(self.name).inc(len(events))
+        full = len(events) == limit
+        upto = events[-1].position if full else self._horizon
+        return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
+
+    async def _halt(self, s: Session, head: int, position: int) -> None:
+        """The head went below the checkpoint: the sequence was reset, or the table replaced.
+
+        Relaying on would skip every position up to the old checkpoint without a word, so
+        the outbox stops, says so everywhere, and waits for an operator's replay.
+        """
+        self._halted = (
+            f"the event table's head ({head}) is below the checkpoint ({position}): its sequence"
+            " was reset or the table was replaced, and relaying on would skip events. Nothing is"
+            f" published until an operator decides: `relay replay {self.name} --from-start`"
+            f" publishes the table as it is now; `relay replay {self.name} --from {head + 1}`"
+            " skips what it holds now"
+        )
+        await s.claimed.halt(self._halted)
+        self.ctx.metrics.halted.labels(self.name).set(1)
+        self.log.error("outbox halted", reason=self._halted, head=head, checkpoint=position)
+
+    async def _while_halted(self, s: Session) -> None:
+        """Hold the lease and carry out commands (the way out), publishing nothing."""
+        assert self._halted is not None  # the loop checked
+        self.ctx.state.halted(self._halted)
+        wait = self.ctx.source.config.poll_interval
+        await wait_any(self.ctx.stop, self.ctx.wakes.commands, within=wait)
+        await self._measure_lag(s)
+
+    def _resume_if_halted(self) -> None:
+        if self._halted is not None:
+            self._halted = None
+            self.ctx.metrics.halted.labels(self.name).set(0)
+            self.ctx.state.resumed()
+            self.log.info("outbox resumed by a replay")
+
+    async def _measure_lag(self, s: Session, head: int | None = None) -> None:
+        """Lag and parked gauges, by the database's clock, at most once a second.
+
+        Called after each barrier, while retrying and while the barrier waits, so
+        the gauges keep rising when the outbox is stuck.
+        """
+        now = time.monotonic()
+        if now - self._lag_measured < 1.0:
+            return
+        self._lag_measured = now
+        source, metrics, position = self.ctx.source, self.ctx.metrics, s.claimed.position
+        if head is None:  # after a barrier the caller knows it; else ask
+            head = await source.head(s.reader)
+        behind = max(head - position, 0)
+        metrics.lag_events.labels(self.name).set(behind)
+        age = await source.pending_age(s.reader, position) if behind > 0 else 0.0
+        metrics.lag_seconds.labels(self.name).set(age)
+        metrics.parked.labels(self.name).set(await s.claimed.parked_count())
+
+    def _item(self, event: Event) -> Item:
+        try:
+            return Item(event, self.ctx.mapper.map(event), None)
+        except MappingError as exc:
+            return Item(event, None, exc)
+
+    def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
+        state = self.ctx.state
+
+        async def report(blocker: Blocker | None) -> None:
+            already = state.blocked_by
+            if blocker is None:
+                state.relaying()
+                self.log.info("barrier released")
+            else:
+                state.waiting(blocker.describe())
+                if already is None or blocker.waited // 10 != (blocker.waited - 0.25) // 10:
+                    self._warn_blocked(blocker)
+            if (blocker is None) != (already is None) or already is None:
+                await s.claimed.report_blocking(blocker)
+            await self._measure_lag(s)
+
+        return report
+
+    def _warn_blocked(self, blocker: Blocker) -> None:
+        named = {
+            "blocking_pid": blocker.pid,
+            "blocking_application": blocker.application_name or None,
+            "blocking_gid": blocker.gid,
+            "blocking_owner": blocker.owner,
+        }
+        self.log.warning(
+            "waiting for a transaction that holds the event table",
+            blocking=blocker.describe(),
+            blocking_state=blocker.state,
+            waited=round(blocker.waited, 1),
+            **{k: v for k, v in named.items() if v is not None},
+        )
+
+    async def _idle(self) -> None:
+        """Wait for a NOTIFY or the poll interval, then linger to gather a batch."""
+        ctx = self.ctx
+        ctx.state.idle()
+        await wait_any(
+            ctx.stop, ctx.wakes.events, ctx.wakes.commands, within=ctx.source.config.poll_interval
+        )
+        ctx.state.relaying()
+        if self.config.batch.linger and not ctx.stop.is_set():
+            await sleep_unless(ctx.stop, self.config.batch.linger)

@@ -1,0 +1,59 @@
+"""`relay parked list | show | drop`: the messages set aside, for an operator to decide on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relay.config import RelayConfig
+from relay.errors import RelayError
+from relay.ops.identity import identity
+from relay.postgres.database import Database
+from relay.postgres.migrations import ensure_migrated
+from relay.postgres.store import ParkedMessage, Store
+
+
+async def parked_list(config: RelayConfig, outbox: str) -> list[ParkedMessage]:
+    config.outbox(outbox)  # unknown: a ConfigError
+    async with Database(config.database, identity()).session("cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        return await Store(config.database.schema_).parked(conn, outbox)
+
+
+async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
+    async with Database(config.database, identity()).session("cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        parked = await Store(config.database.schema_).parked_by_id(conn, id_)
+    if parked is None:
+        raise RelayError(f"no parked message with id {id_}")
+    return parked
+
+
+async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
+    if outbox is not None:
+        config.outbox(outbox)  # unknown: a ConfigError
+    outboxes = [outbox] if outbox else list(config.outboxes)
+    async with Database(config.database, identity()).session("cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        return await Store(config.database.schema_).drop_parked(conn, ids, outboxes)
+
+
+def summary(parked: ParkedMessage) -> dict[str, Any]:
+    """The columns `relay parked list` shows."""
+    return {
+        "id": parked.id,
+        "position": parked.position,
+        "event": parked.event,
+        "event_type": parked.event_type,
+        "message_id": parked.message_id,
+        "reason": parked.reason,
+        "attempts": parked.attempts,
+        "parked_at": parked.parked_at,
+        "error": parked.error,
+    }
+
+
+def whole(parked: ParkedMessage) -> dict[str, Any]:
+    """Every field, the body as text, for `relay parked show`."""
+    body = parked.body.decode("utf-8", "replace") if parked.body is not None else None
+    fields = {name: getattr(parked, name) for name in parked.__dataclass_fields__}
+    return {**fields, "body": body}

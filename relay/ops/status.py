@@ -1,0 +1,97 @@
+"""`relay status`: one row per outbox, from the relay's tables and pg_locks, by the database clock.
+
+It talks to no replica and no broker, so it works from any machine that reaches the
+database. The JSON form is a stable interface: exactly the fields of OutboxStatus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from relay.config import RelayConfig
+from relay.ops.identity import identity
+from relay.postgres.database import Database
+from relay.postgres.lease import holder_identity, lock_key
+from relay.postgres.migrations import ensure_migrated
+from relay.postgres.source import EventSource
+from relay.postgres.store import CheckpointRow, Store
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxStatus:
+    name: str
+    state: str
+    holder: str | None
+    epoch: int | None
+    checkpoint: int | None
+    head: int
+    lag_events: int
+    lag_seconds: float
+    parked: int
+    last_error: str | None
+    blocking_transaction: dict[str, Any] | None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def status(config: RelayConfig) -> list[OutboxStatus]:
+    """One row per configured outbox."""
+    source = EventSource(config.source)
+    store = Store(config.database.schema_)
+    async with Database(config.database, identity()).session("status") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        await source.check(conn)
+        head = await source.head(conn)
+        rows = {r.outbox: r for r in await store.checkpoints(conn)}
+        standbys = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
+            " AND datname = current_database()"
+        )
+        out = []
+        for name, outbox in config.outboxes.items():
+            row = rows.get(name)
+            # Never relayed: the lag is what the first holder will have to publish.
+            since = row.position if row else (0 if outbox.start == "beginning" else head)
+            holder = await holder_identity(conn, lock_key(config.lease.namespace, name))
+            out.append(
+                OutboxStatus(
+                    name=name,
+                    state=_state(row, holder, standbys),
+                    holder=holder,
+                    epoch=row.epoch if row else None,
+                    checkpoint=row.position if row else None,
+                    head=head,
+                    lag_events=max(head - since, 0),
+                    lag_seconds=round(await source.pending_age(conn, since), 3),
+                    parked=row.parked if row else 0,
+                    last_error=_last_error(row),
+                    blocking_transaction=_blocking(row),
+                )
+            )
+        return out
+
+
+def _state(row: CheckpointRow | None, holder: str | None, standbys: int) -> str:
+    if holder is None:
+        return "standby only" if standbys else "no holder"
+    if row is None:
+        return "relaying"
+    return {"waiting": "waiting on a transaction"}.get(row.state, row.state)
+
+
+def _last_error(row: CheckpointRow | None) -> str | None:
+    if row is None or not row.last_error:
+        return None
+    if row.state == "retrying":
+        return f"attempt {row.attempts}: {row.last_error}"
+    return row.last_error
+
+
+def _blocking(row: CheckpointRow | None) -> dict[str, Any] | None:
+    if row is None or not row.blocking:
+        return None
+    value = dict(row.blocking)
+    value["age_seconds"] = round(value.pop("transaction_age", 0.0) + row.since_update, 1)
+    return value

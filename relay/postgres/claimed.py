@@ -1,0 +1,99 @@
+"""One claimed outbox's writes, all on the lease connection and all fenced.
+
+It is the delivery's `CheckpointWriter` in production, and keeps the checkpoint
+as last written so that the loop never has to ask.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import asyncpg
+
+from relay.core.delivery import RetryCount
+from relay.core.mapping import Event
+from relay.core.publishing import Message
+from relay.postgres.source import Blocker
+from relay.postgres.store import Claim, Store
+
+
+class Writer(Protocol):
+    """Lends the lease connection for one statement at a time."""
+
+    def statement(self) -> AbstractAsyncContextManager[asyncpg.Connection]: ...
+
+
+class ClaimedOutbox:
+    """The store's writes for one claimed outbox."""
+
+    def __init__(self, store: Store, writer: Writer, claim: Claim) -> None:
+        self.store = store
+        self.writer = writer
+        self.claim = claim
+        self._position = claim.position
+
+    @property
+    def position(self) -> int:
+        """The checkpoint as last written by this claim."""
+        return self._position
+
+    async def advance(self, position: int) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.advance(conn, self.claim, position)
+        self._position = position
+
+    async def rewind(self, position: int) -> int:
+        """Move back, for `relay replay`; returns where it was."""
+        async with self.writer.statement() as conn:
+            previous = await self.store.rewind(conn, self.claim, position)
+        self._position = position
+        return previous
+
+    async def settle_start(self, position: int) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.settle_start(conn, self.claim, position)
+        self._position = min(self._position, position)
+
+    async def report(
+        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
+    ) -> None:
+        attempts = retry.attempts if retry else 0
+        async with self.writer.statement() as conn:
+            await self.store.report(conn, self.claim, state, attempts, last_error, retry=retry)
+
+    async def halt(self, reason: str) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.halt(conn, self.claim, reason)
+
+    async def report_blocking(self, blocker: Blocker | None) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.report_blocking(conn, self.claim, blocker)
+
+    async def park(
+        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+    ) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.park(
+                conn=conn,
+                claim=self.claim,
+                event=event,
+                message=message,
+                reason=reason,
+                error=error,
+                attempts=attempts,
+            )
+        self._position = event.position
+
+    async def parked_count(self) -> int:
+        async with self.writer.statement() as conn:
+            return await self.store.parked_count(conn, self.claim.outbox)
+
+    async def unpark(self, id_: int) -> None:
+        """A parked message was published: forget it."""
+        async with self.writer.statement() as conn:
+            await self.store.unpark(conn, self.claim, id_)
+
+    async def still_parked(self, id_: int, error: str, reason: str) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.still_parked(conn, self.claim, id_, error, reason)

@@ -1,0 +1,152 @@
+"""Operator commands in Postgres: the commands table, written by the CLI, taken by the holder.
+
+The CLI may run anywhere. It writes a command to `<schema>.commands` and sends NOTIFY;
+the lease holder takes it between two batches, carries it out and records the outcome,
+which the CLI waits for. A standby never takes one: taking needs the outbox's lock.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import asyncpg
+
+from relay.postgres.sql import holds_lock, quote
+from relay.postgres.store import Claim
+
+COMMAND_CHANNEL = "relay_commands"
+
+
+class CommandKind(StrEnum):
+    """What an operator may ask the holder to do; the table's CHECK allows these only."""
+
+    REPLAY = "replay"
+    RETRY_PARKED = "retry-parked"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    id: int
+    outbox: str
+    kind: CommandKind
+    args: dict[str, Any]
+    requested_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommandRequest:
+    """What an operator asks for, of which outbox, and who asks."""
+
+    outbox: str
+    kind: CommandKind
+    args: dict[str, Any]
+    by: str
+
+    def columns(self) -> tuple[str, str, str, str]:
+        """outbox, kind, args (JSON) and requested_by, as the table stores them."""
+        return self.outbox, self.kind.value, json.dumps(self.args), self.by
+
+
+@dataclass(frozen=True, slots=True)
+class CommandState:
+    """Where a submitted command stands: pending, running, done, failed or expired."""
+
+    state: str
+    executed_by: str | None
+    outcome: dict[str, Any] | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed")
+
+
+class CommandQueue:
+    """The commands table, seen from the CLI and from the holder."""
+
+    def __init__(self, schema: str) -> None:
+        self.table = f"{quote(schema)}.commands"
+
+    async def submit(self, conn: asyncpg.Connection, request: CommandRequest) -> int:
+        """Queue a command for the holder, and wake it."""
+        async with conn.transaction():
+            command_id = await conn.fetchval(
+                f"INSERT INTO {self.table} (outbox, kind, args, requested_by)"
+                " VALUES ($1, $2, $3::jsonb, $4) RETURNING id",
+                *request.columns(),
+            )
+            await conn.execute("SELECT pg_notify($1, $2)", COMMAND_CHANNEL, request.outbox)
+        return int(command_id)
+
+    async def result(self, conn: asyncpg.Connection, command_id: int) -> CommandState:
+        row = await conn.fetchrow(
+            f"SELECT state, executed_by, outcome FROM {self.table} WHERE id = $1", command_id
+        )
+        outcome = json.loads(row["outcome"]) if row["outcome"] else None
+        return CommandState(row["state"], row["executed_by"], outcome)
+
+    async def expire(self, conn: asyncpg.Connection, command_id: int) -> bool:
+        """Withdraw a command nobody took; False if a holder has started it already."""
+        status = await conn.execute(
+            f"UPDATE {self.table} SET state = 'expired', finished_at = now()"
+            " WHERE id = $1 AND state = 'pending'",
+            command_id,
+        )
+        return bool(status.endswith(" 1"))
+
+    async def take(self, conn: asyncpg.Connection, claim: Claim, by: str) -> Command | None:
+        """The oldest pending command of the outbox, marked running; holder only."""
+        row = await conn.fetchrow(
+            f"UPDATE {self.table} SET state = 'running', executed_by = $2 WHERE id = ("
+            f" SELECT id FROM {self.table} WHERE outbox = $1 AND state = 'pending'"
+            " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
+            f" AND {holds_lock('$3')} RETURNING id, outbox, kind, args, requested_by",
+            claim.outbox,
+            by,
+            claim.key,
+        )
+        if row is None:
+            return None
+        return Command(
+            row["id"],
+            row["outbox"],
+            CommandKind(row["kind"]),
+            json.loads(row["args"]),
+            row["requested_by"],
+        )
+
+    async def finish(
+        self, conn: asyncpg.Connection, command_id: int, ok: bool, outcome: dict[str, Any]
+    ) -> None:
+        await conn.execute(
+            f"UPDATE {self.table} SET state = $2, outcome = $3::jsonb, finished_at = now()"
+            " WHERE id = $1",
+            command_id,
+            "done" if ok else "failed",
+            json.dumps(outcome, default=str),
+        )
+
+    async def record(
+        self, conn: asyncpg.Connection, request: CommandRequest, *, ok: bool, outcome: Any
+    ) -> int:
+        """A command the CLI carried out itself, under the lease: kept like any other."""
+        command_id = await conn.fetchval(
+            f"INSERT INTO {self.table} (outbox, kind, args, requested_by, state, executed_by,"
+            " finished_at, outcome) VALUES ($1, $2, $3::jsonb, $4, $5, $4, now(), $6::jsonb)"
+            " RETURNING id",
+            *request.columns(),
+            "done" if ok else "failed",
+            json.dumps(outcome, default=str),
+        )
+        return int(command_id)
+
+    async def abandon_running(self, conn: asyncpg.Connection, outbox: str) -> None:
+        """A new holder fails what a previous holder left half-done."""
+        await conn.execute(
+            f"UPDATE {self.table} SET state = 'failed', finished_at = now(),"
+            ' outcome = \'{"error": "the holder stopped while carrying it out"}\'::jsonb'
+            " WHERE outbox = $1 AND state = 'running'",
+            outbox,
+        )

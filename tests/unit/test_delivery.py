@@ -1,0 +1,292 @@
+"""The delivery loop's pure logic, with a scripted publisher and a checkpoint kept in memory.
+
+These run in milliseconds with no service at all. They pin down what the real-server
+tests (the ground truth) also check end to end: the acknowledged prefix moves on, the
+rest is retried before anything after it, only permanent failures are parked, after
+`park_after` of them, and an operator's command interrupts the retrying without
+resetting the count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import pytest
+
+from relay.config import OutboxConfig
+from relay.core.delivery import Delivery, Item, RetryCount
+from relay.core.mapping import Event
+from relay.core.metrics import Metrics
+from relay.core.publishing import Message, Outcome
+from relay.core.state import OutboxState
+from relay.errors import MappingError, PermanentPublishError, PublishError, TransientPublishError
+
+# Fails message `id` (or lets it through with None) on its n-th attempt (1-based).
+Script = Callable[[str, int], PublishError | None]
+
+
+@dataclass
+class ScriptedPublisher:
+    """A broker whose verdict on each message follows a script; it records what was sent."""
+
+    script: Script
+    name: str = "fake"
+    duplicates: int = 0
+    batches: list[list[str]] = field(default_factory=list)
+    attempts: dict[str, int] = field(default_factory=dict)
+    short_by: int = 0  # return this many outcomes too few (an adapter's bug)
+
+    async def connect(self) -> None:
+        """Nothing to connect."""
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        self.batches.append([m.id for m in messages])
+        outcomes: list[Outcome] = []
+        for message in messages:
+            n = self.attempts[message.id] = self.attempts.get(message.id, 0) + 1
+            outcome = self.script(message.id, n)
+            outcomes.append(outcome)
+            if outcome is not None:  # as real adapters do: nothing after a failure is sent
+                held = TransientPublishError("not sent: an earlier message of the batch failed")
+                outcomes += [held] * (len(messages) - len(outcomes))
+                break
+        return outcomes[: len(outcomes) - self.short_by]
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+
+@dataclass
+class MemoryCheckpoint:
+    """The checkpoint row and the parked table, in memory."""
+
+    position: int = 0
+    advances: list[int] = field(default_factory=list)
+    reports: list[tuple[str, RetryCount | None]] = field(default_factory=list)
+    parked: list[tuple[int, str, int]] = field(default_factory=list)  # position, reason, attempts
+
+    async def advance(self, position: int) -> None:
+        assert position >= self.position, "the checkpoint never moves back"
+        self.position = position
+        self.advances.append(position)
+
+    async def report(
+        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
+    ) -> None:
+        self.reports.append((state, retry))
+
+    async def park(
+        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+    ) -> None:
+        self.parked.append((event.position, reason, attempts))
+        await self.advance(event.position)
+
+
+def event(position: int) -> Event:
+    return Event(
+        position=position,
+        aggregate_type="book",
+        aggregate_id=f"b{position}",
+        version=1,
+        type="BookLent",
+        data={},
+        metadata={},
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+
+
+def item(position: int) -> Item:
+    e = event(position)
+    message = Message(
+        id=f"m{position}",
+        type="library.book-lent.v1",
+        destination="library.loans",
+        key=e.aggregate_id,
+        body=b"{}",
+        source="/test",
+        time=e.created_at,
+        position=position,
+    )
+    return Item(e, message, None)
+
+
+def unmappable(position: int) -> Item:
+    return Item(event(position), None, MappingError(f"cannot map event at position {position}"))
+
+
+CONFIG = OutboxConfig.model_validate(
+    {
+        "broker": "fake",
+        "messages": {"BookLent": {"type": "library.book-lent.v1", "destination": "library.loans"}},
+        "retry": {"initial": "1ms", "max": "1ms", "jitter": 0},
+        "park_after": 3,
+    }
+)
+
+
+def delivery(publisher: ScriptedPublisher, **events: asyncio.Event) -> Delivery:
+    return Delivery(
+        "loans",
+        CONFIG,
+        publisher=publisher,
+        metrics=Metrics(),
+        state=OutboxState("loans"),
+        stop=events.get("stop", asyncio.Event()),
+        interrupt=events.get("interrupt", asyncio.Event()),
+    )
+
+
+def always_ok(_id: str, _n: int) -> None:
+    return None
+
+
+def fails(message_id: str, times: int, error: PublishError) -> Script:
+    """`message_id` fails its first `times` attempts with `error`; everything else passes."""
+    return lambda mid, n: error if mid == message_id and n <= times else None
+
+
+TRANSIENT = TransientPublishError("broker down")
+REJECTED = PermanentPublishError("too large")
+
+
+async def test_a_whole_batch_acknowledged_leaves_the_checkpoint_to_the_loop() -> None:
+    publisher, checkpoint = ScriptedPublisher(always_ok), MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1), item(2), item(3)])
+    assert publisher.batches == [["m1", "m2", "m3"]]
+    assert checkpoint.advances == []  # the loop moves it past the whole batch
+
+
+async def test_the_acknowledged_prefix_moves_on_and_the_rest_is_retried_first() -> None:
+    publisher = ScriptedPublisher(fails("m3", 2, TRANSIENT))
+    checkpoint = MemoryCheckpoint()
+    items = [item(p) for p in range(1, 6)]
+    assert await delivery(publisher).deliver(checkpoint, items)
+    assert publisher.batches == [
+        ["m1", "m2", "m3", "m4", "m5"],
+        ["m3", "m4", "m5"],
+        ["m3", "m4", "m5"],
+    ]
+    assert checkpoint.advances == [2]  # never past the unacknowledged m3
+    assert [r[1].attempts for r in checkpoint.reports if r[1]] == [1, 2]
+    assert checkpoint.parked == []
+
+
+async def test_transient_failures_are_never_parked() -> None:
+    publisher = ScriptedPublisher(fails("m1", 10, TRANSIENT))
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1), item(2)])
+    assert publisher.attempts["m1"] == 11  # well past park_after (3)
+    assert checkpoint.parked == []
+
+
+async def test_a_permanent_failure_is_parked_after_park_after_and_the_rest_flows() -> None:
+    publisher = ScriptedPublisher(fails("m2", 99, REJECTED))
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1), item(2), item(3)])
+    assert checkpoint.parked == [(2, "rejected", 3)]
+    assert publisher.attempts == {"m1": 1, "m2": 3, "m3": 1}
+    assert publisher.batches[-1] == ["m3"]
+
+
+async def test_park_after_counts_only_permanent_failures() -> None:
+    """Two outages in between do not bring the parking forward."""
+    verdicts = [REJECTED, TRANSIENT, REJECTED, TRANSIENT, REJECTED]
+    publisher = ScriptedPublisher(lambda mid, n: verdicts[n - 1] if mid == "m1" else None)
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1)])
+    assert publisher.attempts["m1"] == 5
+    assert checkpoint.parked == [(1, "rejected", 3)]
+
+
+async def test_an_event_that_cannot_be_mapped_is_parked_and_never_sent() -> None:
+    publisher, checkpoint = ScriptedPublisher(always_ok), MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1), unmappable(2), item(3)])
+    assert checkpoint.parked == [(2, "mapping", 3)]
+    assert all("m2" not in batch for batch in publisher.batches)
+    assert publisher.attempts == {"m1": 1, "m3": 1}
+
+
+async def test_an_operators_command_interrupts_the_retrying_but_keeps_the_count() -> None:
+    interrupt = asyncio.Event()
+
+    def script(mid: str, n: int) -> PublishError | None:
+        if n == 2:
+            interrupt.set()  # a command arrives during the second attempt
+        return REJECTED if mid == "m1" else None
+
+    publisher, checkpoint = ScriptedPublisher(script), MemoryCheckpoint()
+    relay = delivery(publisher, interrupt=interrupt)
+    assert not await relay.deliver(checkpoint, [item(1)])  # interrupted, nothing parked
+    assert checkpoint.parked == [] and relay.retry == RetryCount(1, 2, 2)
+    interrupt.clear()  # the loop carried the command out; it reads the batch again
+    assert await relay.deliver(checkpoint, [item(1)])
+    assert checkpoint.parked == [(1, "rejected", 3)]  # one more attempt, not three
+    assert publisher.attempts["m1"] == 3
+
+
+async def test_the_count_of_a_previous_holder_goes_on() -> None:
+    publisher = ScriptedPublisher(fails("m7", 99, REJECTED))
+    checkpoint = MemoryCheckpoint(position=6)
+    relay = delivery(publisher)
+    relay.retry = RetryCount(7, attempts=2, rejections=2)  # read from the checkpoint row
+    assert await relay.deliver(checkpoint, [item(7)])
+    assert publisher.attempts["m7"] == 1
+    assert checkpoint.parked == [(7, "rejected", 3)]
+
+
+async def test_a_count_for_another_message_does_not_carry_over() -> None:
+    publisher = ScriptedPublisher(fails("m7", 99, REJECTED))
+    relay = delivery(publisher)
+    relay.retry = RetryCount(5, attempts=2, rejections=2)  # that message was parked since
+    assert await relay.deliver(MemoryCheckpoint(), [item(7)])
+    assert publisher.attempts["m7"] == 3
+
+
+async def test_stop_ends_the_retrying_without_moving_the_checkpoint() -> None:
+    stop = asyncio.Event()
+
+    def script(mid: str, n: int) -> PublishError:
+        stop.set()
+        return TRANSIENT
+
+    checkpoint = MemoryCheckpoint()
+    assert not await delivery(ScriptedPublisher(script), stop=stop).deliver(checkpoint, [item(1)])
+    assert checkpoint.advances == [] and checkpoint.parked == []
+
+
+async def test_too_few_outcomes_from_an_adapter_count_as_a_transient_failure() -> None:
+    stop = asyncio.Event()
+
+    def script(mid: str, n: int) -> None:
+        if mid == "m2" and n == 3:
+            stop.set()  # enough: it would be retried for ever
+
+    publisher = ScriptedPublisher(script, short_by=1)
+    relay = delivery(publisher, stop=stop)
+    checkpoint = MemoryCheckpoint()
+    assert not await relay.deliver(checkpoint, [item(1), item(2)])
+    assert checkpoint.advances == [1]  # m1 was confirmed; m2's missing outcome is a failure
+    assert checkpoint.parked == []  # transient: never parked, however often
+    assert "outcomes for 1 messages" in (relay.state.last_error or "")
+
+
+@pytest.mark.parametrize("park_after", [1, 2, 5])
+async def test_parking_takes_exactly_park_after_rejections(park_after: int) -> None:
+    config = CONFIG.model_copy(update={"park_after": park_after})
+    publisher = ScriptedPublisher(fails("m1", 99, REJECTED))
+    relay = Delivery(
+        "loans",
+        config,
+        publisher=publisher,
+        metrics=Metrics(),
+        state=OutboxState("loans"),
+        stop=asyncio.Event(),
+        interrupt=asyncio.Event(),
+    )
+    checkpoint = MemoryCheckpoint()
+    assert await relay.deliver(checkpoint, [item(1)])
+    assert publisher.attempts["m1"] == park_after
+    assert checkpoint.parked == [(1, "rejected", park_after)]
