@@ -19,7 +19,7 @@ from typing import Any
 
 import asyncpg
 
-from relay.embedded import EmbeddedPostgres
+from relay.ops.embedded import EmbeddedPostgres
 from tests.support.config import write_config
 from tests.support.postgres import address, with_address, with_database
 from tests.support.proxy import TcpProxy

@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from tests.soak.run import Settings, soak
+
+pytestmark = pytest.mark.integration  # it starts its own Postgres, broker and replicas
 
 
 async def test_short_soak_with_nats_loses_nothing_under_random_faults() -> None:
