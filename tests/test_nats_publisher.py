@@ -207,51 +207,32 @@ async def test_unusual_but_valid_subjects_are_published(nats_url: str) -> None:
         await delete_stream(nats_url, stream)
 
 
-async def test_core_nats_refuses_an_oversized_message_alone(nats_url: str) -> None:
-    """Messages written before it count as published; only it is refused, and parked later."""
+@pytest.mark.parametrize("bad", ["oversized", "wildcard subject"])
+async def test_core_nats_refuses_a_bad_message_alone_and_keeps_order(
+    nats_url: str, bad: str
+) -> None:
+    """Messages written before it count as published; it alone is refused (and parked later);
+    nothing after it is sent."""
     subject = unique_name("core")
     pub = NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=False))
+    refusable = (
+        message(f"{subject}.ok", 2, body=b"x" * (2 * 1024 * 1024))
+        if bad == "oversized"
+        else message(f"{subject}.*", 2)
+    )
     async with connect(nats_url) as nc:
         sub = await nc.subscribe(f"{subject}.>")
         await nc.flush()
         try:
-            batch = [
-                message(f"{subject}.ok", 1),
-                message(f"{subject}.ok", 2, body=b"x" * (2 * 1024 * 1024)),
-                message(f"{subject}.ok", 3),
-            ]
-            first, refused, later = await pub.publish(batch)
-            assert first is None
-            assert isinstance(refused, PermanentPublishError)
-            assert isinstance(later, TransientPublishError)
-            got = await sub.next_msg(timeout=5)
-            await nc.flush()
-            assert (got.headers or {}).get("ce-id") == "book/b1@1"
-            assert sub.pending_msgs == 0
-        finally:
-            await sub.unsubscribe()
-            await pub.close()
-
-
-async def test_core_nats_keeps_order_around_an_invalid_subject(nats_url: str) -> None:
-    subject = unique_name("core")
-    pub = NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=False))
-    async with connect(nats_url) as nc:
-        sub = await nc.subscribe(f"{subject}.>")
-        await nc.flush()
-        try:
-            batch = [
-                message(f"{subject}.ok", 1),
-                message(f"{subject}.*", 2),
-                message(f"{subject}.ok", 3),
-            ]
+            batch = [message(f"{subject}.ok", 1), refusable, message(f"{subject}.ok", 3)]
             first, refused, later = await pub.publish(batch)
             assert first is None
             assert isinstance(refused, PermanentPublishError)
             assert isinstance(later, TransientPublishError)
             got = await sub.next_msg(timeout=5)
             await nc.flush()  # anything else the server routed to us has arrived by now
-            assert (got.subject, sub.pending_msgs) == (f"{subject}.ok", 0)
+            assert (got.subject, (got.headers or {}).get("ce-id")) == (f"{subject}.ok", "book/b1@1")
+            assert sub.pending_msgs == 0
         finally:
             await sub.unsubscribe()
             await pub.close()

@@ -21,7 +21,7 @@ import asyncpg
 
 from relay.ops.embedded import EmbeddedPostgres
 from tests.support.config import write_config
-from tests.support.postgres import address, with_address, with_database
+from tests.support.postgres import EVENTS_SQL, address, with_address, with_database
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
 
@@ -44,31 +44,18 @@ LEASE = {
 }
 TAKEOVER_AFTER = 2.0
 
-EVENTS = """
-CREATE TABLE events (
-  position       bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+_COLUMNS = """
   aggregate_type text        NOT NULL,
   aggregate_id   text        NOT NULL,
   version        bigint      NOT NULL,
   type           text        NOT NULL,
   payload        jsonb       NOT NULL,
   metadata       jsonb       NOT NULL DEFAULT '{}',
-  created_at     timestamptz NOT NULL DEFAULT now(),
-  UNIQUE (aggregate_type, aggregate_id, version)
-);
-"""
+  created_at     timestamptz NOT NULL DEFAULT now()"""
+EVENTS = EVENTS_SQL.read_text()  # the example table, as applications have it
 # Partitioned by time, as archives are; writers also insert into `events_live` directly.
-PARTITIONED_EVENTS = """
-CREATE TABLE events (
-  position       bigserial,
-  aggregate_type text        NOT NULL,
-  aggregate_id   text        NOT NULL,
-  version        bigint      NOT NULL,
-  type           text        NOT NULL,
-  payload        jsonb       NOT NULL,
-  metadata       jsonb       NOT NULL DEFAULT '{}',
-  created_at     timestamptz NOT NULL DEFAULT now()
-) PARTITION BY RANGE (created_at);
+PARTITIONED_EVENTS = f"""
+CREATE TABLE events (position bigserial, {_COLUMNS}) PARTITION BY RANGE (created_at);
 CREATE TABLE events_archive PARTITION OF events FOR VALUES FROM (MINVALUE) TO ('2000-01-01');
 CREATE TABLE events_live PARTITION OF events FOR VALUES FROM ('2000-01-01') TO (MAXVALUE);
 """
