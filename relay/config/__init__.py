@@ -187,6 +187,12 @@ class OutboxConfig(Model):
     retry: RetryConfig = RetryConfig()
     park_after: Annotated[int, Field(ge=1)] = 10
     start: Literal["beginning", "end"] = "beginning"
+    partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        1,
+        description="Lanes the outbox is split into, by a stable hash of each aggregate; each"
+        " lane has its own lease and checkpoint, so replicas share the work. Change it with"
+        " `relay repartition`.",
+    )
 
     @field_validator("id", "key")
     @classmethod

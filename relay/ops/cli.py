@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Awaitable, Callable
@@ -132,12 +133,16 @@ def check(
 def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
     """Who relays each outbox, how far behind it is, and what it waits for."""
     from relay.ops.status import status as read_status
+    from relay.ops.status import summary
 
     cfg = _load(config)
-    rows = [row.as_json() for row in _run(lambda: read_status(cfg))]
+    lanes = _run(lambda: read_status(cfg))
+    rows = [row.as_json() for row in lanes]
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
+    for line in summary(cfg, lanes):
+        typer.echo(line)
     _table(
         rows,
         [
@@ -286,6 +291,36 @@ def _say_outcome(result: dict[str, Any], text: str) -> None:
         typer.echo(f"{text}; carried out by {who}")
     else:
         typer.echo(f"failed, carried out by {who}: {result['detail']}", err=True)
+
+
+@app.command()
+def repartition(
+    outbox: Annotated[str, typer.Argument(help="The outbox to split into a new number of lanes.")],
+    partitions: Annotated[
+        int, typer.Option("--partitions", min=1, max=1024, help="The new number of lanes.")
+    ],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Change an outbox's partitions; its replicas must be stopped. Nothing is skipped."""
+    from relay.ops.repartition import repartition as do_repartition
+
+    cfg = _load(config)
+    done = _run(lambda: do_repartition(cfg, outbox, partitions))
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(done)))
+        return
+    typer.echo(
+        f"{outbox}: {done.before} -> {done.after} partition(s); every lane starts after position"
+        f" {done.start}; {done.resent} event(s) already published will be sent again (same"
+        f" ids); {done.parked_moved} parked message(s) moved to their new lanes"
+    )
+    if cfg.outboxes[outbox].partitions != partitions:
+        typer.echo(
+            f"now set outboxes.{outbox}.partitions to {partitions} in the config before the"
+            " replicas start again",
+            err=True,
+        )
 
 
 parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)

@@ -1,7 +1,8 @@
-"""Everything one outbox runs with, built once by the runner and passed down.
+"""Everything one lane of an outbox runs with, built once by the runner and passed down.
 
-The replica, the holder's loop and the operations all take this one object
-instead of a dozen collaborators, and none of them builds its own parts.
+The replica, the holder's loop and the operations all take this one object instead
+of a dozen collaborators, and none of them builds its own parts. An outbox with one
+lane has one context, named after the outbox.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from relay.config import OutboxConfig, RelayConfig
+from relay.core.lanes import Lane
 from relay.core.mapping import Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Publisher
@@ -26,12 +28,12 @@ class Wakes:
 
     events: asyncio.Event = field(default_factory=asyncio.Event)  # new rows (NOTIFY)
     commands: asyncio.Event = field(default_factory=asyncio.Event)  # an operator's command
-    lease: asyncio.Event = field(default_factory=asyncio.Event)  # the lease was released
 
 
 @dataclass(frozen=True)
 class OutboxContext:
-    name: str
+    name: str  # the lane's name: `loans`, or `loans/2` when the outbox is split
+    lane: Lane
     config: OutboxConfig
     relay_config: RelayConfig
     identity: str
@@ -43,27 +45,27 @@ class OutboxContext:
     operations: Operations
     metrics: Metrics
     state: OutboxState
-    stop: asyncio.Event
+    stop: asyncio.Event  # this lane's: set on shutdown, or to hand the lane over
     wakes: Wakes
 
     @classmethod
     def build(
         cls,
-        name: str,
+        lane: Lane,
         relay_config: RelayConfig,
         *,
         identity: str,
         publisher: Publisher,
         metrics: Metrics,
-        stop: asyncio.Event,
     ) -> OutboxContext:
-        config = relay_config.outboxes[name]
+        config = relay_config.outboxes[lane.outbox]
         schema = relay_config.database.schema_
-        source, store = EventSource(relay_config.source), Store(schema)
-        mapper = Mapper(name, config)
-        metrics.register_outbox(name)
+        source, store = EventSource(relay_config.source, lane), Store(schema)
+        mapper = Mapper(lane.outbox, config)
+        metrics.register_outbox(lane.name)
         return cls(
-            name=name,
+            name=lane.name,
+            lane=lane,
             config=config,
             relay_config=relay_config,
             identity=identity,
@@ -74,7 +76,7 @@ class OutboxContext:
             mapper=mapper,
             operations=Operations(store, source, mapper, publisher),
             metrics=metrics,
-            state=OutboxState(name),
-            stop=stop,
+            state=OutboxState(lane.name),
+            stop=asyncio.Event(),
             wakes=Wakes(),
         )

@@ -69,6 +69,9 @@ class Operations:
     ) -> Done:
         """Move the checkpoint back to `to`; events after it are published again."""
         to = int(args["to"])
+        if claimed.position < to:  # a lane of a split outbox that is not that far yet
+            here = claimed.position
+            return Done(ok=True, detail={"checkpoint": here, "previous_checkpoint": here})
         previous = await claimed.rewind(to)
         log.info(
             "replay: checkpoint moved back",

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import asyncpg
 import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
+from relay.core.lanes import Lane, lanes_of
 from relay.core.mapping import Mapper
 from relay.core.publishing import Publisher
 from relay.errors import RelayError, UsageError
@@ -26,7 +28,7 @@ from relay.ops import holding
 from relay.ops.operations import Done, Operations
 from relay.postgres.command_queue import CommandKind, CommandQueue, CommandRequest
 from relay.postgres.database import Database
-from relay.postgres.lease import Lease
+from relay.postgres.lease import Lease, LeaseSession
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
@@ -60,29 +62,69 @@ class CommandRefused(UsageError):
 
 
 class Operator:
-    """The CLI's side: hand a command to the holder, or do it under the lease itself."""
+    """The CLI's side: hand a command to each lane's holder, or do it under the lease itself."""
 
     def __init__(self, config: RelayConfig, outbox: str, identity: str) -> None:
-        config.outbox(outbox)  # unknown: a ConfigError
+        self.outbox_config = config.outbox(outbox)  # unknown: a ConfigError
         self.config = config
         self.outbox = outbox
         self.identity = identity
+        self.lanes = lanes_of(outbox, self.outbox_config.partitions)
         self.db = Database(config.database, identity)
         self.store = Store(config.database.schema_)
         self.source = EventSource(config.source)
         self.queue = CommandQueue(config.database.schema_)
 
     async def run(self, kind: CommandKind, args: dict[str, Any], wait: float) -> CommandResult:
-        """Do it under the lease if free; else ask its holder, and take over if it leaves."""
+        """The command, carried out on every lane of the outbox (one by one)."""
         kind = CommandKind(kind)
         deadline = time.monotonic() + wait
+        session = LeaseSession(
+            self.db, self.config.lease, self.config.database.schema_, self.identity
+        )
+        try:
+            per_lane = await self._lane_args(kind, args)
+            results = {
+                lane.name: await self._on_lane(
+                    session, lane, kind, lane_args, deadline=deadline, wait=wait
+                )
+                for lane, lane_args in per_lane
+            }
+        finally:
+            await session.close()
+        return merged(self.lanes, kind, args, results)
+
+    async def _lane_args(
+        self, kind: CommandKind, args: dict[str, Any]
+    ) -> list[tuple[Lane, dict[str, Any]]]:
+        """Each lane's share of the command: retry-parked ids go to the lane that parked them."""
+        ids = args.get("ids")
+        if kind is not CommandKind.RETRY_PARKED or ids is None or len(self.lanes) == 1:
+            return [(lane, args) for lane in self.lanes]
+        async with self.db.session("cli") as conn:
+            owners = await self.store.parked_lanes(conn, [lane.name for lane in self.lanes], ids)
+        return [
+            (lane, {"ids": [i for i in ids if owners.get(i) == lane.name]})
+            for lane in self.lanes
+            if any(owners.get(i) == lane.name for i in ids)
+        ] or [(self.lanes[0], args)]  # none of them parked: the first lane says "not found"
+
+    async def _on_lane(
+        self,
+        session: LeaseSession,
+        lane: Lane,
+        kind: CommandKind,
+        args: dict[str, Any],
+        *,
+        deadline: float,
+        wait: float,
+    ) -> CommandResult:
+        """Do it under the lane's lease if free; else ask its holder; take over if it leaves."""
+        lease = Lease(session, lane.name)
         while True:
-            lease = Lease(
-                self.db, self.config.lease, self.outbox, self.config.database.schema_, self.identity
-            )
             try:
                 if await lease.try_acquire():
-                    return await self._directly(lease, kind, args)
+                    return await self._directly(lease, lane, kind, args)
                 result = await self._through_holder(lease, kind, args, deadline, wait)
             finally:
                 await lease.release()
@@ -100,7 +142,7 @@ class Operator:
         """The holder's outcome; None if the lease fell free first (command withdrawn)."""
         conn = await self.db.connect("cli")
         try:
-            request = CommandRequest(self.outbox, kind, args, self.identity)
+            request = CommandRequest(lease.outbox, kind, args, self.identity)
             command_id = await self.queue.submit(conn, request)
             while time.monotonic() < deadline:
                 state = await self.queue.result(conn, command_id)
@@ -123,26 +165,25 @@ class Operator:
             await conn.close()
 
     async def _directly(
-        self, lease: Lease, kind: CommandKind, args: dict[str, Any]
+        self, lease: Lease, lane: Lane, kind: CommandKind, args: dict[str, Any]
     ) -> CommandResult:
         """No replica holds the lease: take it, do the work, record it, let go."""
-        outbox = self.config.outboxes[self.outbox]
+        outbox = self.outbox_config
+        source = EventSource(self.config.source, lane)
         reader = await self.db.connect("cli")
         publisher: Publisher | None = None
         try:
-            claimant = holding.Claimant(
-                self.outbox, outbox.start, self.source, self.store, self.queue
-            )
+            claimant = holding.Claimant(lane.name, outbox.start, source, self.store, self.queue)
             claimed = await holding.claim(lease, claimant)
             log.info(
                 "no holder: carrying out the command under the lease",
                 kind=kind,
-                outbox=self.outbox,
+                outbox=lane.name,
                 epoch=claimed.claim.epoch,
             )
             if kind is CommandKind.RETRY_PARKED:
                 publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
-            operations = Operations(self.store, self.source, Mapper(self.outbox, outbox), publisher)
+            operations = Operations(self.store, source, Mapper(self.outbox, outbox), publisher)
             # Keep proving the lease (and stamping the heartbeat) while the work runs: else
             # a replica starting meanwhile would take this CLI for a silent holder.
             held = await holding.while_held(
@@ -152,7 +193,7 @@ class Operator:
                 raise RelayError(f"lost the lease while carrying out the command: {held.lost}")
             done = held.result or Done(ok=False)
             async with lease.statement() as conn:
-                request = CommandRequest(self.outbox, kind, args, self.identity)
+                request = CommandRequest(lane.name, kind, args, self.identity)
                 await self.queue.record(conn, request, ok=done.ok, outcome=done.detail)
             return CommandResult(done.ok, self.identity, done.detail, True)
         finally:
@@ -161,13 +202,13 @@ class Operator:
             await reader.close()
 
     async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
-        """(the position to move back to, the current checkpoint)."""
-        conn = await self.db.connect("cli")
-        try:
+        """(the position to move back to, the furthest checkpoint of the outbox's lanes)."""
+        async with self.db.session("cli") as conn:
             await ensure_migrated(conn, self.config.database.schema_)
-            current = await self.store.position(conn, self.outbox)
-            if current is None:
+            positions = await self._positions(conn)
+            if not positions:
                 raise CommandRefused(f"outbox {self.outbox!r} has never relayed: nothing to replay")
+            current = max(positions.values())
             if spec.start:
                 target = 0
             elif spec.time is not None:
@@ -182,19 +223,53 @@ class Operator:
                     f" ({current}); those events have not been published yet"
                 )
             return max(target, 0), current
-        finally:
-            await conn.close()
 
     async def count(self, after: int, upto: int) -> int:
-        outbox = self.config.outboxes[self.outbox]
-        conn = await self.db.connect("cli")
-        try:
-            return await self.source.count(
-                conn,
-                after=after,
-                upto=upto,
-                aggregates=outbox.aggregates,
-                types=list(outbox.messages),
-            )
-        finally:
-            await conn.close()
+        """Events a replay from `after` sends again: each lane's, up to its own checkpoint."""
+        outbox = self.outbox_config
+        async with self.db.session("cli") as conn:
+            positions = await self._positions(conn)
+            total = 0
+            for lane in self.lanes:
+                lane_upto = min(upto, positions.get(lane.name, after))
+                if lane_upto > after:
+                    total += await EventSource(self.config.source, lane).count(
+                        conn,
+                        after=after,
+                        upto=lane_upto,
+                        aggregates=outbox.aggregates,
+                        types=list(outbox.messages),
+                    )
+            return total
+
+    async def _positions(self, conn: asyncpg.Connection) -> dict[str, int]:
+        found = {}
+        for lane in self.lanes:
+            position = await self.store.position(conn, lane.name)
+            if position is not None:
+                found[lane.name] = position
+        return found
+
+
+def merged(
+    lanes: list[Lane], kind: CommandKind, args: dict[str, Any], results: dict[str, CommandResult]
+) -> CommandResult:
+    """One result for the outbox; an outbox with one lane reports its lane's as it is."""
+    if len(lanes) == 1:
+        return next(iter(results.values()))
+    ok = all(r.ok for r in results.values())
+    by = sorted({r.executed_by for r in results.values() if r.executed_by})
+    detail: dict[str, Any] = {"lanes": {name: r.detail for name, r in results.items()}}
+    if kind is CommandKind.RETRY_PARKED:
+        published = [i for r in results.values() for i in r.detail.get("published", [])]
+        still = {
+            k: v for r in results.values() for k, v in r.detail.get("still_parked", {}).items()
+        }
+        detail.update(published=published, still_parked=still)
+        asked = args.get("ids")
+        if asked is not None:
+            found = set(published) | {int(k) for k in still}
+            unknown = sorted(set(asked) - found)
+            if unknown:
+                detail["not_found"] = unknown
+    return CommandResult(ok, ", ".join(by) or None, detail, all(r.direct for r in results.values()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.config import RelayConfig
+from relay.core.lanes import lanes_of
 from relay.errors import RelayError
 from relay.ops.identity import identity
 from relay.postgres.database import Database
@@ -13,10 +14,10 @@ from relay.postgres.store import ParkedMessage, Store
 
 
 async def parked_list(config: RelayConfig, outbox: str) -> list[ParkedMessage]:
-    config.outbox(outbox)  # unknown: a ConfigError
+    lanes = lane_names(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
-        return await Store(config.database.schema_).parked(conn, outbox)
+        return await Store(config.database.schema_).parked(conn, lanes)
 
 
 async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
@@ -57,3 +58,9 @@ def whole(parked: ParkedMessage) -> dict[str, Any]:
     body = parked.body.decode("utf-8", "replace") if parked.body is not None else None
     fields = {name: getattr(parked, name) for name in parked.__dataclass_fields__}
     return {**fields, "body": body}
+
+
+def lane_names(config: RelayConfig, outbox: str) -> list[str]:
+    """Where the outbox's messages are parked: its lanes (itself, when it has one)."""
+    partitions = config.outbox(outbox).partitions  # unknown: a ConfigError
+    return [lane.name for lane in lanes_of(outbox, partitions)]

@@ -1,23 +1,36 @@
-"""One outbox, as seen by one replica: stand by, take the lease, relay while it holds.
+"""One outbox, as seen by one replica: hold a fair share of its lanes, stand by for the rest.
 
     standby --try lock--> holder --lease lost / fenced--> standby
        ^                    |
-       +---- released <-----+ (on stop: stop publishing, last checkpoint, unlock, close)
+       +---- released <-----+ (on stop or hand-over: finish the batch, last checkpoint,
+                               unlock, NOTIFY)
 
-While holding, the relay loop and the lease watch run side by side (holding.py).
-If the watch cannot prove the lease, the loop is cancelled at once: the in-flight
-batch is abandoned without a checkpoint and the replica goes back to standby.
+Every `retry_interval` (or at once when a lease is released) the replica says it is
+alive, counts the live replicas R, and aims at ceil(K / R) of the outbox's K lanes
+(capped by `lease.max_per_replica`). Below its share it tries the free lanes' locks
+in one statement, and ends the session of a holder whose heartbeat is older than
+`takeover_after`. Above it (another replica joined) it hands lanes over the graceful
+way, at a batch boundary, so the newcomer starts from their checkpoints and nothing
+is sent twice. With one lane this is the single lease it always was.
+
+Each held lane runs in a task of its own (`LaneHolder`): the relay loop and the lease
+watch side by side (holding.py). If the watch cannot prove the lease, the loop is
+cancelled at once: the in-flight batch is abandoned without a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import zlib
+from collections import Counter
 
 import asyncpg
 import structlog
 
 from relay.config import RetryConfig
+from relay.core.lanes import balance
 from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
@@ -25,101 +38,54 @@ from relay.ops import holding
 from relay.ops.context import OutboxContext
 from relay.ops.outbox import OutboxRelay, Session
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.lease import Lease, LeaseBudget
+from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseSession
+from relay.postgres.membership import Membership
+
+# Over its share for this many passes in a row before handing a lane over: a replica
+# that is starting (or one that just died) must not set lanes moving back and forth.
+_OVER_SHARE_PASSES = 2
+# A free lane is left to a replica below its share for this many retry intervals.
+_PATIENCE = 3
 
 
-class OutboxReplica:
-    def __init__(
-        self,
-        context: OutboxContext,
-        *,
-        lease: Lease,
-        budget: LeaseBudget,
-        db: Database,
-        reconnect: RetryConfig,
-    ) -> None:
+class LaneHolder:
+    """One held lane: claim it, relay it while the lease holds, let it go."""
+
+    def __init__(self, context: OutboxContext, lease: Lease, db: Database) -> None:
         self.ctx = context
         self.name = context.name
         self.lease = lease
-        self.budget = budget
         self.db = db
-        self.reconnect = reconnect
         self.relay = OutboxRelay(context)
         self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
 
-    async def run(self) -> None:
-        """Until `stop`: hold the lease when it can be had, stand by otherwise."""
-        backoff, attempt, stop = Backoff(self.reconnect), 0, self.ctx.stop
-        try:
-            while not stop.is_set():
-                try:
-                    if await self._acquire():
-                        await self._hold()
-                    else:
-                        await self._stand_by()
-                    attempt = 0
-                except (DatabaseError, *CONNECTION_LOST) as exc:
-                    attempt += 1
-                    await self._disconnected(exc, backoff.delay(attempt), attempt)
-        finally:
-            await self.lease.release()
-            self.ctx.state.stopped()
-
-    async def _acquire(self) -> bool:
-        if not self.budget.try_take():
-            return False
-        try:
-            got = await self.lease.try_acquire()
-        finally:
-            if not self.lease.held:
-                self.budget.give()
-        return got
-
-    async def _stand_by(self) -> None:
-        state = self.ctx.state
-        holder = await self.lease.holder()
-        if holder is not None and holder.identity != state.holder:
-            self.log.info("standing by", holder=holder.identity)
-        state.standing_by(holder.identity if holder else None)
-        if holder is not None and await self.lease.take_over_if_silent(holder):
-            return  # its session is gone: try again at once
-        self.ctx.wakes.lease.clear()
-        wait = self.lease.config.retry_interval
-        await wait_any(self.ctx.stop, self.ctx.wakes.lease, within=wait)
-
-    async def _hold(self) -> None:
+    async def hold(self) -> str | None:
+        """Relay until stopped or handed over (None), or until the lease is lost (why)."""
         fenced = False
         try:
             session = await self._claim()
             reason = await self._relay_while_held(session)
         except FencedError as exc:
-            reason = str(exc)
-            fenced = True
+            reason, fenced = str(exc), True
         except DatabaseError as exc:
             if not self.lease.connection_lost():
-                await self._let_go()
+                await self.lease.release()
+                self._transition("released")
                 raise
             reason = f"lease connection lost: {exc}"
         except BaseException:
-            await self._let_go()
+            await self.lease.release()
             raise
-        if reason is None:  # stopped gracefully
-            await self._let_go()
+        if reason is None:
+            await self.lease.release()
             self.log.info("lease released")
             self._transition("released")
-            return
+            return None
         self.lease.abandon()
-        self.budget.give()
         self.ctx.state.lost(reason)
         self.log.error("lease lost: stopped publishing, back to standby", reason=reason)
         self._transition("fenced" if fenced else "lost")
-        # A replica that just lost its lease is the suspect one: let a healthy standby
-        # (which retries every retry_interval) take over first.
-        await sleep_unless(self.ctx.stop, 2 * self.lease.config.retry_interval)
-
-    async def _let_go(self) -> None:
-        await self.lease.release()
-        self.budget.give()
+        return reason
 
     async def _claim(self) -> Session:
         ctx = self.ctx
@@ -136,8 +102,6 @@ class OutboxReplica:
         return Session(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, session: Session) -> str | None:
-        """Relay until stopped (None) or until the lease is lost (why)."""
-
         def stop_publishing() -> None:
             self.lease.abandon()
             session.reader.terminate()
@@ -155,29 +119,196 @@ class OutboxReplica:
 
     def _transition(self, event: str) -> None:
         """Count the lease change; only a holder reports lag and parked gauges."""
-        metrics = self.ctx.metrics
-        metrics.lease_transitions.labels(self.name, event).inc()
-        holding_now = event == "acquired"
-        metrics.lease_held.labels(self.name).set(1 if holding_now else 0)
-        if not holding_now:
-            for gauge in (metrics.lag_events, metrics.lag_seconds, metrics.parked):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(self.name)
-            metrics.retrying.labels(self.name).set(0)
-            metrics.halted.labels(self.name).set(0)  # the next holder says so, if still true
+        transition(self.ctx, event)
+
+
+def transition(ctx: OutboxContext, event: str) -> None:
+    metrics, name = ctx.metrics, ctx.name
+    metrics.lease_transitions.labels(name, event).inc()
+    holding_now = event == "acquired"
+    metrics.lease_held.labels(name).set(1 if holding_now else 0)
+    if not holding_now:
+        for gauge in (metrics.lag_events, metrics.lag_seconds, metrics.parked):
+            with contextlib.suppress(KeyError):
+                gauge.remove(name)
+        metrics.retrying.labels(name).set(0)
+        metrics.halted.labels(name).set(0)  # the next holder says so, if still true
+
+
+class OutboxReplica:
+    """The coordinator of one outbox's lanes in this replica."""
+
+    def __init__(
+        self,
+        lanes: list[OutboxContext],
+        *,
+        session: LeaseSession,
+        budget: LeaseBudget,
+        db: Database,
+        reconnect: RetryConfig,
+        membership: Membership,
+        stop: asyncio.Event,
+    ) -> None:
+        self.lanes = lanes
+        self.name = lanes[0].lane.outbox
+        self.session = session
+        self.budget = budget
+        self.db = db
+        self.reconnect = reconnect
+        self.membership = membership
+        self.stop = stop
+        self.wake = asyncio.Event()  # a lease of this outbox was released
+        self.leases = [Lease(session, ctx.name) for ctx in lanes]
+        self.config = session.config
+        self._held: dict[int, asyncio.Task[str | None]] = {}
+        self._resting: dict[int, float] = {}  # lane -> when it may be tried again
+        self._over = 0
+        self._free_since: float | None = None
+        self.me = session.identity
+        # Start from a different lane on each replica, so that they spread at once.
+        self._first = zlib.crc32(session.identity.encode()) % len(lanes)
+        self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
+
+    @property
+    def channel_keys(self) -> list[str]:
+        return [lease.channel_key for lease in self.leases]
+
+    async def run(self) -> None:
+        """Until `stop`: hold a fair share of the lanes, stand by for the others."""
+        backoff, attempt = Backoff(self.reconnect), 0
+        try:
+            while not self.stop.is_set():
+                try:
+                    took_over = await self._pass()
+                    attempt = 0
+                except (DatabaseError, *CONNECTION_LOST) as exc:
+                    attempt += 1
+                    await self._disconnected(exc, backoff.delay(attempt), attempt)
+                    continue
+                if took_over:
+                    continue  # a silent holder's session is gone: try its lanes at once
+                self.wake.clear()
+                await wait_any(self.stop, self.wake, within=self.config.retry_interval)
+        finally:
+            await self._let_all_go()
+
+    async def _pass(self) -> bool:
+        """One look at the lanes; True if a silent holder was just ended."""
+        self._reap()
+        live = await self._beat()
+        keys = [lease.key for lease in self.leases]
+        holders = await self.session.holders(keys, [ctx.name for ctx in self.lanes])
+        holding = Counter(h.identity for k, h in holders.items() if h.identity != self.me)
+        holding[self.me] = len(self._held)
+        free = [i for i in self._order() if self.leases[i].key not in holders]
+        now = time.monotonic()
+        if not free:
+            self._free_since = None
+        elif self._free_since is None:
+            self._free_since = now
+        waited = now - (self._free_since or now)
+        patient = waited < _PATIENCE * self.config.retry_interval
+        plan = balance(
+            lanes=len(self.lanes), live=live, me=self.me, holding=holding, patient=patient
+        )
+        self._over = self._over + 1 if plan.give else 0
+        if self._over >= _OVER_SHARE_PASSES:
+            self._hand_over(plan.give)
+            self._over = 0
+        took_over = await self._stand_by(holders)
+        await self._take([i for i in free if self._resting.get(i, 0.0) <= now], plan.take)
+        return took_over
+
+    async def _beat(self) -> int:
+        async with self.session.statement() as conn:
+            return await self.membership.beat(conn, self.config.takeover_after)
+
+    async def _stand_by(self, holders: dict[int, Holder]) -> bool:
+        """Say who holds the lanes this replica does not; end silent holders."""
+        took_over = False
+        for i, ctx in enumerate(self.lanes):
+            if i in self._held:
+                continue
+            holder = holders.get(self.leases[i].key)
+            if holder is not None and holder.identity != ctx.state.holder:
+                self.log.info("standing by", lane=ctx.name, holder=holder.identity)
+            ctx.state.standing_by(holder.identity if holder else None)
+            if holder is not None and holder.identity != self.me:
+                took_over |= await self.leases[i].take_over_if_silent(holder) is not None
+        return took_over
+
+    async def _take(self, free: list[int], wanted: int) -> None:
+        """Try the free lanes' locks in one statement, at most `wanted` (and the budget)."""
+        if not free or wanted <= 0:
+            return
+        # Reserve the budget first: other outboxes' coordinators share it.
+        room = self.budget.reserve(wanted)
+        try:
+            taken = await self.session.try_locks([self.leases[i].key for i in free], room)
+        finally:
+            self.budget.give(room)  # what is held is taken back below, one by one
+        for i in free:
+            if self.leases[i].key in taken and self.budget.try_take():
+                self._start(i)
+
+    def _order(self) -> list[int]:
+        count = len(self.lanes)
+        return [(self._first + n) % count for n in range(count)]
+
+    def _start(self, index: int) -> None:
+        ctx = self.lanes[index]
+        ctx.stop.clear()
+        holder = LaneHolder(ctx, self.leases[index], self.db)
+        self._held[index] = asyncio.create_task(holder.hold(), name=f"lane:{ctx.name}")
+
+    def _hand_over(self, count: int) -> None:
+        """Give `count` lanes back at their next batch boundary, the highest first."""
+        for index in sorted(self._held, reverse=True)[:count]:
+            ctx = self.lanes[index]
+            if not ctx.stop.is_set():
+                self.log.info("handing the lane over: another replica joined", lane=ctx.name)
+                ctx.stop.set()
+                self._resting[index] = time.monotonic() + 2 * self.config.retry_interval
+
+    def _reap(self) -> None:
+        """Collect lanes whose holding ended; a lost lane rests before it is tried again."""
+        for index, task in list(self._held.items()):
+            if not task.done():
+                continue
+            del self._held[index]
+            self.budget.give(1)
+            lost = task.result()  # an unexpected error ends the replica, and says why
+            if lost is not None:
+                # A replica that just lost a lease is the suspect one: let a healthy
+                # standby (which retries every retry_interval) take over first.
+                self._resting[index] = time.monotonic() + 2 * self.config.retry_interval
+
+    async def _let_all_go(self) -> None:
+        """Stop every held lane the graceful way, then wait for them."""
+        for index in self._held:
+            self.lanes[index].stop.set()
+        tasks = list(self._held.values())
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.budget.give(len(tasks))
+            self._held.clear()
+            for ctx in self.lanes:
+                ctx.state.stopped()
 
     async def _disconnected(self, exc: BaseException, delay: float, attempt: int) -> None:
-        if self.ctx.state.role == "holder":
-            self._transition("released")
-        self.lease.abandon()
-        self.ctx.state.disconnected(str(exc))
+        for ctx in self.lanes:
+            ctx.state.disconnected(str(exc))
         self.log.warning(
             "database unavailable, retrying",
             error=str(exc),
             attempt=attempt,
             retry_in=round(delay, 3),
         )
-        await sleep_unless(self.ctx.stop, delay)
+        await sleep_unless(self.stop, delay)
 
 
 async def _close(conn: asyncpg.Connection) -> None:

@@ -22,6 +22,7 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
+from relay.core.lanes import lanes_of
 from relay.core.metrics import Metrics
 from relay.core.retry import Backoff
 from relay.core.state import OutboxState
@@ -33,8 +34,10 @@ from relay.ops.identity import identity
 from relay.ops.replica import OutboxReplica
 from relay.postgres.command_queue import COMMAND_CHANNEL
 from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable
-from relay.postgres.lease import LEASE_CHANNEL, Lease, LeaseBudget, lease_channel_key
+from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseSession
+from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 
 log = structlog.get_logger("relay.runner")
@@ -72,37 +75,49 @@ class Relay:
                 await http.close()
 
     async def _relay_all(self, db: Database) -> int:
-        contexts = {
-            name: OutboxContext.build(
-                name,
-                self.config,
-                identity=self.identity,
-                publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
-                metrics=self.metrics,
-                stop=self.stop,
-            )
-            for name, outbox in self.config.outboxes.items()
-        }
-        self.states = {name: ctx.state for name, ctx in contexts.items()}
-        replicas = [self._replica(db, ctx) for ctx in contexts.values()]
+        config = self.config
+        session = LeaseSession(db, config.lease, config.database.schema_, self.identity)
+        membership = Membership(config.database.schema_, config.lease.namespace, self.identity)
+        replicas = [self._replica(db, name, session, membership) for name in config.outboxes]
+        contexts = [ctx for replica in replicas for ctx in replica.lanes]
+        self.states = {ctx.name: ctx.state for ctx in contexts}
         tasks = {asyncio.create_task(r.run(), name=f"outbox:{r.name}"): r.name for r in replicas}
         self._tasks = [*tasks]
         helpers = [
-            asyncio.create_task(self._listen(db, contexts), name="listener"),
+            asyncio.create_task(self._listen(db, replicas), name="listener"),
             asyncio.create_task(self._probe(db), name="database-probe"),
         ]
         self._tasks += helpers
         try:
             return await self._supervise(tasks, helpers)
         finally:
-            for ctx in contexts.values():
+            await _leave(session, membership)
+            for ctx in contexts:
                 await ctx.publisher.close()
 
-    def _replica(self, db: Database, ctx: OutboxContext) -> OutboxReplica:
-        schema = self.config.database.schema_
-        lease = Lease(db, self.config.lease, ctx.name, schema, self.identity)
+    def _replica(
+        self, db: Database, name: str, session: LeaseSession, membership: Membership
+    ) -> OutboxReplica:
+        """The outbox's lanes (one publisher each, so that they publish side by side)."""
+        outbox = self.config.outboxes[name]
+        lanes = [
+            OutboxContext.build(
+                lane,
+                self.config,
+                identity=self.identity,
+                publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
+                metrics=self.metrics,
+            )
+            for lane in lanes_of(name, outbox.partitions)
+        ]
         return OutboxReplica(
-            ctx, lease=lease, budget=self._budget, db=db, reconnect=self.config.database.retry
+            lanes,
+            session=session,
+            budget=self._budget,
+            db=db,
+            reconnect=self.config.database.retry,
+            membership=membership,
+            stop=self.stop,
         )
 
     def _http(self) -> HttpServer | None:
@@ -162,6 +177,9 @@ class Relay:
                 )
             await ensure_migrated(conn, self.config.database.schema_)
             await EventSource(self.config.source).check(conn)
+            partitions = Partitions(self.config.database.schema_)
+            for name, outbox in self.config.outboxes.items():
+                await partitions.agree(conn, name, outbox.partitions)
         finally:
             await conn.close()
         return True
@@ -197,18 +215,18 @@ class Relay:
         log.info("stopped", exit_code=code)
         return code
 
-    async def _listen(self, db: Database, contexts: dict[str, OutboxContext]) -> None:
+    async def _listen(self, db: Database, replicas: list[OutboxReplica]) -> None:
         """LISTEN for wake-up hints; polling covers any gap while reconnecting.
 
-        New events wake every outbox; a released lease wakes that outbox's standby; a
-        command wakes its outbox's holder.
+        New events wake every lane; a released lease wakes that outbox's coordinator; a
+        command wakes its lane's holder.
         """
         channel = self.config.source.notify_channel
-        namespace = self.config.lease.namespace
-        by_lease = {lease_channel_key(namespace, n): c.wakes.lease for n, c in contexts.items()}
+        by_lease = {key: r.wake for r in replicas for key in r.channel_keys}
+        lanes = {ctx.name: ctx for r in replicas for ctx in r.lanes}
 
         def wake(*_: object) -> None:
-            for ctx in contexts.values():
+            for ctx in lanes.values():
                 ctx.wakes.events.set()
 
         def lease_released(_c: object, _pid: int, _channel: str, payload: str) -> None:
@@ -216,8 +234,8 @@ class Relay:
                 by_lease[payload].set()
 
         def command_sent(_c: object, _pid: int, _channel: str, payload: str) -> None:
-            if payload in contexts:
-                contexts[payload].wakes.commands.set()
+            if payload in lanes:
+                lanes[payload].wakes.commands.set()
 
         backoff, attempt = Backoff(self.config.database.retry), 0
         while not self.stop.is_set():
@@ -243,6 +261,14 @@ class Relay:
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(conn.close(), timeout=2)
+
+
+async def _leave(session: LeaseSession, membership: Membership) -> None:
+    """Say goodbye (the others may take this replica's share at once), then close."""
+    with contextlib.suppress(DatabaseError, *CONNECTION_LOST):
+        async with asyncio.timeout(2), session.statement() as conn:
+            await membership.leave(conn)
+    await session.close()
 
 
 def _setter(event: asyncio.Event) -> Callable[[object], None]:

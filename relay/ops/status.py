@@ -6,10 +6,12 @@ database. The JSON form is a stable interface: exactly the fields of OutboxStatu
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from relay.config import RelayConfig
+from relay.core.lanes import lanes_of
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
@@ -20,7 +22,10 @@ from relay.postgres.store import CheckpointRow, Store
 
 @dataclass(frozen=True, slots=True)
 class OutboxStatus:
+    """One lane: the outbox itself, or `outbox/p` when it is split into partitions."""
+
     name: str
+    partition: int
     state: str
     holder: str | None
     epoch: int | None
@@ -38,7 +43,7 @@ class OutboxStatus:
 
 async def status(config: RelayConfig) -> list[OutboxStatus]:
     """One row per configured outbox."""
-    source = EventSource(config.source)
+    source = EventSource(config.source)  # the whole table: its head and checks
     store = Store(config.database.schema_)
     async with Database(config.database, identity()).session("status") as conn:
         await ensure_migrated(conn, config.database.schema_)
@@ -51,26 +56,47 @@ async def status(config: RelayConfig) -> list[OutboxStatus]:
         )
         out = []
         for name, outbox in config.outboxes.items():
-            row = rows.get(name)
-            # Never relayed: the lag is what the first holder will have to publish.
-            since = row.position if row else (0 if outbox.start == "beginning" else head)
-            holder = await holder_identity(conn, lock_key(config.lease.namespace, name))
-            out.append(
-                OutboxStatus(
-                    name=name,
-                    state=_state(row, holder, standbys),
-                    holder=holder,
-                    epoch=row.epoch if row else None,
-                    checkpoint=row.position if row else None,
-                    head=head,
-                    lag_events=max(head - since, 0),
-                    lag_seconds=round(await source.pending_age(conn, since), 3),
-                    parked=row.parked if row else 0,
-                    last_error=_last_error(row),
-                    blocking_transaction=_blocking(row),
+            for lane in lanes_of(name, outbox.partitions):
+                row = rows.get(lane.name)
+                # Never relayed: the lag is what the first holder will have to publish.
+                since = row.position if row else (0 if outbox.start == "beginning" else head)
+                holder = await holder_identity(conn, lock_key(config.lease.namespace, lane.name))
+                lane_source = EventSource(config.source, lane)
+                out.append(
+                    OutboxStatus(
+                        name=lane.name,
+                        partition=lane.index,
+                        state=_state(row, holder, standbys),
+                        holder=holder,
+                        epoch=row.epoch if row else None,
+                        checkpoint=row.position if row else None,
+                        head=head,
+                        lag_events=max(head - since, 0),
+                        lag_seconds=round(await lane_source.pending_age(conn, since), 3),
+                        parked=row.parked if row else 0,
+                        last_error=_last_error(row),
+                        blocking_transaction=_blocking(row),
+                    )
                 )
-            )
         return out
+
+
+def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
+    """A line per split outbox: its lanes' states and holders at a glance."""
+    lines = []
+    for name, outbox in config.outboxes.items():
+        if outbox.partitions == 1:
+            continue
+        lanes = [r for r in rows if r.name.startswith(f"{name}/")]
+        states = Counter(r.state for r in lanes)
+        holders = len({r.holder for r in lanes if r.holder})
+        lines.append(
+            f"{name}: {outbox.partitions} partitions, "
+            + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+            + f"; {holders} replica(s) hold them; lag {max(r.lag_events for r in lanes)} events,"
+            f" {max(r.lag_seconds for r in lanes):.1f}s; {sum(r.parked for r in lanes)} parked"
+        )
+    return lines
 
 
 def _state(row: CheckpointRow | None, holder: str | None, standbys: int) -> str:

@@ -89,6 +89,21 @@ STEPS: tuple[str, ...] = (
       ADD COLUMN rejections integer NOT NULL DEFAULT 0,
       ADD COLUMN start_xmin bigint;
     """,
+    # Partitioned outboxes: how many lanes each outbox was started with (a replica refuses
+    # another count until `relay repartition`), and the replicas alive, for the fair share.
+    """
+    CREATE TABLE {schema}.outboxes (
+      outbox      text        PRIMARY KEY,
+      partitions  integer     NOT NULL CHECK (partitions >= 1),
+      updated_at  timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE {schema}.replicas (
+      identity    text        PRIMARY KEY,
+      namespace   text        NOT NULL,
+      pid         integer     NOT NULL,
+      seen_at     timestamptz NOT NULL DEFAULT now()
+    );
+    """,
 )
 
 LATEST = len(STEPS)

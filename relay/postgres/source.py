@@ -34,6 +34,7 @@ from typing import Any
 import asyncpg
 
 from relay.config import ColumnsConfig, SourceConfig
+from relay.core.lanes import Lane
 from relay.core.mapping import Event
 from relay.errors import SourceError
 from relay.postgres import event_table
@@ -114,13 +115,33 @@ class Blocker:
 OnBlocked = Callable[[Blocker | None], Awaitable[None]]
 
 
-class EventSource:
-    """The event table, seen through the config's table and column names."""
+def lane_of(columns: ColumnsConfig, count: int) -> str:
+    """SQL for the lane (0 to count - 1) of a row of the event table."""
+    return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
 
-    def __init__(self, config: SourceConfig) -> None:
+
+def lane_expression(aggregate_type: str, aggregate_id: str, count: int) -> str:
+    """A stable hash of the aggregate, into `count` lanes.
+
+    `hashtextextended` is what PostgreSQL's hash partitioning uses, so it gives the same
+    value on every release and architecture. Type and id are hashed together, so that
+    two aggregate types sharing an id are spread on their own; a NULL counts as empty,
+    so that every row, even a malformed one, belongs to exactly one lane.
+    """
+    key = f"coalesce({aggregate_type}::text, '') || '/' || coalesce({aggregate_id}::text, '')"
+    return f"((hashtextextended({key}, 0) % {count}) + {count}) % {count}"
+
+
+class EventSource:
+    """The event table, seen through the config's table and column names; with a split
+    lane, only that lane's rows."""
+
+    def __init__(self, config: SourceConfig, lane: Lane | None = None) -> None:
         self.config = config
+        self.lane = lane
         self.table = qualified(config.table)
         cols = config.columns
+        only = f" AND {lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else ""
         optional = [
             quote(cols.metadata) + "::text" if cols.metadata else "NULL::text",
             quote(cols.created_at) if cols.created_at else "NULL::timestamptz",
@@ -138,20 +159,20 @@ class EventSource:
         )
         pos = quote(cols.position)
         self._read_sql = (
-            f"SELECT {select} FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2 "
+            f"SELECT {select} FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
             f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
             f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
         )
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
         self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
         self._count_sql = (
-            f"SELECT count(*) FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2"
+            f"SELECT count(*) FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only}"
             f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
             f" AND {quote(cols.type)} = ANY($4::text[])"
         )
         self._age_sql = (
             f"SELECT extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8"
-            f" FROM {self.table} WHERE {pos} > $1 ORDER BY {pos} LIMIT 1"
+            f" FROM {self.table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
             if cols.created_at
             else None
         )
@@ -160,6 +181,7 @@ class EventSource:
             if cols.created_at
             else None
         )
+        self._only = only
         self._sequence: str | None = None
         self.clock_offset = 0.0  # database clock minus this host's, from the last head()
 
@@ -212,7 +234,7 @@ class EventSource:
         once in an outbox's life."""
         pos = quote(self.config.columns.position)
         value = await conn.fetchval(
-            f"SELECT min({pos}) FROM {self.table} WHERE {pos} <= $1"
+            f"SELECT min({pos}) FROM {self.table} WHERE {pos} <= $1{self._only}"
             " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)",
             upto,
             start_xmin,

@@ -288,13 +288,13 @@ class Store:
         return None if value is None else int(value)
 
     async def parked(
-        self, conn: asyncpg.Connection, outbox: str, ids: list[int] | None = None
+        self, conn: asyncpg.Connection, lanes: str | list[str], ids: list[int] | None = None
     ) -> list[ParkedMessage]:
-        """Parked messages of `outbox` in position order; only `ids` when given."""
+        """Parked messages of these lanes in position order; only `ids` when given."""
         rows = await conn.fetch(
-            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE outbox = $1"
+            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE outbox = ANY($1::text[])"
             " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position",
-            outbox,
+            [lanes] if isinstance(lanes, str) else lanes,
             ids,
         )
         return [ParkedMessage(**dict(r)) for r in rows]
@@ -304,6 +304,18 @@ class Store:
             f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE id = $1", id_
         )
         return ParkedMessage(**dict(row)) if row else None
+
+    async def parked_lanes(
+        self, conn: asyncpg.Connection, lanes: list[str], ids: list[int]
+    ) -> dict[int, str]:
+        """Which of `lanes` parked each of these messages (ids of other outboxes are left out)."""
+        rows = await conn.fetch(
+            f"SELECT id, outbox FROM {self._parked} WHERE id = ANY($1::bigint[])"
+            " AND outbox = ANY($2::text[])",
+            ids,
+            lanes,
+        )
+        return {int(r["id"]): str(r["outbox"]) for r in rows}
 
     async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
         return int(

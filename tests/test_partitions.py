@@ -1,0 +1,287 @@
+"""Partitioned outboxes with real replicas: lanes spread, move, rebalance, and repartition.
+
+With `partitions: K` each aggregate travels in one lane; each lane has its own lease
+and checkpoint, and replicas share the lanes fairly. A user checks what a consumer
+sees: every committed event, each aggregate's first deliveries in version order, and
+how many messages were sent twice (the streams here keep re-sent copies: their
+duplicate window is JetStream's shortest, 100 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.config import DatabaseConfig, LeaseConfig
+from relay.core.lanes import fair_share
+from relay.postgres.database import Database
+from relay.postgres.lease import LeaseSession, lock_key
+from tests.support.db import connect
+from tests.support.delivery import Delivery, Writer, analyse
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.scenario import (
+    LIBRARY_MESSAGES,
+    config_dict,
+    eventually,
+    load_and_migrate,
+    migrate_cli,
+    save,
+)
+
+Start = Callable[..., RelayProcess]
+MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
+LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
+
+
+async def _stream() -> str:
+    return unique_name("lanes")
+
+
+def _config(tmp_path: Path, dsn: str, nats_url: str, stream: str, *, k: int, name: str) -> Path:
+    data = config_dict(
+        dsn, nats_url, stream, messages=MESSAGES, partitions=k, batch={"max_messages": 50}
+    )
+    data["lease"] = LEASE
+    return save(tmp_path, data, name)
+
+
+def status(config: Path) -> list[dict[str, Any]]:
+    result = run_cli(["status", "--json", "--config", str(config)])
+    assert result.returncode == 0, result.stderr
+    rows: list[dict[str, Any]] = json.loads(result.stdout)
+    return rows
+
+
+def split(config: Path) -> list[int]:
+    """How many lanes each replica holds, largest first; [] while one is unheld."""
+    rows = status(config)
+    if any(row["holder"] is None for row in rows):
+        return []
+    return sorted(Counter(row["holder"] for row in rows).values(), reverse=True)
+
+
+def report(label: str, delivery: Delivery) -> int:
+    resent = sum(n - 1 for n in delivery.duplicates.values())
+    print(f"{label}: {len(delivery.ids)} stored, {len(delivery.counts)} distinct, {resent} re-sent")
+    return resent
+
+
+async def delivered(nats_url: str, stream: str, writer: Writer) -> Delivery:
+    expected = set(writer.appended.values())
+    received = await fetch_all(nats_url, stream, expected=len(expected), timeout=60)
+    delivery = analyse(received)
+    assert delivery.missing(expected) == [], "every committed event is delivered"
+    assert delivery.unexpected(expected) == []
+    assert delivery.order_violations == [], "each aggregate's first deliveries in order"
+    return delivery
+
+
+async def test_lanes_spread_move_after_a_kill_and_rebalance_when_a_replica_joins(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """K = 4 over 3 replicas: 2/1/1; kill -9 one: 2/2; a new one joins: 2/1/1 again."""
+    stream = await _stream()
+    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    config = _config(tmp_path, events_table, nats_url, stream, k=4, name="k4.yaml")
+    migrate_cli(config)
+    try:
+        async with Writer(events_table, rate=60, aggregates=12) as writer:
+            replicas = [relay_process(["run", "--config", str(config)]) for _ in range(3)]
+            await eventually(lambda: split(config) == [2, 1, 1], timeout=30)
+            victim = next(
+                r
+                for r in replicas
+                if any(
+                    row["holder"] and row["holder"].endswith(f":{r.pid}") for row in status(config)
+                )
+            )
+            victim.kill()
+            await eventually(lambda: split(config) == [2, 2], timeout=30)
+            relay_process(["run", "--config", str(config)])
+            await eventually(lambda: split(config) == [2, 1, 1], timeout=30)
+            await asyncio.sleep(1.0)  # a duration: events keep flowing after the rebalance
+        delivery = await delivered(nats_url, stream, writer)
+        resent = report("kill -9 and rebalance", delivery)
+        assert resent <= 4 * 50, "at most the batches in flight of the killed replica's lanes"
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_graceful_rebalance_sends_nothing_twice(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    stream = await _stream()
+    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    config = _config(tmp_path, events_table, nats_url, stream, k=4, name="k4.yaml")
+    migrate_cli(config)
+    try:
+        async with Writer(events_table, rate=60, aggregates=12) as writer:
+            first = relay_process(["run", "--config", str(config)])
+            await eventually(lambda: split(config) == [4], timeout=30)
+            second = relay_process(["run", "--config", str(config)])
+            await eventually(lambda: split(config) == [2, 2], timeout=30)
+            await asyncio.sleep(1.0)  # a duration: both keep relaying
+        delivery = await delivered(nats_url, stream, writer)
+        assert report("graceful rebalance", delivery) == 0
+        handed = [
+            r
+            for r in first.logs()
+            if r.get("event") == "handing the lane over: another replica joined"
+        ]
+        assert len(handed) == 2
+        assert second.returncode is None
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (1, 4)])
+async def test_repartition_under_load_loses_nothing_and_keeps_order(
+    *,
+    before: int,
+    after: int,
+    events_table: str,
+    nats_url: str,
+    tmp_path: Path,
+    relay_process: Start,
+) -> None:
+    stream = await _stream()
+    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    old = _config(tmp_path, events_table, nats_url, stream, k=before, name="old.yaml")
+    new = _config(tmp_path, events_table, nats_url, stream, k=after, name="new.yaml")
+    migrate_cli(old)
+    try:
+        async with Writer(events_table, rate=60, aggregates=12) as writer:
+            replicas = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
+            await eventually(lambda: all(row["holder"] for row in status(old)), timeout=30)
+            await asyncio.sleep(1.0)  # a duration: the old lanes relay for a while
+            for replica in replicas:
+                replica.terminate()
+            for replica in replicas:
+                assert await replica.wait_async(15) == 0
+            refused = relay_process(["run", "--config", str(new)])
+            assert await refused.wait_async(30) == 1
+            assert f"relay repartition loans --partitions {after}" in refused.output()
+            done = run_cli(
+                ["repartition", "loans", "--partitions", str(after), "--config", str(new)]
+            )
+            assert done.returncode == 0, done.stderr
+            assert f"{before} -> {after} partition(s)" in done.stdout
+            replicas = [relay_process(["run", "--config", str(new)]) for _ in range(2)]
+            await eventually(lambda: all(row["holder"] for row in status(new)), timeout=30)
+            await asyncio.sleep(1.0)  # a duration: the new lanes relay under load
+        delivery = await delivered(nats_url, stream, writer)
+        report(f"repartition {before} -> {after}", delivery)
+        assert [row["name"] for row in status(new)] == (
+            ["loans"] if after == 1 else [f"loans/{p}" for p in range(after)]
+        )
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_repartition_refuses_while_a_replica_holds_a_lane(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    stream = await _stream()
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    config = _config(tmp_path, events_table, nats_url, stream, k=2, name="k2.yaml")
+    migrate_cli(config)
+    try:
+        relay = relay_process(["run", "--config", str(config)])
+        await eventually(lambda: split(config) == [2], timeout=30)
+        result = run_cli(["repartition", "loans", "--partitions", "3", "--config", str(config)])
+        assert result.returncode == 2
+        assert (
+            "is held by relay:" in result.stderr and "stop the outbox's replicas" in result.stderr
+        )
+        assert relay.returncode is None
+        assert [row["name"] for row in status(config)] == ["loans/0", "loans/1"]
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_status_has_a_row_per_partition_and_a_summary(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    stream = await _stream()
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, stream, partitions=3)
+    )
+    path = tmp_path / "relay.yaml"
+    rows = status(path)
+    assert [(r["name"], r["partition"], r["state"]) for r in rows] == [
+        (f"loans/{p}", p, "no holder") for p in range(3)
+    ]
+    text = run_cli(["status", "--config", str(path)]).stdout
+    assert "loans: 3 partitions, 3 no holder; 0 replica(s) hold them" in text
+    assert config.outboxes["loans"].partitions == 3
+
+
+async def test_standbys_never_take_more_locks_than_asked(database: str) -> None:
+    """try_locks stops at `limit`, even with every key free (LIMIT ends the scan)."""
+    db = Database(DatabaseConfig(url=database), "relay:test:1")
+    session = LeaseSession(db, LeaseConfig(), "relay", "relay:test:1")
+    keys = [lock_key("relay", f"loans/{p}") for p in range(16)]
+    try:
+        taken = await session.try_locks(keys, 5)
+        assert len(taken) == 5 and taken == keys[:5]
+        async with connect(database) as conn:
+            held = await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            )
+        assert held == 5
+        assert await session.try_locks(keys, 16) == keys[5:]  # those it holds are not retaken
+    finally:
+        await session.close()
+
+
+def test_fair_share() -> None:
+    assert [fair_share(4, r) for r in (0, 1, 2, 3, 4, 5)] == [4, 4, 2, 2, 1, 1]
+    assert fair_share(1, 3) == 1
+
+
+async def test_sessions_per_replica_stay_within_four_plus_one_per_held_lane(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """Three outboxes of four lanes on two replicas: one lease session each, whatever it
+    stands by for; a reader per held lane; the listener and the probe."""
+    stream = await _stream()
+    data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=4)
+    for name in ("fines", "holds"):
+        data["outboxes"][name] = {
+            **data["outboxes"]["loans"],
+            "messages": {"BookLent": {**MESSAGES["BookLent"], "destination": f"{stream}.{name}"}},
+        }
+    data["lease"] = LEASE
+    config = save(tmp_path, data)
+    migrate_cli(config)
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    try:
+        replicas = [relay_process(["run", "--config", str(config)]) for _ in range(2)]
+        await eventually(lambda: all(row["holder"] for row in status(config)), timeout=30)
+        await eventually(
+            lambda: sorted(Counter(r["holder"] for r in status(config)).values()) == [6, 6],
+            timeout=30,
+        )
+        async with connect(events_table) as conn:
+            rows = await conn.fetch(
+                "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name LIKE 'relay:%'"
+            )
+        for replica in replicas:
+            mine = [
+                r["application_name"] for r in rows if f":{replica.pid}:" in r["application_name"]
+            ]
+            roles = Counter(name.rsplit(":", 1)[1] for name in mine)
+            print(f"replica {replica.pid}: {dict(roles)}")
+            assert roles["lease"] == 1
+            assert roles["reader"] == 6  # one per held lane
+            assert len(mine) <= 4 + 6
+    finally:
+        await delete_stream(nats_url, stream)
