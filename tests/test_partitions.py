@@ -285,3 +285,90 @@ async def test_sessions_per_replica_stay_within_four_plus_one_per_held_lane(
             assert len(mine) <= 4 + 6
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_replay_and_retry_parked_reach_every_lane(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    stream = await _stream()
+    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=3)
+    data["lease"] = LEASE
+    config = save(tmp_path, data)
+    migrate_cli(config)
+    try:
+        async with connect(events_table) as conn:
+            for n in range(12):
+                await conn.execute(
+                    "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
+                    " VALUES ('book', $1, 1, 'BookLent', $2::jsonb)",
+                    f"b{n}",
+                    json.dumps({"loanId": "x" * 2_000_000} if n == 7 else {"loanId": f"L{n}"}),
+                )
+        relay_process(["run", "--config", str(config)])
+        await fetch_all(nats_url, stream, expected=11)
+        await eventually(lambda: sum(r["parked"] for r in status(config)) == 1, timeout=30)
+
+        replay = run_cli(["replay", "loans", "--from-start", "--json", "--config", str(config)])
+        assert replay.returncode == 0, replay.stderr
+        assert json.loads(replay.stdout)["events"] == 12  # every lane's, the parked one too
+        received = await fetch_all(nats_url, stream, expected=22)
+        assert Counter(m.headers["ce-id"] for m in received)["book/b0@1"] == 2
+
+        parked = json.loads(
+            run_cli(["parked", "list", "loans", "--json", "--config", str(config)]).stdout
+        )
+        assert [p["event"] for p in parked] == ["book/b7@1"]
+        retried = run_cli(
+            [
+                "retry-parked",
+                "loans",
+                "--id",
+                str(parked[0]["id"]),
+                "--json",
+                "--config",
+                str(config),
+            ]
+        )
+        assert retried.returncode == 1  # still too large: it stays parked, and says so
+        detail = json.loads(retried.stdout)["detail"]
+        assert list(detail["still_parked"]) == [str(parked[0]["id"])]
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_repartition_starts_every_lane_at_the_slowest_and_counts_what_goes_again(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, "unused", partitions=2)
+    )
+    async with connect(events_table) as conn:
+        for n in range(20):
+            await conn.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
+                " VALUES ('book', $1, 1, 'BookLent', '{}')",
+                f"b{n}",
+            )
+        lanes = {
+            r["position"]: r["lane"]
+            for r in await conn.fetch(
+                "SELECT position, ((hashtextextended(aggregate_type || '/' || aggregate_id, 0)"
+                " % 2) + 2) % 2 AS lane FROM events"
+            )
+        }
+        await conn.execute(
+            "INSERT INTO relay.outboxes (outbox, partitions) VALUES ('loans', 2);"
+            " INSERT INTO relay.checkpoints (outbox, position)"
+            " VALUES ('loans/0', 15), ('loans/1', 6)"
+        )
+    path = tmp_path / "relay.yaml"
+    result = run_cli(["repartition", "loans", "--partitions", "3", "--json", "--config", str(path)])
+    assert result.returncode == 0, result.stderr
+    done = json.loads(result.stdout)
+    expected = sum(1 for position, lane in lanes.items() if lane == 0 and 6 < position <= 15)
+    assert (done["before"], done["after"], done["start"], done["resent"]) == (2, 3, 6, expected)
+    async with connect(events_table) as conn:
+        rows = await conn.fetch("SELECT outbox, position FROM relay.checkpoints ORDER BY outbox")
+    assert [(r["outbox"], r["position"]) for r in rows] == [(f"loans/{p}", 6) for p in range(3)]
+    assert config.outboxes["loans"].partitions == 2
