@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.db import NewEvent, append_many, connect
+from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
-from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.relay_process import run_cli
 from tests.support.scenario import config_dict, eventually, save
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,23 +26,6 @@ def promtool() -> str:
         if candidate.exists():
             return str(candidate)
     pytest.fail("promtool not found: `python3 dev.py test` installs it from Debian's package")
-
-
-async def get(port: int, path: str) -> tuple[int, str]:
-    def fetch() -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, exc.read().decode()
-
-    return await asyncio.to_thread(fetch)
-
-
-async def http_port(process: RelayProcess) -> int:
-    record = await process.wait_for_log("http listening")
-    return int(record["port"])
 
 
 async def test_metrics_pass_promtool_and_tell_the_story(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from relay.config import DatabaseConfig, LeaseConfig
 from relay.core.lanes import fair_share
@@ -24,6 +25,7 @@ from relay.postgres.database import Database
 from relay.postgres.lease import LeaseSession, lock_key
 from tests.support.db import connect
 from tests.support.delivery import Delivery, Writer, analyse
+from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import (
@@ -221,6 +223,54 @@ async def test_status_has_a_row_per_partition_and_a_summary(
     text = run_cli(["status", "--config", str(path)]).stdout
     assert "loans: 3 partitions, 3 no holder; 0 replica(s) hold them" in text
     assert config.outboxes["loans"].partitions == 3
+
+
+async def lease_held(port: int) -> dict[tuple[str, str | None], float]:
+    """relay_lease_held of one replica, by (outbox, partition label or None)."""
+    _, text = await get(port, "/metrics")
+    return {
+        (sample.labels["outbox"], sample.labels.get("partition")): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "relay_lease_held"
+        for sample in family.samples
+    }
+
+
+async def test_metrics_carry_a_partition_label_only_for_a_split_outbox(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """Each replica exports every lane's lease; each lane is held by exactly one of them."""
+    stream = await _stream()
+    data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=2)
+    data["lease"] = LEASE
+    whole = {**data["outboxes"]["loans"], "partitions": 1}
+    whole["messages"] = {
+        event_type: {**rule, "id": "{aggregate_type}/{aggregate_id}@{version}/whole"}
+        for event_type, rule in whole["messages"].items()
+    }
+    data["outboxes"]["whole"] = whole
+    config = save(tmp_path, data, "two.yaml")
+    migrate_cli(config)
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+
+    def spread() -> bool:
+        holders = {row["name"]: row["holder"] for row in status(config)}
+        return None not in holders.values() and holders["loans/0"] != holders["loans/1"]
+
+    try:
+        ports = []
+        for _ in range(2):
+            replica = relay_process(["run", "--config", str(config), "--http-port", "0"])
+            ports.append(await http_port(replica))
+        await eventually(spread, timeout=30)
+        held = [await lease_held(port) for port in ports]
+        lanes = [("loans", "0"), ("loans", "1"), ("whole", None)]
+        for exported in held:
+            assert sorted(exported, key=str) == sorted(lanes, key=str)
+        for lane in lanes:
+            assert sum(exported[lane] for exported in held) == 1, lane
+    finally:
+        await delete_stream(nats_url, stream)
 
 
 async def test_standbys_never_take_more_locks_than_asked(database: str) -> None:

@@ -20,6 +20,7 @@ from typing import Protocol
 import structlog
 
 from relay.config import OutboxConfig
+from relay.core.lanes import metric_labels
 from relay.core.mapping import Event
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher
@@ -84,6 +85,7 @@ class Delivery:
         clock_offset: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.name = name
+        self.labels = metric_labels(name)
         self.config = config
         self.publisher = publisher
         self.metrics = metrics
@@ -96,7 +98,7 @@ class Delivery:
         self._duplicates_seen = 0
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
-            event_type: metrics.published.labels(name, rule.destination)
+            event_type: metrics.published.labels(*self.labels, rule.destination)
             for event_type, rule in config.messages.items()
         }
 
@@ -139,7 +141,7 @@ class Delivery:
 
     def _failed(self, head: Item, failure: PublishError) -> RetryCount:
         """Count one more failure of the head message (a new message starts at zero)."""
-        self.metrics.failures.labels(self.name, failure.reason).inc()
+        self.metrics.failures.labels(*self.labels, failure.reason).inc()
         position = head.event.position
         before = self.retry
         if before is None or before.position != position:
@@ -160,8 +162,8 @@ class Delivery:
                 f" for {len(messages)} messages"
             )
             outcomes = [*outcomes[: len(messages)], *[missing] * (len(messages) - len(outcomes))]
-        self.metrics.publish_duration.labels(self.name).observe(time.monotonic() - started)
-        self.metrics.batch_messages.labels(self.name).observe(len(messages))
+        self.metrics.publish_duration.labels(*self.labels).observe(time.monotonic() - started)
+        self.metrics.batch_messages.labels(*self.labels).observe(len(messages))
         return outcomes
 
     def _acknowledged(self, done: list[Item]) -> None:
@@ -170,9 +172,9 @@ class Delivery:
         duplicates = self.publisher.duplicates - self._duplicates_seen
         self._duplicates_seen = self.publisher.duplicates
         self.state.published += len(done)
-        self.metrics.retrying.labels(self.name).set(0)
+        self.metrics.retrying.labels(*self.labels).set(0)
         db_now = time.time() + self.clock_offset()
-        latency = self.metrics.end_to_end.labels(self.name)
+        latency = self.metrics.end_to_end.labels(*self.labels)
         for event_type, count in Counter(item.event.type for item in done).items():
             self._published_to[event_type].inc(count)
         for item in done:
@@ -191,7 +193,7 @@ class Delivery:
         self, checkpoint: CheckpointWriter, head: Item, failure: PublishError, count: RetryCount
     ) -> None:
         self.state.retrying(count.attempts, str(failure))
-        self.metrics.retrying.labels(self.name).set(1)
+        self.metrics.retrying.labels(*self.labels).set(1)
         self.log.warning(
             "publish failed, retrying",
             position=head.event.position,
@@ -208,8 +210,8 @@ class Delivery:
         await checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
         self.retry = None
         self.state.parked += 1
-        self.metrics.parked_total.labels(self.name, failure.reason).inc()
-        self.metrics.parked.labels(self.name).inc()
+        self.metrics.parked_total.labels(*self.labels, failure.reason).inc()
+        self.metrics.parked.labels(*self.labels).inc()
         self.log.error(
             "message parked",
             position=e.position,

@@ -26,6 +26,20 @@ class Lane:
     def split(self) -> bool:
         return self.count > 1
 
+    @property
+    def labels(self) -> tuple[str, str]:
+        return metric_labels(self.name)
+
+
+def metric_labels(name: str) -> tuple[str, str]:
+    """The `outbox` and `partition` labels of a lane: `loans/2` gives (`loans`, `2`).
+
+    An outbox with one lane gets an empty partition, which Prometheus treats as no
+    label at all, so its series are the ones it exported before it could be split.
+    """
+    outbox, _, partition = name.partition("/")
+    return outbox, partition
+
 
 def lanes_of(outbox: str, count: int) -> list[Lane]:
     return [Lane(outbox, index, count) for index in range(count)]

@@ -3,25 +3,34 @@
 Every label value comes from a bounded set: outbox names and destination
 templates come from the config, reasons and lease events from fixed lists.
 A rendered destination (which may contain an aggregate id) is never a label.
+
+Per-outbox series also carry `partition` (`0`..`K-1`) when the outbox is split into
+lanes. For an outbox with one lane it is empty and left out of the output, so that
+its series are exactly those of a relay that could not split outboxes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from relay import __version__
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 LEASE_EVENTS = ("acquired", "released", "lost", "fenced")
-OUTBOX = ("outbox",)
+OUTBOX = ("outbox", "partition")
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self._series = CollectorRegistry(auto_describe=True)
+        # What /metrics shows and tests read: the series, without empty partitions.
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_WithoutEmptyPartition(self._series))
         self.build_info = self._gauge(
             "relay_build_info", "The relay's version; always 1.", ["version"]
         )
@@ -33,19 +42,19 @@ class Metrics:
         self.lease_transitions = self._counter(
             "relay_lease_transitions",
             "Lease acquisitions, releases, losses and fencings.",
-            ["outbox", "event"],
+            [*OUTBOX, "event"],
         )
         # -- reading and publishing
         self.events_read = self._counter("relay_events_read", "Events read from the event table.")
         self.published = self._counter(
             "relay_messages_published",
             "Messages acknowledged by the broker.",
-            ["outbox", "destination"],
+            [*OUTBOX, "destination"],
         )
         self.failures = self._counter(
             "relay_publish_failures",
             "Failed publish attempts (the batch's first unacknowledged message), by reason.",
-            ["outbox", "reason"],
+            [*OUTBOX, "reason"],
         )
         self.publish_duration = self._histogram(
             "relay_publish_duration_seconds", "Time to publish a batch and await its acks."
@@ -67,7 +76,7 @@ class Metrics:
         )
         self.parked = self._gauge("relay_parked_messages", "Messages parked now.")
         self.parked_total = self._counter(
-            "relay_messages_parked", "Messages parked, by reason.", ["outbox", "reason"]
+            "relay_messages_parked", "Messages parked, by reason.", [*OUTBOX, "reason"]
         )
         self.retrying = self._gauge("relay_retrying", "1 while the outbox retries a failed batch.")
         self.halted = self._gauge(
@@ -80,24 +89,45 @@ class Metrics:
         )
 
     def _gauge(self, name: str, doc: str, labels: Sequence[str] = OUTBOX) -> Gauge:
-        return Gauge(name, doc, list(labels), registry=self.registry)
+        return Gauge(name, doc, list(labels), registry=self._series)
 
     def _counter(self, name: str, doc: str, labels: Sequence[str] = OUTBOX) -> Counter:
-        return Counter(name, doc, list(labels), registry=self.registry)
+        return Counter(name, doc, list(labels), registry=self._series)
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
     ) -> Histogram:
-        return Histogram(name, doc, list(OUTBOX), buckets=buckets, registry=self.registry)
+        return Histogram(name, doc, list(OUTBOX), buckets=buckets, registry=self._series)
 
-    def register_outbox(self, outbox: str) -> None:
-        """Create the outbox's series at zero, so alerts see them before the first event."""
-        self.lease_held.labels(outbox).set(0)
-        self.retrying.labels(outbox).set(0)
-        self.halted.labels(outbox).set(0)
-        self.events_read.labels(outbox)
+    def register_lane(self, labels: tuple[str, str]) -> None:
+        """Create the lane's series at zero, so alerts see them before the first event."""
+        self.lease_held.labels(*labels).set(0)
+        self.retrying.labels(*labels).set(0)
+        self.halted.labels(*labels).set(0)
+        self.events_read.labels(*labels)
         for event in LEASE_EVENTS:
-            self.lease_transitions.labels(outbox, event)
+            self.lease_transitions.labels(*labels, event)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WithoutEmptyPartition(Collector):
+    """Drops `partition=""`: the same series to Prometheus, and the output of old."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            family.samples = [
+                sample._replace(labels=_without_empty_partition(sample.labels))
+                for sample in family.samples
+            ]
+            yield family
+
+
+def _without_empty_partition(labels: dict[str, str]) -> dict[str, str]:
+    if labels.get("partition") != "":
+        return labels
+    return {key: value for key, value in labels.items() if key != "partition"}

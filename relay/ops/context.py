@@ -62,7 +62,7 @@ class OutboxContext:
         schema = relay_config.database.schema_
         source, store = EventSource(relay_config.source, lane), Store(schema)
         mapper = Mapper(lane.outbox, config)
-        metrics.register_outbox(lane.name)
+        metrics.register_lane(lane.labels)
         return cls(
             name=lane.name,
             lane=lane,

@@ -47,6 +47,7 @@ class OutboxRelay:
     def __init__(self, context: OutboxContext) -> None:
         self.ctx = context
         self.name = context.name
+        self.labels = context.lane.labels  # of its metrics
         self.config = context.config
         self.log = structlog.get_logger("relay.outbox").bind(outbox=context.name)
         self.delivery = Delivery(
@@ -70,7 +71,7 @@ class OutboxRelay:
         claim = session.claimed.claim
         self._horizon = claim.position
         self.delivery.retry, self._halted = claim.retry, claim.halted
-        self.ctx.metrics.halted.labels(self.name).set(0 if self._halted is None else 1)
+        self.ctx.metrics.halted.labels(*self.labels).set(0 if self._halted is None else 1)
         try:
             if claim.start_xmin is not None and not await self._settle_start(session):
                 return
@@ -159,7 +160,7 @@ class OutboxRelay:
             horizon = await source.barrier(s.reader, self._blocked(s), self.ctx.stop)
             if horizon is None:
                 return None
-            metrics.barrier_wait.labels(self.name).observe(time.monotonic() - started)
+            metrics.barrier_wait.labels(*self.labels).observe(time.monotonic() - started)
             if horizon < position:
                 await self._halt(s, horizon, position)
                 return None
@@ -176,7 +177,7 @@ class OutboxRelay:
             aggregates=self.config.aggregates,
             types=self._types,
         )
-        metrics.events_read.labels(self.name).inc(len(events))
+        metrics.events_read.labels(*self.labels).inc(len(events))
         full = len(events) == limit
         upto = events[-1].position if full else self._horizon
         return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
@@ -195,7 +196,7 @@ class OutboxRelay:
             " skips what it holds now"
         )
         await s.claimed.halt(self._halted)
-        self.ctx.metrics.halted.labels(self.name).set(1)
+        self.ctx.metrics.halted.labels(*self.labels).set(1)
         self.log.error("outbox halted", reason=self._halted, head=head, checkpoint=position)
 
     async def _while_halted(self, s: Session) -> None:
@@ -209,7 +210,7 @@ class OutboxRelay:
     def _resume_if_halted(self) -> None:
         if self._halted is not None:
             self._halted = None
-            self.ctx.metrics.halted.labels(self.name).set(0)
+            self.ctx.metrics.halted.labels(*self.labels).set(0)
             self.ctx.state.resumed()
             self.log.info("outbox resumed by a replay")
 
@@ -227,10 +228,10 @@ class OutboxRelay:
         if head is None:  # after a barrier the caller knows it; else ask
             head = await source.head(s.reader)
         behind = max(head - position, 0)
-        metrics.lag_events.labels(self.name).set(behind)
+        metrics.lag_events.labels(*self.labels).set(behind)
         age = await source.pending_age(s.reader, position) if behind > 0 else 0.0
-        metrics.lag_seconds.labels(self.name).set(age)
-        metrics.parked.labels(self.name).set(await s.claimed.parked_count())
+        metrics.lag_seconds.labels(*self.labels).set(age)
+        metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
 
     def _item(self, event: Event) -> Item:
         try:

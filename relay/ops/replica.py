@@ -98,7 +98,7 @@ class LaneHolder:
         ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
         self._transition("acquired")
-        ctx.metrics.parked.labels(self.name).set(await claimed.parked_count())
+        ctx.metrics.parked.labels(*ctx.lane.labels).set(await claimed.parked_count())
         return Session(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, session: Session) -> str | None:
@@ -123,16 +123,16 @@ class LaneHolder:
 
 
 def transition(ctx: OutboxContext, event: str) -> None:
-    metrics, name = ctx.metrics, ctx.name
-    metrics.lease_transitions.labels(name, event).inc()
+    metrics, labels = ctx.metrics, ctx.lane.labels
+    metrics.lease_transitions.labels(*labels, event).inc()
     holding_now = event == "acquired"
-    metrics.lease_held.labels(name).set(1 if holding_now else 0)
+    metrics.lease_held.labels(*labels).set(1 if holding_now else 0)
     if not holding_now:
         for gauge in (metrics.lag_events, metrics.lag_seconds, metrics.parked):
             with contextlib.suppress(KeyError):
-                gauge.remove(name)
-        metrics.retrying.labels(name).set(0)
-        metrics.halted.labels(name).set(0)  # the next holder says so, if still true
+                gauge.remove(*labels)
+        metrics.retrying.labels(*labels).set(0)
+        metrics.halted.labels(*labels).set(0)  # the next holder says so, if still true
 
 
 class OutboxReplica:
