@@ -1,13 +1,13 @@
-"""Scale-out: one backlog drained by one replica (K = 1) and by two replicas (K = 4), in one run.
+"""Scale-out: one backlog drained by one replica (K = 1) and by R replicas (K = 4), in one run.
 
-    .venv/bin/python -m bench.scale_bench [--events 100000] [--index]
+    .venv/bin/python -m bench.scale_bench [--events 100000] [--index] [--partitions 4]
 
 Against the machine's Postgres (127.0.0.1:5432) and NATS JetStream (127.0.0.1:4222). For
 each shape, a fresh database with the same N-event backlog (relay_bench's rows), a fresh
 file-backed stream, and real `relay run` processes; timed from their start until the
 stream holds N messages. CPU seconds are read from /proc for the relay processes, every
 postgres process and the nats-server, over the same span, so the table shows what limits
-the drain on this machine. With `--index`, the K = 4 shape also runs with the expression
+the drain on this machine. With `--index`, the split shape also runs with the expression
 index that lets each lane read only its own rows (docs/scaling.md).
 """
 
@@ -147,12 +147,13 @@ def table(drains: list[Drain]) -> str:
 
 
 async def bench(args: argparse.Namespace) -> list[Drain]:
+    r, k = args.replicas, args.partitions
     shapes = [
         Shape("1 replica, partitions 1", 1, 1),
-        Shape("2 replicas, partitions 4", 2, 4),
+        Shape(f"{r} replicas, partitions {k}", r, k),
     ]
     if args.index:
-        shapes.append(Shape("2 replicas, partitions 4, lane index", 2, 4, index=True))
+        shapes.append(Shape(f"{r} replicas, partitions {k}, lane index", r, k, index=True))
     with tempfile.TemporaryDirectory(prefix="relay-scale-") as tmp:
         return [await drain(shape, args, Path(tmp)) for shape in shapes]
 
@@ -161,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--index", action="store_true", help="also K = 4 with the lane index")
+    parser.add_argument("--replicas", type=int, default=2, help="replicas of the split shape")
+    parser.add_argument("--partitions", type=int, default=4, help="its `partitions`")
+    parser.add_argument("--index", action="store_true", help="also with the lane index")
     parser.add_argument("--pg", default=rb.ADMIN_DSN)
     parser.add_argument("--nats", default=rb.NATS_URL)
     args = parser.parse_args(argv)

@@ -422,3 +422,22 @@ async def test_repartition_starts_every_lane_at_the_slowest_and_counts_what_goes
         rows = await conn.fetch("SELECT outbox, position FROM relay.checkpoints ORDER BY outbox")
     assert [(r["outbox"], r["position"]) for r in rows] == [(f"loans/{p}", 6) for p in range(3)]
     assert config.outboxes["loans"].partitions == 2
+
+
+async def test_repartition_to_the_same_count_changes_nothing(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    await load_and_migrate(tmp_path, config_dict(events_table, nats_url, "unused", partitions=2))
+    async with connect(events_table) as conn:
+        await conn.execute(
+            "INSERT INTO relay.outboxes (outbox, partitions) VALUES ('loans', 2);"
+            " INSERT INTO relay.checkpoints (outbox, position, epoch)"
+            " VALUES ('loans/0', 15, 4), ('loans/1', 6, 9)"
+        )
+    path = tmp_path / "relay.yaml"
+    result = run_cli(["repartition", "loans", "--partitions", "2", "--config", str(path)])
+    assert result.returncode == 0, result.stderr
+    assert "loans already has 2 partition(s): nothing changed" in result.stdout
+    async with connect(events_table) as conn:
+        rows = await conn.fetch("SELECT outbox, position, epoch FROM relay.checkpoints ORDER BY 1")
+    assert [tuple(r) for r in rows] == [("loans/0", 15, 4), ("loans/1", 6, 9)]

@@ -310,11 +310,14 @@ def repartition(
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(done)))
         return
-    typer.echo(
-        f"{outbox}: {done.before} -> {done.after} partition(s); every lane starts after position"
-        f" {done.start}; {done.resent} event(s) already published will be sent again (same"
-        f" ids); {done.parked_moved} parked message(s) moved to their new lanes"
-    )
+    if done.before == done.after:
+        typer.echo(f"{outbox} already has {done.after} partition(s): nothing changed")
+    else:
+        typer.echo(
+            f"{outbox}: {done.before} -> {done.after} partition(s); every lane starts after"
+            f" position {done.start}; {done.resent} event(s) already published will be sent"
+            f" again (same ids); {done.parked_moved} parked message(s) moved to their new lanes"
+        )
     if cfg.outboxes[outbox].partitions != partitions:
         typer.echo(
             f"now set outboxes.{outbox}.partitions to {partitions} in the config before the"

@@ -84,6 +84,13 @@ class Partitions:
         before = await self.recorded(conn, outbox) or 1
         old = lanes_of(outbox, before)
         new = lanes_of(outbox, count)
+        if count == before:  # nothing to do: leave checkpoints, epochs and states alone
+            start = await conn.fetchval(
+                f"SELECT coalesce(min(position), 0) FROM {self._checkpoints}"
+                " WHERE outbox = ANY($1::text[])",
+                [lane.name for lane in old],
+            )
+            return Repartitioned(outbox, before, count, int(start), 0, 0)
         async with conn.transaction():
             positions = {
                 r["outbox"]: int(r["position"])

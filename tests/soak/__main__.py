@@ -1,4 +1,4 @@
-"""The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--partitioned]`.
+"""The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]`.
 
 Prints the verdict and the faults in order; exits 1 when anything was lost, phantom,
 inverted or regressed, or the outbox did not drain. The same seed replays the same choices.
@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--writers", type=int, default=6)
     parser.add_argument("--partitioned", action="store_true", help="a partitioned event table")
+    parser.add_argument("--lanes", type=int, default=1, help="the outbox's `partitions`")
     parser.add_argument("--keep", type=Path, help="keep logs and data in this directory")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -34,11 +35,15 @@ def main(argv: list[str]) -> int:
         replicas=args.replicas,
         writers=args.writers,
         partitioned=args.partitioned,
+        lanes=args.lanes,
         keep=args.keep,
     )
     # SIGTERM (timeout, kill) stops it like Ctrl-C: every private server is stopped on the way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print(f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}", flush=True)
+    print(
+        f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}",
+        flush=True,
+    )
     verdict, origin = asyncio.run(soak(settings))
     print(verdict.report(origin))
     return 0 if verdict.ok else 1

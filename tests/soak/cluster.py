@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,9 @@ from tests.support.relay_process import RelayProcess, run_cli
 
 DATABASE = "soak"
 OUTBOX = "soak"
+CHECKPOINTS = (  # the outbox's one checkpoint, or one per lane (`soak/0`, ...) when split
+    "SELECT outbox, position FROM relay.checkpoints WHERE outbox = $1 OR outbox LIKE $1 || '/%'"
+)
 
 # Fast enough to see many faults in a short run, within the relay's own rules:
 # check_interval + check_timeout < keepalive budget (1 + 1 x 2 = 3 s), < takeover_after.
@@ -118,6 +122,10 @@ class Replica:
     process: RelayProcess | None = None
     starts: int = 0
     exits: list[int] = field(default_factory=list)
+    away_until: float = 0.0  # by the monotonic clock (the loop's): not restarted before
+
+    def hold_out(self, seconds: float) -> None:
+        self.away_until = time.monotonic() + seconds
 
     def start(self) -> None:
         self.starts += 1
@@ -171,8 +179,11 @@ class Replicas:
         root: Path,
         broker_config: dict[str, Any],
         rule: dict[str, str],
+        *,
+        lanes: int = 1,
     ) -> None:
         self.db = db
+        self.lanes = lanes
         self.root = root
         self.broker_config = broker_config
         self.rule = rule  # destination (and routing key) of the outbox's messages
@@ -204,6 +215,7 @@ class Replicas:
                     "batch": {"max_messages": 200, "linger": "5ms"},
                     "retry": {"initial": "50ms", "max": "1s"},
                     "park_after": 3,
+                    "partitions": self.lanes,
                 }
             },
             "lease": LEASE,
@@ -233,14 +245,14 @@ class Replicas:
                     code = replica.process.returncode
                     replica.exits.append(code if code is not None else 0)
                     due[replica.index] = loop.time() + rng.uniform(0.3, 1.0)
-                elif loop.time() >= due[replica.index]:
+                elif loop.time() >= max(due[replica.index], replica.away_until):
                     del due[replica.index]
                     replica.start()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.1)
 
     async def holder(self) -> Replica | None:
-        """The replica whose session holds the outbox's lease now, by pg_locks."""
+        """A replica whose session holds one of the outbox's leases now, by pg_locks."""
         try:
             conn = await asyncpg.connect(self.db.dsn, timeout=2)
         except (OSError, TimeoutError, asyncpg.PostgresError):

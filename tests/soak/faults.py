@@ -26,6 +26,10 @@ TERMINATE = "terminate relay sessions"
 BROKER = "broker crash"
 POSTGRES = "postgres crash"
 KINDS = (KILL, TERM, STOP, BLACK_HOLE, TERMINATE, BROKER, POSTGRES)
+# A replica scaled away for a few seconds, then back: the others take its lanes, and give
+# some back when it rejoins. Only for split outboxes, so that older seeds replay as before.
+LEAVE = "replica leaves, rejoins"
+SPLIT_KINDS = (*KINDS, LEAVE)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class Chaos:
         return self.log
 
     async def _inject(self, kind: str, lasting: float) -> str:
-        if kind in (KILL, TERM, STOP, BLACK_HOLE):
+        if kind in (KILL, TERM, STOP, BLACK_HOLE, LEAVE):
             target = await self._target()
             if target is None:
                 return "no replica running"
@@ -110,6 +114,11 @@ class Chaos:
         if kind == TERM:
             target.signal(signal.SIGTERM)
             return who
+        if kind == LEAVE:
+            away = 3.0 + 2 * lasting  # long enough for the others to rebalance without it
+            target.hold_out(away)
+            target.signal(signal.SIGTERM)
+            return f"{who}, away {away:.1f}s"
         if kind == STOP:
             paused = TAKEOVER_AFTER + lasting
             target.signal(signal.SIGSTOP)

@@ -14,8 +14,8 @@ from pathlib import Path
 import asyncpg
 
 from tests.soak.brokers import SoakBroker, make_broker
-from tests.soak.cluster import OUTBOX, Database, Replicas
-from tests.soak.faults import KINDS, Chaos
+from tests.soak.cluster import CHECKPOINTS, OUTBOX, Database, Replicas
+from tests.soak.faults import KINDS, LEAVE, Chaos
 from tests.soak.verdict import Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
@@ -27,7 +27,8 @@ class Settings:
     broker: str = "nats"
     replicas: int = 3
     writers: int = 6
-    partitioned: bool = False
+    partitioned: bool = False  # the event table is a partitioned table
+    lanes: int = 1  # the outbox's `partitions`: split over the replicas when above 1
     kinds: tuple[str, ...] = KINDS
     drain_timeout: float = 60.0
     keep: Path | None = None  # keep logs and data here instead of a temporary directory
@@ -42,7 +43,9 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
     try:
         await db.start(settings.partitioned)
         await broker.start()
-        replicas = Replicas(settings.replicas, db, root, broker.relay_config(), broker.rule)
+        replicas = Replicas(
+            settings.replicas, db, root, broker.relay_config(), broker.rule, lanes=settings.lanes
+        )
         await asyncio.to_thread(replicas.migrate)
         replicas.start()
         return await _exercise(settings, db, broker, replicas)
@@ -77,11 +80,12 @@ async def _exercise(
     ]
     origin = time.time()
     try:
-        chaos = Chaos(rng, replicas, db, broker, kinds=settings.kinds)
+        kinds = settings.kinds if settings.lanes == 1 else (*settings.kinds, LEAVE)
+        chaos = Chaos(rng, replicas, db, broker, kinds=kinds)
         faults = await chaos.run(settings.seconds)
         stop_writing.set()
         await asyncio.gather(*writing, background[0])
-        drained = await _drained(db, settings.drain_timeout)
+        drained = await _drained(db, settings.lanes, settings.drain_timeout)
     finally:
         stop_writing.set()
         stop_watching.set()
@@ -100,17 +104,15 @@ async def _exercise(
     return verdict, origin
 
 
-async def _drained(db: Database, timeout: float) -> bool:  # noqa: ASYNC109
-    """True once the checkpoint has reached the head, with nothing left open."""
+async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: ASYNC109
+    """True once every lane's checkpoint has reached the head, with nothing left open."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, TimeoutError, asyncpg.PostgresError):
             async with db.connection() as conn:
                 head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
-                at = await conn.fetchval(
-                    "SELECT position FROM relay.checkpoints WHERE outbox = $1", OUTBOX
-                )
-                if at is not None and at >= head:
+                rows = await conn.fetch(CHECKPOINTS, OUTBOX)
+                if len(rows) == lanes and all(row["position"] >= head for row in rows):
                     return True
         await asyncio.sleep(0.2)
     return False
@@ -123,11 +125,11 @@ async def _committed(db: Database) -> set[str]:
 
 
 class CheckpointSampler:
-    """Reads the checkpoint ten times a second; it must never be seen lower than before."""
+    """Reads the checkpoints ten times a second; none may be seen lower than before."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.highest = 0
+        self.highest: dict[str, int] = {}  # by lane
         self.samples = 0
         self.regressions: list[str] = []
 
@@ -136,11 +138,8 @@ class CheckpointSampler:
         while not stop.is_set():
             try:
                 conn = conn or await asyncpg.connect(self.db.dsn, timeout=2)
-                self._sample(
-                    await conn.fetchval(
-                        "SELECT position FROM relay.checkpoints WHERE outbox = $1", OUTBOX
-                    )
-                )
+                for row in await conn.fetch(CHECKPOINTS, OUTBOX):
+                    self._sample(row["outbox"], row["position"])
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
                 if conn is not None:
                     conn.terminate()
@@ -150,10 +149,9 @@ class CheckpointSampler:
         if conn is not None:
             conn.terminate()
 
-    def _sample(self, position: int | None) -> None:
-        if position is None:
-            return
+    def _sample(self, lane: str, position: int) -> None:
         self.samples += 1
-        if position < self.highest:
-            self.regressions.append(f"checkpoint {position} after {self.highest}")
-        self.highest = max(self.highest, position)
+        highest = self.highest.get(lane, 0)
+        if position < highest:
+            self.regressions.append(f"checkpoint of {lane}: {position} after {highest}")
+        self.highest[lane] = max(highest, position)

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from tests.soak.brokers import Delivery
-from tests.soak.faults import KINDS, Fault
+from tests.soak.faults import SPLIT_KINDS, Fault
 from tests.soak.writers import Ledger
 
 
@@ -57,7 +57,7 @@ class Verdict:
             f"  uncertain commits: {self.uncertain[0]} appeared, {self.uncertain[1]} did not",
             "  fault                     count  re-sent  resumed p50 / max (s)",
         ]
-        for kind in (*KINDS, "before any fault"):
+        for kind in (*SPLIT_KINDS, "before any fault"):
             if kind not in counts and not self.resent.get(kind):
                 continue
             times = self.resume.get(kind, [])
