@@ -6,10 +6,10 @@
                                unlock, NOTIFY)
 
 Every `retry_interval` (or at once when a lease is released) the replica says it is
-alive, counts the live replicas R, and aims at ceil(K / R) of the outbox's K lanes
-(capped by `lease.max_per_replica`). Below its share it tries the free lanes' locks
-in one statement, and ends the session of a holder whose heartbeat is older than
-`takeover_after`. Above it (another replica joined) it hands lanes over the graceful
+alive, counts the live replicas R, and aims at floor(K / R) or ceil(K / R) of the
+outbox's K lanes (capped by `lease.max_per_replica`). Below its share it tries the free
+lanes' locks in one statement, and ends the session of a holder whose heartbeat is
+older than `takeover_after`. Above it (another replica joined) it hands lanes over the graceful
 way, at a batch boundary, so the newcomer starts from their checkpoints and nothing
 is sent twice. With one lane this is the single lease it always was.
 
@@ -68,7 +68,9 @@ class LaneHolder:
         except FencedError as exc:
             reason, fenced = str(exc), True
         except DatabaseError as exc:
-            if not self.lease.connection_lost():
+            # The lease session may already be a new one (another lane reconnected it):
+            # whether this lane's lock survived is what counts.
+            if self.lease.held and not self.lease.connection_lost():
                 await self.lease.release()
                 self._transition("released")
                 raise
@@ -161,7 +163,9 @@ class OutboxReplica:
         self.leases = [Lease(session, ctx.name) for ctx in lanes]
         self.config = session.config
         self._held: dict[int, asyncio.Task[str | None]] = {}
-        self._resting: dict[int, float] = {}  # lane -> when it may be tried again
+        self._resting: dict[int, float] = {}  # lost lane -> when it may be tried again
+        self._handed: dict[int, float] = {}  # handed-over lane -> when it may be taken back
+        self._live = 0  # replicas alive at the last pass
         self._over = 0
         self._free_since: float | None = None
         self.me = session.identity
@@ -178,6 +182,7 @@ class OutboxReplica:
         backoff, attempt = Backoff(self.reconnect), 0
         try:
             while not self.stop.is_set():
+                self.wake.clear()  # before the pass: a release during it means another pass
                 try:
                     took_over = await self._pass()
                     attempt = 0
@@ -187,7 +192,6 @@ class OutboxReplica:
                     continue
                 if took_over:
                     continue  # a silent holder's session is gone: try its lanes at once
-                self.wake.clear()
                 await wait_any(self.stop, self.wake, within=self.config.retry_interval)
         finally:
             await self._let_all_go()
@@ -196,6 +200,9 @@ class OutboxReplica:
         """One look at the lanes; True if a silent holder was just ended."""
         self._reap()
         live = await self._beat()
+        if live < self._live:  # a replica left: what was handed over may be needed back
+            self._handed.clear()
+        self._live = live
         keys = [lease.key for lease in self.leases]
         holders = await self.session.holders(keys, [ctx.name for ctx in self.lanes])
         holding = Counter(h.identity for k, h in holders.items() if h.identity != self.me)
@@ -216,7 +223,8 @@ class OutboxReplica:
             self._hand_over(plan.give)
             self._over = 0
         took_over = await self._stand_by(holders)
-        await self._take([i for i in free if self._resting.get(i, 0.0) <= now], plan.take)
+        ready = [i for i in free if max(self._resting.get(i, 0.0), self._handed.get(i, 0.0)) <= now]
+        await self._take(ready, plan.take)
         return took_over
 
     async def _beat(self) -> int:
@@ -268,7 +276,7 @@ class OutboxReplica:
             if not ctx.stop.is_set():
                 self.log.info("handing the lane over: another replica joined", lane=ctx.name)
                 ctx.stop.set()
-                self._resting[index] = time.monotonic() + 2 * self.config.retry_interval
+                self._handed[index] = time.monotonic() + 2 * self.config.retry_interval
 
     def _reap(self) -> None:
         """Collect lanes whose holding ended; a lost lane rests before it is tried again."""

@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -89,9 +89,10 @@ class Relay:
         ]
         self._tasks += helpers
         try:
-            return await self._supervise(tasks, helpers)
+            return await self._supervise(tasks, helpers, lambda: _leave(session, membership))
         finally:
-            await _leave(session, membership)
+            await _leave(session, membership)  # again, if stopping went wrong before it
+            await session.close()
             for ctx in contexts:
                 await ctx.publisher.close()
 
@@ -185,9 +186,16 @@ class Relay:
         return True
 
     async def _supervise(
-        self, tasks: dict[asyncio.Task[None], str], helpers: list[asyncio.Task[None]]
+        self,
+        tasks: dict[asyncio.Task[None], str],
+        helpers: list[asyncio.Task[None]],
+        leave: Callable[[], Awaitable[None]],
     ) -> int:
-        """Wait for stop, or for any task to die (then stop everything and say why)."""
+        """Wait for stop, or for any task to die (then stop everything and say why).
+
+        On stop the replica first leaves the live set, so that when its lanes are released
+        one by one the others already count one replica fewer and take them at once.
+        """
         stopper: asyncio.Task[object] = asyncio.create_task(self.stop.wait(), name="stop")
         pending: set[asyncio.Task[object]] = {*tasks, *helpers, stopper}
         code = 0
@@ -205,6 +213,7 @@ class Relay:
                 self.stop.set()
         grace = self.config.shutdown.grace_period
         log.info("stopping", grace_period=grace)
+        await leave()
         _, late = await asyncio.wait(tasks, timeout=grace) if tasks else (set(), set())
         for task in late:
             log.warning("grace period over, abandoning the in-flight batch", task=task.get_name())
@@ -264,11 +273,10 @@ class Relay:
 
 
 async def _leave(session: LeaseSession, membership: Membership) -> None:
-    """Say goodbye (the others may take this replica's share at once), then close."""
-    with contextlib.suppress(DatabaseError, *CONNECTION_LOST):
+    """Say goodbye: the others may take this replica's share at once. Best effort."""
+    with contextlib.suppress(DatabaseError, *CONNECTION_LOST, TimeoutError):
         async with asyncio.timeout(2), session.statement() as conn:
             await membership.leave(conn)
-    await session.close()
 
 
 def _setter(event: asyncio.Event) -> Callable[[object], None]:

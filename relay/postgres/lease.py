@@ -119,9 +119,24 @@ class LeaseSession:
 
     @contextlib.asynccontextmanager
     async def statement(self) -> AsyncIterator[asyncpg.Connection]:
-        """Use the lease connection for one statement (checkpoints are written here)."""
+        """Use the lease connection for one statement (checkpoints are written here).
+
+        A statement that failed on the connection, timed out or was cancelled leaves it
+        in an unknown state (asyncpg may still be busy with it): the session is dropped
+        at once, before anyone else uses it, and every lock on it is then known gone.
+        """
         async with self.lock:
-            yield await self._connection()
+            conn = await self._connection()
+            try:
+                yield conn
+            except (*CONNECTION_LOST, asyncio.CancelledError):
+                self._broken(conn)
+                raise
+
+    def _broken(self, conn: asyncpg.Connection) -> None:
+        self.suspect = True
+        if self.conn is conn:
+            self.abandon()
 
     async def try_locks(self, keys: Sequence[int], limit: int) -> list[int]:
         """Take free locks among `keys`, in order, at most `limit`, in one statement.
@@ -177,8 +192,10 @@ class LeaseSession:
                 conn = await self._connection()
                 held = await conn.fetchval(self._heartbeat, lane, epoch, key)
         except (*CONNECTION_LOST, asyncpg.PostgresError, DatabaseError) as exc:
-            # Any refusal counts too: a lease that cannot be proven is not held.
-            self.suspect = True
+            # Any refusal counts too: a lease that cannot be proven is not held, nor is
+            # any other lock on this connection; drop it before another statement uses it.
+            if self.conn is not None:
+                self._broken(self.conn)
             raise LeaseLost(f"lease check failed: {type(exc).__name__}: {exc}") from exc
         if not held:
             self.held.discard(key)

@@ -59,7 +59,7 @@ class Delivery:
     counts: Counter[str]
     duplicates: dict[str, int]  # id -> times stored, for ids stored more than once
     header_mismatches: list[str]  # messages whose ce-id differs from Nats-Msg-Id
-    order_violations: list[str]  # `id after id` where an aggregate's version did not increase
+    order_violations: list[str]  # first deliveries where an aggregate's version did not increase
 
     def missing(self, expected: set[str] | list[str]) -> list[str]:
         return sorted(set(expected) - set(self.counts))
@@ -88,7 +88,11 @@ def analyse(messages: list[Received]) -> Delivery:
     counts = Counter(ids)
     last: dict[str, tuple[int, str]] = {}
     violations: list[str] = []
+    seen: set[str] = set()
     for msg_id in ids:
+        if msg_id in seen:  # a re-sent copy: a consumer drops it by its id
+            continue
+        seen.add(msg_id)
         aggregate, _, version = msg_id.rpartition("@")
         number = int(version) if version.isdigit() else -1
         previous = last.get(aggregate)
