@@ -14,7 +14,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,18 @@ from tests.support.scenario import (
 Start = Callable[..., RelayProcess]
 MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
 LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
+
+
+@pytest.fixture
+async def copies(nats_url: str) -> AsyncIterator[str]:
+    """A stream that keeps re-sent copies, so that a test can count them: its duplicate
+    window is JetStream's shortest (100 ms)."""
+    name = unique_name("lanes")
+    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
+    try:
+        yield name
+    finally:
+        await delete_stream(nats_url, name)
 
 
 async def _stream() -> str:
@@ -110,56 +122,46 @@ async def delivered(nats_url: str, stream: str, writer: Writer) -> Delivery:
 
 
 async def test_lanes_spread_move_after_a_kill_and_rebalance_when_a_replica_joins(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
 ) -> None:
     """K = 4 over 3 replicas: 2/1/1; kill -9 one: 2/2; a new one joins: 2/1/1 again."""
-    stream = await _stream()
-    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    stream = copies
     config = _config(tmp_path, events_table, nats_url, stream, k=4, name="k4.yaml")
     migrate_cli(config)
-    try:
-        async with Writer(events_table, rate=60, aggregates=12) as writer:
-            replicas = [relay_process(["run", "--config", str(config)]) for _ in range(3)]
-            await until(config, lambda rows: shape(rows) == [2, 1, 1])
-            rows = await status(config)
-            victim = next(r for r in replicas if held_by(rows, r))
-            victim.kill()
-            await until(config, lambda rows: shape(rows) == [2, 2])
-            relay_process(["run", "--config", str(config)])
-            await until(config, lambda rows: shape(rows) == [2, 1, 1])
-            await asyncio.sleep(1.0)  # a duration: events keep flowing after the rebalance
-        delivery = await delivered(nats_url, stream, writer)
-        resent = report("kill -9 and rebalance", delivery)
-        assert resent <= 4 * 50, "at most the batches in flight of the killed replica's lanes"
-    finally:
-        await delete_stream(nats_url, stream)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        replicas = [relay_process(["run", "--config", str(config)]) for _ in range(3)]
+        await until(config, lambda rows: shape(rows) == [2, 1, 1])
+        rows = await status(config)
+        victim = next(r for r in replicas if held_by(rows, r))
+        victim.kill()
+        await until(config, lambda rows: shape(rows) == [2, 2])
+        relay_process(["run", "--config", str(config)])
+        await until(config, lambda rows: shape(rows) == [2, 1, 1])
+        await asyncio.sleep(1.0)  # a duration: events keep flowing after the rebalance
+    delivery = await delivered(nats_url, stream, writer)
+    resent = report("kill -9 and rebalance", delivery)
+    assert resent <= 4 * 50, "at most the batches in flight of the killed replica's lanes"
 
 
 async def test_a_graceful_rebalance_sends_nothing_twice(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
 ) -> None:
-    stream = await _stream()
-    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    stream = copies
     config = _config(tmp_path, events_table, nats_url, stream, k=4, name="k4.yaml")
     migrate_cli(config)
-    try:
-        async with Writer(events_table, rate=60, aggregates=12) as writer:
-            first = relay_process(["run", "--config", str(config)])
-            await until(config, lambda rows: shape(rows) == [4])
-            second = relay_process(["run", "--config", str(config)])
-            await until(config, lambda rows: shape(rows) == [2, 2])
-            await asyncio.sleep(1.0)  # a duration: both keep relaying
-        delivery = await delivered(nats_url, stream, writer)
-        assert report("graceful rebalance", delivery) == 0
-        handed = [
-            r
-            for r in first.logs()
-            if r.get("event") == "handing the lane over: another replica joined"
-        ]
-        assert len(handed) == 2
-        assert second.returncode is None
-    finally:
-        await delete_stream(nats_url, stream)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        first = relay_process(["run", "--config", str(config)])
+        await until(config, lambda rows: shape(rows) == [4])
+        second = relay_process(["run", "--config", str(config)])
+        await until(config, lambda rows: shape(rows) == [2, 2])
+        await asyncio.sleep(1.0)  # a duration: both keep relaying
+    delivery = await delivered(nats_url, stream, writer)
+    assert report("graceful rebalance", delivery) == 0
+    handed = [
+        r for r in first.logs() if r.get("event") == "handing the lane over: another replica joined"
+    ]
+    assert len(handed) == 2
+    assert second.returncode is None
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (1, 4)])
@@ -171,42 +173,37 @@ async def test_repartition_under_load_loses_nothing_and_keeps_order(
     nats_url: str,
     tmp_path: Path,
     relay_process: Start,
+    copies: str,
 ) -> None:
-    stream = await _stream()
-    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    stream = copies
     old = _config(tmp_path, events_table, nats_url, stream, k=before, name="old.yaml")
     new = _config(tmp_path, events_table, nats_url, stream, k=after, name="new.yaml")
     migrate_cli(old)
-    try:
-        async with Writer(events_table, rate=60, aggregates=12) as writer:
-            replicas = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
-            await until(old, lambda rows: all(row["holder"] for row in rows))
-            await asyncio.sleep(1.0)  # a duration: the old lanes relay for a while
-            for replica in replicas:
-                replica.terminate()
-            for replica in replicas:
-                assert await replica.wait_async(15) == 0
-            refused = relay_process(["run", "--config", str(new)])
-            assert await refused.wait_async(30) == 1
-            assert f"relay repartition loans --partitions {after}" in refused.output()
-            done = run_cli(
-                ["repartition", "loans", "--partitions", str(after), "--config", str(new)]
-            )
-            assert done.returncode == 0, done.stderr
-            assert f"{before} -> {after} partition(s)" in done.stdout
-            replicas = [relay_process(["run", "--config", str(new)]) for _ in range(2)]
-            await until(new, lambda rows: all(row["holder"] for row in rows))
-            await asyncio.sleep(1.0)  # a duration: the new lanes relay under load
-        delivery = await delivered(nats_url, stream, writer)
-        resent = report(f"repartition {before} -> {after}", delivery)
-        announced = re.search(r"(\d+) event\(s\) already published will be sent", done.stdout)
-        assert announced is not None, done.stdout
-        assert resent == int(announced[1]), "the command said how many would go again"
-        assert [row["name"] for row in await status(new)] == (
-            ["loans"] if after == 1 else [f"loans/{p}" for p in range(after)]
-        )
-    finally:
-        await delete_stream(nats_url, stream)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        replicas = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
+        await until(old, lambda rows: all(row["holder"] for row in rows))
+        await asyncio.sleep(1.0)  # a duration: the old lanes relay for a while
+        for replica in replicas:
+            replica.terminate()
+        for replica in replicas:
+            assert await replica.wait_async(15) == 0
+        refused = relay_process(["run", "--config", str(new)])
+        assert await refused.wait_async(30) == 1
+        assert f"relay repartition loans --partitions {after}" in refused.output()
+        done = run_cli(["repartition", "loans", "--partitions", str(after), "--config", str(new)])
+        assert done.returncode == 0, done.stderr
+        assert f"{before} -> {after} partition(s)" in done.stdout
+        replicas = [relay_process(["run", "--config", str(new)]) for _ in range(2)]
+        await until(new, lambda rows: all(row["holder"] for row in rows))
+        await asyncio.sleep(1.0)  # a duration: the new lanes relay under load
+    delivery = await delivered(nats_url, stream, writer)
+    resent = report(f"repartition {before} -> {after}", delivery)
+    announced = re.search(r"(\d+) event\(s\) already published will be sent", done.stdout)
+    assert announced is not None, done.stdout
+    assert resent == int(announced[1]), "the command said how many would go again"
+    assert [row["name"] for row in await status(new)] == (
+        ["loans"] if after == 1 else [f"loans/{p}" for p in range(after)]
+    )
 
 
 async def test_repartition_refuses_while_a_replica_holds_a_lane(
@@ -383,53 +380,49 @@ async def test_sessions_per_replica_stay_within_four_plus_one_per_held_lane(
 
 
 async def test_replay_and_retry_parked_reach_every_lane(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
 ) -> None:
-    stream = await _stream()
-    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    stream = copies
     data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=3)
     data["lease"] = LEASE
     config = save(tmp_path, data)
     migrate_cli(config)
-    try:
-        async with connect(events_table) as conn:
-            for n in range(12):
-                await conn.execute(
-                    "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
-                    " VALUES ('book', $1, 1, 'BookLent', $2::jsonb)",
-                    f"b{n}",
-                    json.dumps({"loanId": "x" * 2_000_000} if n == 7 else {"loanId": f"L{n}"}),
-                )
-        relay_process(["run", "--config", str(config)])
-        await fetch_all(nats_url, stream, expected=11)
-        await until(config, lambda rows: sum(r["parked"] for r in rows) == 1)
+    async with connect(events_table) as conn:
+        for n in range(12):
+            await conn.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
+                " VALUES ('book', $1, 1, 'BookLent', $2::jsonb)",
+                f"b{n}",
+                json.dumps({"loanId": "x" * 2_000_000} if n == 7 else {"loanId": f"L{n}"}),
+            )
+    relay_process(["run", "--config", str(config)])
+    await fetch_all(nats_url, stream, expected=11)
+    await until(config, lambda rows: sum(r["parked"] for r in rows) == 1)
 
-        replay = run_cli(["replay", "loans", "--from-start", "--json", "--config", str(config)])
-        assert replay.returncode == 0, replay.stderr
-        assert json.loads(replay.stdout)["events"] == 12  # every lane's, the parked one too
-        received = await fetch_all(nats_url, stream, expected=22)
-        assert Counter(m.headers["ce-id"] for m in received)["book/b0@1"] == 2
+    replay = run_cli(["replay", "loans", "--from-start", "--json", "--config", str(config)])
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["events"] == 12  # every lane's, the parked one too
+    received = await fetch_all(nats_url, stream, expected=22)
+    assert Counter(m.headers["ce-id"] for m in received)["book/b0@1"] == 2
 
-        parked = json.loads(
-            run_cli(["parked", "list", "loans", "--json", "--config", str(config)]).stdout
-        )
-        assert [p["event"] for p in parked] == ["book/b7@1"]
-        retried = run_cli(
-            [
-                "retry-parked",
-                "loans",
-                "--id",
-                str(parked[0]["id"]),
-                "--json",
-                "--config",
-                str(config),
-            ]
-        )
-        assert retried.returncode == 1  # still too large: it stays parked, and says so
-        detail = json.loads(retried.stdout)["detail"]
-        assert list(detail["still_parked"]) == [str(parked[0]["id"])]
-    finally:
-        await delete_stream(nats_url, stream)
+    parked = json.loads(
+        run_cli(["parked", "list", "loans", "--json", "--config", str(config)]).stdout
+    )
+    assert [p["event"] for p in parked] == ["book/b7@1"]
+    retried = run_cli(
+        [
+            "retry-parked",
+            "loans",
+            "--id",
+            str(parked[0]["id"]),
+            "--json",
+            "--config",
+            str(config),
+        ]
+    )
+    assert retried.returncode == 1  # still too large: it stays parked, and says so
+    detail = json.loads(retried.stdout)["detail"]
+    assert list(detail["still_parked"]) == [str(parked[0]["id"])]
 
 
 async def test_repartition_starts_every_lane_at_the_slowest_and_counts_what_goes_again(
@@ -498,41 +491,37 @@ def acquisitions(process: RelayProcess) -> dict[str, float]:
 
 
 async def test_a_leaving_replicas_lanes_move_within_the_takeover_times(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
 ) -> None:
     """Default lease timings. SIGTERM the replica holding two of four lanes, then kill -9
     one of the two left: each time the others hold every lane again. The times are
     printed (docs/scaling.md has the figures); the test checks what a consumer sees."""
-    stream = await _stream()
-    await create_stream(nats_url, stream, [f"{stream}.>"], duplicate_window=0.1)
+    stream = copies
     data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=4)
     data["outboxes"]["loans"]["batch"] = {"max_messages": 50}
     config = save(tmp_path, data, "defaults.yaml")
     migrate_cli(config)
 
-    try:
-        async with Writer(events_table, rate=60, aggregates=12) as writer:
-            replicas = [relay_process(["run", "--config", str(config)]) for _ in range(3)]
-            await until(config, lambda rows: shape(rows) == [2, 1, 1])
-            rows = await status(config)
-            leaving = next(r for r in replicas if len(held_by(rows, r)) == 2)
-            moved, sent = held_by(rows, leaving), time.time()
-            leaving.terminate()
-            await until(config, lambda rows: shape(rows) == [2, 2])
-            rest = [r for r in replicas if r is not leaving]
-            taken = {lane: at for r in rest for lane, at in acquisitions(r).items()}
-            graceful = max(taken[lane] for lane in moved) - sent
-            victim, survivor = rest
-            moved, killed = held_by(await status(config), victim), time.time()
-            victim.kill()
-            await until(config, lambda rows: shape(rows) == [4])
-            crashed = max(acquisitions(survivor)[lane] for lane in moved) - killed
-        delivery = await delivered(nats_url, stream, writer)
-        resent = report("SIGTERM then kill -9", delivery)
-        print(
-            f"lanes moved: {graceful * 1000:.0f} ms after SIGTERM (target < 1000 ms),"
-            f" {crashed * 1000:.0f} ms after kill -9 (target about 1000 ms)"
-        )
-        assert resent <= 2 * 50, "at most the killed replica's batches in flight"
-    finally:
-        await delete_stream(nats_url, stream)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        replicas = [relay_process(["run", "--config", str(config)]) for _ in range(3)]
+        await until(config, lambda rows: shape(rows) == [2, 1, 1])
+        rows = await status(config)
+        leaving = next(r for r in replicas if len(held_by(rows, r)) == 2)
+        moved, sent = held_by(rows, leaving), time.time()
+        leaving.terminate()
+        await until(config, lambda rows: shape(rows) == [2, 2])
+        rest = [r for r in replicas if r is not leaving]
+        taken = {lane: at for r in rest for lane, at in acquisitions(r).items()}
+        graceful = max(taken[lane] for lane in moved) - sent
+        victim, survivor = rest
+        moved, killed = held_by(await status(config), victim), time.time()
+        victim.kill()
+        await until(config, lambda rows: shape(rows) == [4])
+        crashed = max(acquisitions(survivor)[lane] for lane in moved) - killed
+    delivery = await delivered(nats_url, stream, writer)
+    resent = report("SIGTERM then kill -9", delivery)
+    print(
+        f"lanes moved: {graceful * 1000:.0f} ms after SIGTERM (target < 1000 ms),"
+        f" {crashed * 1000:.0f} ms after kill -9 (target about 1000 ms)"
+    )
+    assert resent <= 2 * 50, "at most the killed replica's batches in flight"
