@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from nats.js.api import DiscardPolicy, StreamConfig
 
 from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
@@ -90,6 +91,59 @@ async def test_oversized_message_is_permanent_and_stops_the_rest(nats_url: str) 
     finally:
         await pub.close()
         await delete_stream(nats_url, stream)
+
+
+async def test_a_full_stream_answers_an_error_for_that_message_alone(nats_url: str) -> None:
+    """The server's error PubAck is read for the one message it refused, naming the cause."""
+    stream = unique_name("full")
+    async with connect(nats_url) as nc:
+        await nc.jetstream().add_stream(
+            StreamConfig(
+                name=stream, subjects=[f"{stream}.>"], max_msgs=2, discard=DiscardPolicy.NEW
+            )
+        )
+    pub = publisher(nats_url)
+    try:
+        outcomes = await pub.publish([message(f"{stream}.a", n) for n in (1, 2, 3)])
+        assert outcomes[:2] == [None, None]
+        assert isinstance(outcomes[2], TransientPublishError)
+        assert "maximum messages" in str(outcomes[2])
+        assert pub.duplicates == 0
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, stream)
+
+
+async def test_late_pubacks_of_a_timed_out_batch_are_not_taken_for_the_next(
+    nats_url: str,
+) -> None:
+    """PubAcks that come after their batch gave up must not acknowledge the next batch."""
+    stream = unique_name("late")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    host, port = nats_url.removeprefix("nats://").split(":")
+    with TcpProxy(host, int(port)) as proxy:
+        pub = NatsPublisher(
+            "nats",
+            NatsBrokerConfig(
+                type="nats", servers=[f"nats://{proxy.host}:{proxy.port}"], ack_timeout=0.5
+            ),
+        )
+        try:
+            await pub.connect()
+            first = [message(f"{stream}.a", n) for n in range(1, 51)]
+            proxy.pause()
+            outcomes = await pub.publish(first)
+            assert all(isinstance(o, TransientPublishError) for o in outcomes)
+            proxy.resume()  # the first batch reaches the server now; its PubAcks follow
+            second = [message(f"{stream}.a", n) for n in range(51, 101)]
+            assert await pub.publish(second) == [None] * 50
+            assert pub.duplicates == 0
+            # The first batch was stored late: sent again, every message is a duplicate.
+            assert await pub.publish(first) == [None] * 50
+            assert pub.duplicates == 50
+        finally:
+            await pub.close()
+    await delete_stream(nats_url, stream)
 
 
 async def test_no_stream_is_transient(nats_url: str) -> None:

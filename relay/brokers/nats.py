@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
@@ -64,6 +66,7 @@ class NatsPublisher:
         self._config = config
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._replies: _Replies | None = None
         self.duplicates = 0
 
     async def connect(self) -> None:
@@ -81,6 +84,8 @@ class NatsPublisher:
             "reconnect_time_wait": 0.1,
             "error_cb": _ignore,
             "name": "outbox-relay",
+            # publish() checks each subject with a stricter rule of its own.
+            "skip_subject_validation": True,
         }
         if c.user:
             options["user"] = c.user
@@ -112,6 +117,7 @@ class NatsPublisher:
             # One API round trip: proves JetStream is on, and sets up reply
             # subscriptions before the first batch so its order is kept.
             await self._js.account_info()
+            self._replies = await _Replies.subscribe(nc)
             if c.stream is not None:
                 await self._provision_stream(c.stream)
         except (OSError, TimeoutError, nats.errors.Error) as exc:
@@ -171,23 +177,25 @@ class NatsPublisher:
             return failed
         if not self._config.jetstream:
             return await self._publish_core(messages)
-        js = connected(self._js)
-        futures: list[asyncio.Future[Any]] = []
+        nc, replies = connected(self._nc), connected(self._replies)
+        acks = replies.expect(len(messages))
         for i, message in enumerate(messages):
             try:
-                futures.append(
-                    await js.publish_async(
-                        message.destination, message.body, headers=_headers(message)
-                    )
+                await nc.publish(
+                    message.destination,
+                    message.body,
+                    reply=replies.subject(acks.first + i),
+                    headers=_headers(message),
                 )
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 # Nothing after a failed message is sent, so order is kept on retry.
+                acks.sent(i)
                 return [
-                    *await self._acks(futures),
+                    *await self._acks(acks),
                     self._classify(exc),
                     *not_sent(len(messages) - i - 1),
                 ]
-        return await self._acks(futures)
+        return await self._acks(acks)
 
     async def _publish_core(self, messages: Sequence[Message]) -> list[Outcome]:
         """Core NATS: written in order, then one PING/PONG proves the server read them.
@@ -214,25 +222,27 @@ class NatsPublisher:
             await self.close()
         return [None] * written + [refused, *not_sent(len(messages) - written - 1)]
 
-    async def _acks(self, futures: list[asyncio.Future[Any]]) -> list[Outcome]:
-        if not futures:
-            return []
-        _, pending = await asyncio.wait(futures, timeout=self._config.ack_timeout)
-        for future in pending:
-            future.cancel()
+    async def _acks(self, acks: _BatchAcks) -> list[Outcome]:
+        """Every PubAck of the batch, or a transient failure for those that did not come."""
+        if acks.expected:
+            try:
+                async with asyncio.timeout(self._config.ack_timeout):
+                    await acks.done.wait()
+            except TimeoutError:
+                if self._nc is not None and not self._nc.is_connected:
+                    await self.close()
+        missing = TransientPublishError(f"no PubAck within {self._config.ack_timeout}s")
         outcomes: list[Outcome] = []
-        for future in futures:
-            if future in pending:
-                outcomes.append(
-                    TransientPublishError(f"no PubAck within {self._config.ack_timeout}s")
-                )
-            elif (exc := future.exception()) is not None:
-                outcomes.append(self._classify(exc))
+        for reply in acks.replies[: acks.expected]:
+            if reply is None:
+                outcomes.append(missing)
+            elif reply is _DUPLICATE:
+                self.duplicates += 1
+                outcomes.append(None)
+            elif isinstance(reply, BaseException):
+                outcomes.append(self._classify(reply))
             else:
                 outcomes.append(None)
-                self.duplicates += bool(future.result().duplicate)
-        if pending and self._nc is not None and not self._nc.is_connected:
-            await self.close()
         return outcomes
 
     def _classify(self, exc: BaseException) -> PublishError:
@@ -248,10 +258,101 @@ class NatsPublisher:
         return TransientPublishError(text)
 
     async def close(self) -> None:
-        nc, self._nc, self._js = self._nc, None, None
+        nc, self._nc, self._js, self._replies = self._nc, None, None, None
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+_STORED, _DUPLICATE = "stored", "duplicate"
+Reply = str | BaseException | None
+"""A PubAck as read: stored, duplicate, or the error the server answered; None until it comes."""
+
+
+class _BatchAcks:
+    """The PubAcks of one batch, by index; done when every message sent has one."""
+
+    def __init__(self, first: int, expected: int) -> None:
+        self.first = first
+        self.expected = expected
+        self.replies: list[Reply] = [None] * expected
+        self._received = 0
+        self.done = asyncio.Event()
+
+    def sent(self, count: int) -> None:
+        """Only the first `count` messages were written: wait for no others."""
+        self.expected = count
+        if self._received >= count:
+            self.done.set()
+
+    def record(self, index: int, reply: Reply) -> None:
+        if index < self.expected and self.replies[index] is None:
+            self.replies[index] = reply
+            self._received += 1
+            if self._received >= self.expected:
+                self.done.set()
+
+
+class _Replies:
+    """One reply subscription for every PubAck on a connection, tokens a counter.
+
+    nats-py's publish_async takes a semaphore, draws a random token and makes a future
+    with a callback for each message, then parses each PubAck into an object. Here a PubAck
+    is matched to its message by number and read as bytes; only an error or a duplicate is
+    parsed. Tokens only grow, so a late PubAck of an earlier batch is recognised and dropped.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._next = 0
+        self._batch: _BatchAcks | None = None
+
+    @classmethod
+    async def subscribe(cls, nc: Client) -> _Replies:
+        replies = cls(nc.new_inbox() + ".")
+        await nc.subscribe(replies.prefix + "*", cb=replies._on_reply)
+        return replies
+
+    def subject(self, token: int) -> str:
+        return self.prefix + str(token)
+
+    def expect(self, count: int) -> _BatchAcks:
+        self._batch = _BatchAcks(self._next, count)
+        self._next += count
+        return self._batch
+
+    async def _on_reply(self, msg: Msg) -> None:
+        batch = self._batch
+        token = msg.subject[len(self.prefix) :]
+        if batch is None or not token.isdigit():
+            return
+        index = int(token) - batch.first
+        if index >= 0:
+            batch.record(index, _read_reply(msg))
+
+
+def _read_reply(msg: Msg) -> Reply:
+    """A PubAck's meaning, parsing JSON only when it may hold an error or a duplicate."""
+    data = msg.data
+    if not data and msg.headers and msg.headers.get("Status"):
+        if msg.headers["Status"] == "503":  # no stream captures the subject
+            return nats.js.errors.NoStreamResponseError()
+        return nats.js.errors.APIError(code=int(msg.headers["Status"]))
+    if b'"error"' not in data and b'"duplicate"' not in data:
+        return _STORED
+    try:
+        answer = json.loads(data)
+    except ValueError as exc:
+        return exc
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict):
+        try:
+            nats.js.errors.APIError.from_error(error)
+        except nats.js.errors.APIError as exc:
+            return exc
+    if isinstance(answer, dict) and answer.get("duplicate") is True:
+        return _DUPLICATE
+    return _STORED
 
 
 class _TlsOnlyClient(Client):
