@@ -21,6 +21,7 @@ from relay.core.mapping import Event
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, MappingError
 from relay.ops.context import OutboxContext
+from relay.ops.overlap import CheckpointBehind, ReadAhead
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.database import CONNECTION_LOST
 from relay.postgres.source import Blocker
@@ -29,6 +30,7 @@ from relay.postgres.source import Blocker
 @dataclass(frozen=True, slots=True)
 class Batch:
     items: list[Item]
+    after: int  # the checkpoint it was read from
     upto: int  # every position up to here is handled once `items` are
     full: bool  # more may be ready at once
 
@@ -64,6 +66,7 @@ class OutboxRelay:
         self._horizon = 0
         self._commands_checked = 0.0
         self._lag_measured = 0.0
+        self._pass_started = 0.0  # when the last barrier began: polling keeps its cadence
         self._halted: str | None = None  # set: nothing moves until an operator's replay
 
     async def run(self, session: Session) -> None:
@@ -103,60 +106,96 @@ class OutboxRelay:
         return True
 
     async def _relay(self, s: Session) -> None:
-        while not self.ctx.stop.is_set():
-            await self._carry_out_commands(s)
-            if self._halted is not None:
-                await self._while_halted(s)
-                continue
-            position = s.claimed.position
-            batch = await self._next_batch(s, position)
-            if batch is None:  # stopped, or just halted
-                continue
-            if batch.items and not await self.delivery.deliver(
-                s.claimed, batch.items, on_retry=lambda: self._measure_lag(s)
-            ):
-                self._horizon = s.claimed.position  # read again from the checkpoint
-                continue
-            if batch.upto > position:
-                await s.claimed.advance(batch.upto)
-                self.ctx.state.moved(batch.upto)
-                self.ctx.state.relaying()
-            if not batch.full:
-                await self._idle()
+        """Batch after batch; the next is read while one is sent (overlap.py)."""
+        checkpoint = CheckpointBehind(s.claimed, self.ctx.state.moved)
+        ahead: ReadAhead[Batch] = ReadAhead()
+        try:
+            while not self.ctx.stop.is_set():
+                batch = await self._next(s, checkpoint, ahead)
+                if batch is None:  # stopped, halted, or carried out a command
+                    continue
+                if batch.full and batch.upto < self._horizon:  # final already: no barrier
+                    ahead.start(self._read(s, batch.upto))
+                if batch.items and not await self.delivery.deliver(
+                    checkpoint, batch.items, on_retry=lambda: self._retrying(s, ahead)
+                ):
+                    await ahead.drop()
+                    await checkpoint.settled()
+                    self._horizon = s.claimed.position  # read again from the checkpoint
+                    continue
+                if batch.upto > batch.after:
+                    if ahead.running:
+                        await checkpoint.advance_behind(batch.upto)
+                    else:
+                        await checkpoint.advance(batch.upto)
+                    self.ctx.state.relaying()
+                if not batch.full:
+                    await self._idle()
+            await checkpoint.settled()
+        finally:
+            await ahead.drop()
+            await checkpoint.cancel()
 
-    async def _carry_out_commands(self, s: Session) -> None:
-        """Between batches: run operators' commands (NOTIFY wakes us; polling covers)."""
-        now, wake = time.monotonic(), self.ctx.wakes.commands
-        due = now - self._commands_checked >= self.ctx.source.config.poll_interval
-        if not (wake.is_set() or due):
-            return
-        wake.clear()
-        self._commands_checked = now
-        claim, queue = s.claimed.claim, self.ctx.commands
+    async def _next(
+        self, s: Session, checkpoint: CheckpointBehind, ahead: ReadAhead[Batch]
+    ) -> Batch | None:
+        """The batch read ahead, or commands, the halted wait or a fresh read, in turn."""
+        if self._commands_due():
+            await ahead.settle()  # commands use the reader too
+            await checkpoint.settled()
+            if await self._carry_out_commands(s):
+                await ahead.drop()  # a command moved the checkpoint
+            return None
+        if self._halted is not None:
+            await ahead.drop()
+            await checkpoint.settled()
+            await self._while_halted(s)
+            return None
+        if ahead.running:
+            return await ahead.take()
+        await checkpoint.settled()
+        return await self._next_batch(s, s.claimed.position)
+
+    async def _retrying(self, s: Session, ahead: ReadAhead[Batch]) -> None:
+        await ahead.settle()  # the lag is measured on the reader
+        await self._measure_lag(s)
+
+    def _commands_due(self) -> bool:
+        """An operator's command may be waiting: NOTIFY says so, or polling is due."""
+        due = time.monotonic() - self._commands_checked >= self.ctx.source.config.poll_interval
+        return due or self.ctx.wakes.commands.is_set()
+
+    async def _carry_out_commands(self, s: Session) -> bool:
+        """Between batches: run operators' commands; True if one moved the checkpoint."""
+        self.ctx.wakes.commands.clear()
+        self._commands_checked = time.monotonic()
+        claim, queue, moved = s.claimed.claim, self.ctx.commands, False
         while not self.ctx.stop.is_set():
             async with s.claimed.writer.statement() as conn:
                 command = await queue.take(conn, claim, self.ctx.identity)
             if command is None:
-                return
+                return moved
             log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
             log.info("carrying out command", args=command.args)
             done = await self.ctx.operations.carry_out(
                 command.kind, command.args, s.claimed, s.reader
             )
             if done.moved_to is not None:
+                moved = True
                 self._horizon = min(self._horizon, done.moved_to)
                 self.ctx.state.moved(done.moved_to)
                 self._resume_if_halted()
             async with s.claimed.writer.statement() as conn:
                 await queue.finish(conn, command.id, done.ok, done.detail)
             log.info("command done" if done.ok else "command failed", outcome=done.detail)
+        return moved
 
     async def _next_batch(self, s: Session, position: int) -> Batch | None:
         """The next batch to publish; None if stopped or halted meanwhile."""
         source, metrics = self.ctx.source, self.ctx.metrics
         if position >= self._horizon:
             self.ctx.wakes.events.clear()
-            started = time.monotonic()
+            self._pass_started = started = time.monotonic()
             horizon = await source.barrier(s.reader, self._blocked(s), self.ctx.stop)
             if horizon is None:
                 return None
@@ -166,8 +205,13 @@ class OutboxRelay:
                 return None
             self._horizon = horizon
             await self._measure_lag(s, head=horizon)
+        return await self._read(s, position)
+
+    async def _read(self, s: Session, position: int) -> Batch:
+        """Up to a batch of the final prefix after `position`, mapped."""
+        source, metrics = self.ctx.source, self.ctx.metrics
         if self._horizon <= position:
-            return Batch([], position, full=False)
+            return Batch([], position, position, full=False)
         limit = self.config.batch.max_messages
         events = await source.read(
             s.reader,
@@ -180,7 +224,8 @@ class OutboxRelay:
         metrics.events_read.labels(*self.labels).inc(len(events))
         full = len(events) == limit
         upto = events[-1].position if full else self._horizon
-        return Batch([self._item(e) for e in events], upto, full=full or upto < self._horizon)
+        items = [self._item(e) for e in events]
+        return Batch(items, position, upto, full=full or upto < self._horizon)
 
     async def _halt(self, s: Session, head: int, position: int) -> None:
         """The head went below the checkpoint: the sequence was reset, or the table replaced.
@@ -273,11 +318,19 @@ class OutboxRelay:
         )
 
     async def _idle(self) -> None:
-        """Wait for a NOTIFY or the poll interval, then linger to gather a batch."""
+        """Wait for a NOTIFY or the next poll, then linger to gather a batch.
+
+        Polls keep a fixed cadence: the interval counts from the start of the last pass,
+        not from its end, so an event waits at most one interval (plus the linger).
+        """
         ctx = self.ctx
         ctx.state.idle()
+        passed = time.monotonic() - self._pass_started
         await wait_any(
-            ctx.stop, ctx.wakes.events, ctx.wakes.commands, within=ctx.source.config.poll_interval
+            ctx.stop,
+            ctx.wakes.events,
+            ctx.wakes.commands,
+            within=max(ctx.source.config.poll_interval - passed, 0.0),
         )
         ctx.state.relaying()
         if self.config.batch.linger and not ctx.stop.is_set():
