@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+from relay.config import RelayConfig
 from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
@@ -71,9 +73,7 @@ async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
     subject = unique_name("malformed")
     await create_stream(nats_url, subject, [f"{subject}.>"])
     await _fill(database)
-    data = config_dict(database, nats_url, subject, park_after=1)
-    data["outboxes"]["loans"]["messages"]["BookLent"]["payload"] = {"loanId": "data.loanId"}
-    config = await load_and_migrate(tmp_path, data)
+    config = await load_and_migrate(tmp_path, _reading_metadata(database, nats_url, subject))
     try:
         async with running(config):
             received = await fetch_all(nats_url, subject, expected=2)
@@ -99,11 +99,51 @@ async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
         await delete_stream(nats_url, subject)
 
 
+async def test_bad_metadata_is_not_a_fault_for_an_outbox_that_never_reads_it(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Metadata is decoded only where an expression reads it; elsewhere it cannot hurt."""
+    subject = unique_name("malformed")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    await _fill(database)
+    data = config_dict(database, nats_url, subject, park_after=1)
+    data["outboxes"]["loans"]["messages"]["BookLent"]["payload"] = {"loanId": "data.loanId"}
+    config = await load_and_migrate(tmp_path, data)
+    try:
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=3)
+            await eventually(lambda: _all_parked(config, len(FAULTS) - 1))
+        assert [m.headers["ce-id"] for m in received] == [
+            "book/good-1@1",
+            "book/bad-metadata@1",
+            "book/good-2@1",
+        ]
+        preview = run_cli(["check", "--config", str(tmp_path / "relay.yaml"), "--last", "9"])
+        assert "column 'metadata'" not in preview.stdout, preview.stdout
+        assert "book/bad-metadata@1 BookLent" in preview.stdout, preview.stdout
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def _all_parked(config: RelayConfig, count: int) -> bool:
+    return bool((await status(config))[0]["parked"] == count)
+
+
+def _reading_metadata(dsn: str, nats_url: str, subject: str) -> dict[str, Any]:
+    """A config whose payload reads the metadata, so that bad metadata is a fault."""
+    data = config_dict(dsn, nats_url, subject, park_after=1)
+    data["outboxes"]["loans"]["messages"]["BookLent"]["payload"] = {
+        "loanId": "data.loanId",
+        "trace": "metadata.trace",
+    }
+    return data
+
+
 async def test_relay_check_shows_malformed_rows_as_they_would_be_handled(
     database: str, nats_url: str, tmp_path: Path
 ) -> None:
     await _fill(database)
-    config = save(tmp_path, config_dict(database, nats_url, "anything"))
+    config = save(tmp_path, _reading_metadata(database, nats_url, "anything"))
     result = run_cli(["check", "--config", str(config), "--last", str(len(ROWS))])
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stdout + result.stderr

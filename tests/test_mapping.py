@@ -10,10 +10,16 @@ import jmespath
 import pytest
 
 from relay.config import OutboxConfig, RetryConfig
-from relay.config.expressions import ExpressionError, compile_expression, compile_template
+from relay.config.expressions import (
+    ExpressionError,
+    compile_expression,
+    compile_template,
+    may_compute,
+)
 from relay.core.mapping import Event, Mapper
 from relay.core.retry import Backoff
 from relay.errors import MappingError
+from relay.postgres.source import decode_json
 from relay.redaction import redact
 
 WHEN = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
@@ -164,3 +170,62 @@ def test_backoff_grows_caps_and_jitters() -> None:
 def test_redact_hides_passwords(text: str, hidden: str) -> None:
     assert hidden not in redact(text)
     assert "***" in redact(text)
+
+
+# The fast path (orjson) must not change what goes out: exact integers, strict JSON.
+
+
+def test_an_integer_beyond_64_bits_is_decoded_and_published_exactly() -> None:
+    big = 123456789012345678901234567890
+    assert decode_json(f'{{"n": {big}, "m": -{big}}}') == {"n": big, "m": -big}
+    config = outbox(messages={"BookLent": {"type": "t", "destination": "d", "payload": "data"}})
+    message = Mapper("loans", config).map(event(data={"n": big}))
+    assert message is not None
+    assert message.body == f'{{"n":{big}}}'.encode()
+
+
+@pytest.mark.parametrize("text", ["NaN", '{"a": Infinity}', "[1e999]", "-1e400", "{'a': 1}"])
+def test_decoding_refuses_what_is_not_strict_json(text: str) -> None:
+    with pytest.raises(ValueError):
+        decode_json(text)
+
+
+def test_a_computed_infinity_is_a_mapping_error_not_null() -> None:
+    """sum() of two huge numbers is Infinity; orjson would write null, so it is not used."""
+    payload = {"total": "sum(data.amounts)", "copy": "data.amounts"}
+    config = outbox(messages={"BookLent": {"type": "t", "destination": "d", "payload": payload}})
+    with pytest.raises(MappingError, match="Out of range float values"):
+        Mapper("loans", config).map(event(data={"amounts": [1e308, 1e308]}))
+
+
+@pytest.mark.parametrize(
+    ("expression", "computes"),
+    [
+        ("data.loanId", False),
+        ("{id: aggregate_id, loan: data.loanId}", False),
+        ("data.items[0].price", False),
+        ("sum(data.amounts)", True),
+        ("{n: to_number(data.n)}", True),
+        ("`1e999`", True),
+        ("{kind: 'loan'}", True),
+    ],
+)
+def test_payloads_that_may_compute_numbers_are_known(expression: str, computes: bool) -> None:
+    assert may_compute(expression) is computes
+
+
+def test_metadata_is_decoded_only_for_an_outbox_that_reads_it() -> None:
+    assert Mapper("loans", outbox()).reads_metadata  # its destination names metadata.tenant
+    plain = {"BookLent": {"type": "t", "destination": "d", "payload": "data"}}
+    assert not Mapper("loans", outbox(messages=plain)).reads_metadata
+    bad = event(metadata=None, metadata_problem="column 'metadata' is not valid JSON")
+    assert Mapper("loans", outbox(messages=plain)).map(bad) is not None
+    with pytest.raises(MappingError, match="metadata"):
+        Mapper("loans", outbox()).map(bad)
+
+
+def test_templates_render_literals_numbers_and_braces() -> None:
+    render = compile_template("{{x}}-{aggregate_type}/{version}:{data.flag}!")
+    envelope = {"aggregate_type": "book", "version": 3, "data": {"flag": True}}
+    assert render(envelope) == "{x}-book/3:true!"
+    assert compile_template("constant")({}) == "constant"

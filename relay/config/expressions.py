@@ -39,6 +39,30 @@ def compile_expression(source: str) -> Getter:
     return parsed.search
 
 
+def may_compute(source: str) -> bool:
+    """Whether an expression can produce a number that was not in the event.
+
+    A function (sum, avg, to_number...) or a literal can make NaN or Infinity; a path
+    only reads what strict JSON decoding let in. Unparseable text counts as computing.
+    """
+    text = source.strip()
+    if _DOTTED.match(text):
+        return False
+    try:
+        tree = jmespath.compile(text).parsed
+    except JMESPathError:
+        return True
+    return _computes(tree)
+
+
+def _computes(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") in ("function_expression", "literal"):
+        return True
+    return any(_computes(child) for child in node.get("children", ()))
+
+
 def _dotted_getter(parts: tuple[str, ...]) -> Getter:
     if len(parts) == 1:
         (name,) = parts
@@ -51,7 +75,8 @@ def _dotted_getter(parts: tuple[str, ...]) -> Getter:
     def get_path(envelope: Mapping[str, Any]) -> Any:
         value: Any = envelope
         for part in parts:
-            if not isinstance(value, Mapping):
+            # type() first: the Mapping check is an ABC look-up, and JSON gives dicts.
+            if type(value) is not dict and not isinstance(value, Mapping):
                 return None
             value = value.get(part)
         return value
@@ -77,25 +102,29 @@ def compile_template(source: str) -> Template:
             pieces.append((match.group(1).strip(), compile_expression(match.group(1))))
         pos = match.end()
     pieces.append(source[pos:])
-    literal = [p for p in pieces if p != ""]
-    if all(isinstance(p, str) for p in literal):
-        constant = "".join(p for p in literal if isinstance(p, str))
-        return lambda _envelope: constant
-    return _render(tuple(literal))
+    steps: list[tuple[str, str, Getter]] = []  # (literal before, expression, getter)
+    literal = ""
+    for piece in pieces:
+        if isinstance(piece, str):
+            literal += piece
+        else:
+            steps.append((literal, *piece))
+            literal = ""
+    if not steps:
+        return lambda _envelope: literal
+    return _render(tuple(steps), literal)
 
 
-def _render(pieces: tuple[str | tuple[str, Getter], ...]) -> Template:
+def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
     def render(envelope: Mapping[str, Any]) -> str:
         out = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                out.append(piece)
-                continue
-            expr, getter = piece
+        for before, expr, getter in steps:
             value = getter(envelope)
             if value is None or value == "":
                 raise ExpressionError(f"{{{expr}}} is null or empty for this event")
-            out.append(_text(value))
+            out.append(before)
+            out.append(value if type(value) is str else _text(value))
+        out.append(tail)
         return "".join(out)
 
     return render

@@ -9,11 +9,12 @@ which the outbox retries and then parks like any permanent rejection.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 from jmespath.exceptions import JMESPathError
 
 from relay.config import OutboxConfig
@@ -23,14 +24,18 @@ from relay.config.expressions import (
     Template,
     compile_expression,
     compile_template,
+    may_compute,
 )
 from relay.core.publishing import Message
 from relay.errors import MalformedEventError, MappingError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
-    """One row of the event table, decoded."""
+    """One row of the event table, decoded; never changed once read.
+
+    Not frozen: a frozen dataclass costs ten times as much to build, once per event.
+    """
 
     position: int
     aggregate_type: str
@@ -40,7 +45,8 @@ class Event:
     data: Any
     metadata: Any
     created_at: datetime | None
-    problem: str | None = None
+    problem: str | None = None  # a required column is NULL, or the payload is not JSON
+    metadata_problem: str | None = None  # matters only to an outbox that reads metadata
 
     def envelope(self) -> dict[str, Any]:
         return {
@@ -63,6 +69,7 @@ class _Compiled:
     id: Template
     routing_key: Template | None
     payload: Getter
+    encode: Callable[[Any], bytes]
 
 
 class Mapper:
@@ -80,9 +87,16 @@ class Mapper:
                 id=compile_template(m.id or config.id),
                 routing_key=compile_template(m.routing_key) if m.routing_key else None,
                 payload=_compile_payload(m.payload),
+                encode=_encoder(m.payload),
             )
             for event_type, m in config.messages.items()
         }
+        sources = [config.key, config.id]
+        for m in config.messages.values():
+            payload = [m.payload] if isinstance(m.payload, str) else list(m.payload.values())
+            sources += [m.destination, m.key or "", m.id or "", m.routing_key or "", *payload]
+        # Decoding metadata is skipped when no expression could read it.
+        self.reads_metadata = any("metadata" in text for text in sources)
 
     def wants(self, event: Event) -> bool:
         """False for unmapped types and filtered-out aggregates: skipped, not published."""
@@ -94,33 +108,62 @@ class Mapper:
         if not self.wants(event):
             return None
         rule = self._by_type[event.type]
-        where = f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
-        if event.problem:
+        problem = event.problem or (event.metadata_problem if self.reads_metadata else None)
+        if problem:
             raise MalformedEventError(
-                f"outboxes.{self.outbox}: event at position {event.position} ({where}) is"
-                f" malformed: {event.problem}"
+                f"outboxes.{self.outbox}: event at position {event.position} ({_where(event)})"
+                f" is malformed: {problem}"
             )
         envelope = event.envelope()
         try:
-            body = json.dumps(  # allow_nan=False: nothing but strict JSON goes out
-                rule.payload(envelope), ensure_ascii=False, separators=(",", ":"), allow_nan=False
-            ).encode()
             return Message(
                 id=rule.id(envelope),
                 type=rule.type,
                 destination=rule.destination(envelope),
                 key=rule.key(envelope),
-                body=body,
+                body=rule.encode(rule.payload(envelope)),
                 source=self._source,
                 time=event.created_at,
                 position=event.position,
                 routing_key=rule.routing_key(envelope) if rule.routing_key else None,
+                time_text=envelope["created_at"],
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             raise MappingError(
                 f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
-                f"{event.position} ({where}): {exc}"
+                f"{event.position} ({_where(event)}): {exc}"
             ) from exc
+
+
+def _where(event: Event) -> str:
+    return f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
+
+
+# Nothing but strict JSON goes out: allow_nan=False refuses NaN and Infinity.
+_STRICT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _encode_strict(value: Any) -> bytes:
+    return _STRICT.encode(value).encode()
+
+
+def _encode_fast(value: Any) -> bytes:
+    """orjson, for payloads that cannot hold NaN or Infinity (it would write null).
+
+    What orjson refuses (an integer beyond 64 bits, a lone surrogate) goes to the strict
+    encoder, which keeps the integer exact or names the problem.
+    """
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return _encode_strict(value)
+
+
+def _encoder(payload: str | Mapping[str, str]) -> Callable[[Any], bytes]:
+    """Values read from strict JSON are finite; only a function or a literal can compute
+    NaN or Infinity (sum, avg, to_number('1e999'), `1e999`): those payloads stay strict."""
+    sources = [payload] if isinstance(payload, str) else list(payload.values())
+    return _encode_strict if any(may_compute(source) for source in sources) else _encode_fast
 
 
 def _compile_payload(payload: str | Mapping[str, str]) -> Getter:

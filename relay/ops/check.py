@@ -42,7 +42,8 @@ def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:
         message = mapper.map(event)
     except MappingError as exc:
         row["parked"] = exc.reason
-        row["error"] = event.problem or str(exc)
+        malformed = event.problem or event.metadata_problem
+        row["error"] = malformed if exc.reason == "malformed" and malformed else str(exc)
         return row
     if message is not None:  # wants() said it maps
         row.update(

@@ -60,8 +60,9 @@ class OutboxContext:
     ) -> OutboxContext:
         config = relay_config.outboxes[lane.outbox]
         schema = relay_config.database.schema_
-        source, store = EventSource(relay_config.source, lane), Store(schema)
         mapper = Mapper(lane.outbox, config)
+        source = EventSource(relay_config.source, lane, metadata=mapper.reads_metadata)
+        store = Store(schema)
         metrics.register_lane(lane.labels)
         return cls(
             name=lane.name,
