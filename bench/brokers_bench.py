@@ -18,8 +18,9 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
 2. the raw client publishes the relay's own messages (read with the relay's EventSource, mapped
    with its Mapper, converted with the adapter's own header/attribute helpers, all outside the
    timer), `--batch` at a time, with the adapter's acknowledgements and in-flight window:
-   - NATS: nats-py `js.publish` x batch gathered, every PubAck awaited (the ceiling of
-     `relay_bench.py`); also, for information, `js.publish_async` x batch then every PubAck;
+   - NATS: nats-py `js.publish_async` x batch, then every PubAck (the reference of
+     `relay_bench.py`, its headline denominator: how the relay's publisher sends); also, for
+     information, `js.publish` x batch gathered, every PubAck awaited (its former ceiling);
    - Kafka: aiokafka `send()` of the batch's records, then every future awaited; acks=all,
      idempotence off (tansu has no InitProducerId), the adapter's other producer settings;
    - RabbitMQ: aio-pika `exchange.publish` x batch gathered, publisher confirms, mandatory,
@@ -28,9 +29,12 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
 3. the real relay (`relay.ops.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
-   start until `relay.checkpoints` reaches the last position;
+   start until `relay.checkpoints` reaches the last position, on the wall clock and on this
+   process's CPU clock (user + system), which gives the relay's CPU per event: the brokers,
+   Postgres and the private servers are other processes;
 4. the raw client again (mirror order; for NATS: ceiling, reference | relay | reference,
-   ceiling, as in `relay_bench.py`), and the ratio relay / mean(raw before, raw after);
+   ceiling, as in `relay_bench.py`), and the ratio relay / mean(raw before, raw after); the
+   raw client's CPU per message is measured over its publishing alone, for comparison;
 5. everything is removed, even on failure: database, stream, topic, exchange and queue, and
    the private tansu and moto servers are stopped.
 
@@ -104,6 +108,16 @@ class Row:
         return self.relay.rate / self.raw_mean if self.relay and self.raw_mean else 0.0
 
     @property
+    def relay_cpu_us(self) -> float:
+        """The relay's CPU per event over the whole drain: read, map, publish, checkpoint."""
+        return self.relay.cpu_us_per_msg if self.relay else 0.0
+
+    @property
+    def raw_cpu_us(self) -> float:
+        """The raw client's CPU per message, publishing only: mean of before and after."""
+        return rb.mean_of([t.cpu_us_per_msg for t in (self.raw_before, self.raw_after) if t])
+
+    @property
     def in_turn(self) -> float:
         """Events/s if reading and mapping, then publishing, took turns with no overlap."""
         if not self.read_map or not self.raw_mean:
@@ -118,8 +132,8 @@ async def read_and_map(config: RelayConfig, last: int, batch: int) -> float:
         return None
 
     started = time.perf_counter()
-    count, _ = await rb.timed_publish(config, last, batch, lambda m: m, nothing)
-    return count / (time.perf_counter() - started)
+    result = await rb.timed_publish(config, last, batch, lambda m: m, nothing)
+    return result.count / (time.perf_counter() - started)
 
 
 def load_average() -> str:
@@ -192,10 +206,7 @@ async def measure(row: Row, target: Target, args: argparse.Namespace) -> None:
             config, last, profile, lambda: target.stored(last), timeout=args.timeout
         )
         row.relay = run.throughput
-        rb.say(
-            f"  relay: {row.relay.rate:,.0f} events/s ({row.relay.seconds:.2f}s, "
-            f"{row.relay.stored:,} stored)"
-        )
+        rb.say(f"  relay: {rate_of(row.relay, 'event')}")
         row.raw_after = await target.raw(config, last, args.batch, "2")
         rb.say(f"  raw client, after: {rate_of(row.raw_after)}")
         rb.say(f"  ratio relay / raw: {row.ratio:.2f}")
@@ -241,17 +252,20 @@ async def machine_info(pg: str) -> dict[str, str]:
 def table(rows: list[Row]) -> str:
     lines = [
         "| broker | server | events | relay events/s | raw client msgs/s (mean of before / after)"
-        " | ratio relay / raw | read + map alone, events/s | raw client |",
-        "|---|---|---|---|---|---|---|---|",
+        " | ratio relay / raw | relay CPU µs/event (drain) | raw client CPU µs/msg (publishing)"
+        " | read + map alone, events/s | raw client |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.relay is None or r.raw_before is None or r.raw_after is None:
-            lines.append(f"| {r.broker} | {r.server} | | failed | | | | {'; '.join(r.problems)} |")
+            failed = f"| {r.broker} | {r.server} | | failed | | | | | | {'; '.join(r.problems)} |"
+            lines.append(failed)
             continue
         lines.append(
             f"| {r.broker} | {r.server} | {r.events:,} | {r.relay.rate:,.0f} "
             f"| {r.raw_mean:,.0f} ({r.raw_before.rate:,.0f} / {r.raw_after.rate:,.0f}) "
-            f"| **{r.ratio:.2f}** | {r.read_map:,.0f} | {r.raw_client} |"
+            f"| **{r.ratio:.2f}** | {r.relay_cpu_us:.1f} ({r.relay.cpu_share:.0%} of a core) "
+            f"| {r.raw_cpu_us:.1f} | {r.read_map:,.0f} | {r.raw_client} |"
         )
     return "\n".join(lines)
 
@@ -279,6 +293,14 @@ def notes(rows: list[Row], machine: dict[str, str]) -> str:
             )
     lines += [f"- {k}: {v}" for k, v in machine.items()]
     return "\n".join(lines)
+
+
+def row_json(r: Row) -> dict[str, object]:
+    return asdict(r) | {
+        "ratio": r.ratio,
+        "relay_cpu_us_per_event": r.relay_cpu_us,
+        "raw_cpu_us_per_msg": r.raw_cpu_us,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     rb.say(notes(rows, machine))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = {"rows": [asdict(r) | {"ratio": r.ratio} for r in rows], "machine": machine}
+        data = {"rows": [row_json(r) for r in rows], "machine": machine}
         args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return 1 if any(r.problems for r in rows) else 0
 
