@@ -521,9 +521,11 @@ async def timed_publish(
     result, position = Throughput(0, 0.0), 0
     try:
         while position < last:
-            events = await source.read(
+            page: Any = await source.read(
                 conn, after=position, upto=last, limit=batch, aggregates=None, types=[EVENT_TYPE]
             )
+            # (events, cut) since batch.max_bytes; a bare list before, for before/after runs.
+            events = page[0] if isinstance(page, tuple) else page
             if not events:
                 break
             position = events[-1].position

@@ -131,3 +131,55 @@ async def test_a_permanent_failure_of_batch_n_is_parked_before_the_batch_read_ah
 
 async def _checkpoint_is(dsn: str, position: int) -> bool:
     return await checkpoint_position(dsn, "loans") == position
+
+
+async def test_batches_close_at_max_bytes_and_a_larger_event_goes_alone(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """batch.max_bytes bounds what one batch holds; nothing is lost or reordered by it."""
+    stream = unique_name("bytes")
+    async with nats_connect(nats_url) as nc:
+        await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
+    options = {**OPTIONS, "batch": {"max_messages": 100, "linger": "0s", "max_bytes": "4KiB"}}
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, stream, **options)
+    )
+    assert config.outboxes["loans"].batch.max_bytes == 4096
+    rows = [
+        (
+            "book",
+            f"b{n % 3}",
+            n // 3 + 1,
+            "BookLent",
+            {"n": n, "pad": "p" * (9000 if n == 7 else 900)},
+        )
+        for n in range(1, 31)
+    ]
+    async with connect(events_table) as conn:
+        await append_many(conn, rows)
+    try:
+        async with running(config) as relay:
+            received = await fetch_all(nats_url, stream, expected=30)
+            sizes = batch_sizes(relay)
+        assert [m.json()["n"] for m in received] == list(range(1, 31))
+        # ~0.9 KiB bodies: four fit in 4 KiB; the 9 KiB one is sent alone. Without the cap
+        # the 30 events would go in one batch.
+        assert sum(sizes.values()) >= 8
+        assert max(size for size, count in sizes.items() if count) <= 5
+        assert sizes[1] >= 1
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+def batch_sizes(relay: Relay) -> dict[int, int]:
+    """How many published batches had at most n messages, per bucket, from the histogram."""
+    buckets: dict[int, int] = {}
+    for metric in relay.metrics.batch_messages.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+                buckets[int(float(sample.labels["le"]))] = int(sample.value)
+    # cumulative -> per bucket
+    per, before = {}, 0
+    for bound in sorted(buckets):
+        per[bound], before = buckets[bound] - before, buckets[bound]
+    return per

@@ -22,7 +22,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from relay.config.base import Duration, Identifier, Model, PositiveDuration, PostgresUrl
+from relay.config.base import (
+    ByteSize,
+    Duration,
+    Identifier,
+    Model,
+    PositiveDuration,
+    PostgresUrl,
+)
 from relay.config.brokers import (
     BrokerConfig,
     KafkaBrokerConfig,
@@ -120,6 +127,9 @@ class SourceConfig(Model):
 
 class BatchConfig(Model):
     max_messages: Annotated[int, Field(ge=1, le=10_000)] = 500
+    # A batch holds bodies of at most this many bytes; an event larger on its own goes alone.
+    # It bounds memory: at most two batches are held at once (one sent, one read ahead).
+    max_bytes: ByteSize = 4 * 1024 * 1024
     linger: Duration = 0.010
 
 

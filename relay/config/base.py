@@ -26,6 +26,30 @@ def _duration(value: Any) -> Any:
     return value
 
 
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "kb": 1000,
+    "mb": 1000**2,
+}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _byte_size(value: Any) -> Any:
+    """Accept `4MiB`, `512KiB`, `1MB`, or a bare number of bytes."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"{value!r} is not a size; write it like 512KiB, 4MiB or 1048576")
+        return int(match.group(1)) * _SIZE_UNITS[unit]
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(_byte_size), Field(ge=1)]
 Duration = Annotated[float, BeforeValidator(_duration), Field(ge=0)]
 PositiveDuration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
 Identifier = Annotated[str, Field(pattern=_IDENT)]

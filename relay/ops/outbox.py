@@ -213,18 +213,19 @@ class OutboxRelay:
         if self._horizon <= position:
             return Batch([], position, position, full=False)
         limit = self.config.batch.max_messages
-        events = await source.read(
+        events, cut = await source.read(
             s.reader,
             after=position,
             upto=self._horizon,
             limit=limit,
             aggregates=self.config.aggregates,
             types=self._types,
+            max_bytes=self.config.batch.max_bytes,
         )
-        metrics.events_read.labels(*self.labels).inc(len(events))
-        full = len(events) == limit
-        upto = events[-1].position if full else self._horizon
-        items = [self._item(e) for e in events]
+        items = _within(self.config.batch.max_bytes, [self._item(e) for e in events])
+        metrics.events_read.labels(*self.labels).inc(len(items))  # the rest is read again
+        full = len(events) == limit or cut or len(items) < len(events)
+        upto = items[-1].event.position if full else self._horizon
         return Batch(items, position, upto, full=full or upto < self._horizon)
 
     async def _halt(self, s: Session, head: int, position: int) -> None:
@@ -335,3 +336,13 @@ class OutboxRelay:
         ctx.state.relaying()
         if self.config.batch.linger and not ctx.stop.is_set():
             await sleep_unless(ctx.stop, self.config.batch.linger)
+
+
+def _within(max_bytes: int, items: list[Item]) -> list[Item]:
+    """The items whose bodies fit in `max_bytes`; the first always (larger, it goes alone)."""
+    total = 0
+    for i, item in enumerate(items):
+        total += len(item.message.body) if item.message is not None else 0
+        if i and total > max_bytes:
+            return items[:i]
+    return items

@@ -168,6 +168,18 @@ class EventSource:
             f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
             f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
         )
+        # The same page, cut before the stored payloads pass $6 bytes (the first row always
+        # stays, however large): rows beyond it never reach the relay's memory.
+        payload = quote(cols.payload)
+        self._read_bounded_sql = (
+            "SELECT * FROM (SELECT *, sum(_size) OVER (ORDER BY _pos ROWS UNBOUNDED PRECEDING)"
+            f" - _size AS _before, count(*) OVER () AS _page FROM (SELECT {select}, {pos} AS _pos,"
+            f" coalesce(octet_length({payload}::text), 0) AS _size"
+            f" FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
+            f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
+            f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3) page) sized"
+            " WHERE _before + _size <= $6 OR _before = 0 ORDER BY _pos"
+        )
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
         self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
         self._count_sql = (
@@ -296,10 +308,18 @@ class EventSource:
         limit: int,
         aggregates: Sequence[str] | None,
         types: Sequence[str],
-    ) -> list[Event]:
-        """Events in (after, upto] that the outbox maps, in position order."""
-        rows = await conn.fetch(self._read_sql, after, upto, limit, aggregates, list(types))
-        return [_event(r, self.config.columns) for r in rows]
+        max_bytes: int | None = None,
+    ) -> tuple[list[Event], bool]:
+        """Events in (after, upto] that the outbox maps, in position order; with `max_bytes`,
+        only as many as their stored payloads fit in (at least one). True with them if more
+        of the page was left for the next read because of `max_bytes`."""
+        args = (after, upto, limit, aggregates, list(types))
+        if max_bytes is None:
+            rows = await conn.fetch(self._read_sql, *args)
+            return [_event(r, self.config.columns) for r in rows], False
+        rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
+        cut = bool(rows) and len(rows) < rows[0]["_page"]
+        return [_event(r, self.config.columns) for r in rows], cut
 
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
         """Seconds since the oldest event after `after` was written (database clock)."""
