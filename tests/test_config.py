@@ -80,6 +80,16 @@ def test_durations_parse(tmp_path: Path) -> None:
     assert outbox.retry.max == pytest.approx(60.0)
 
 
+def test_batch_max_bytes_takes_sizes_and_names_a_bad_one(tmp_path: Path) -> None:
+    outbox = load_config(write(tmp_path, GOOD)).outboxes["loans-outbox"]
+    assert outbox.batch.max_bytes == 4 * 1024 * 1024  # the default bounds memory
+    sized = load_config(write(tmp_path, GOOD + "    batch: {max_bytes: 512KiB}\n"))
+    assert sized.outboxes["loans-outbox"].batch.max_bytes == 512 * 1024
+    error = error_of(tmp_path, GOOD + "    batch: {max_bytes: 4 parsecs}\n")
+    assert "outboxes.loans-outbox.batch.max_bytes" in error
+    assert "'4 parsecs' is not a size" in error
+
+
 def test_environment_expansion_and_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
