@@ -326,11 +326,22 @@ async def test_a_failed_statement_drops_the_shared_session_and_every_lock_with_i
         assert all([await lease.try_acquire() for lease in leases])
         async with session.statement() as conn:
             pid = await conn.fetchval("SELECT pg_backend_pid()")
+
+        async def lane_statement() -> None:
+            async with leases[0].statement() as conn:
+                await conn.execute("SELECT pg_sleep(30)")
+
+        # Cut while the statement runs: between statements the client may already have
+        # seen the close and reconnect (a new session holds nothing, so that is safe too).
+        statement = asyncio.create_task(lane_statement())
         async with connect(database) as admin:
+            busy = (
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')"
+            )
+            await eventually(lambda: admin.fetchval(busy, pid))
             await admin.execute("SELECT pg_terminate_backend($1)", pid)
         with pytest.raises(CONNECTION_LOST):
-            async with leases[0].statement() as conn:
-                await conn.execute("SELECT 1")
+            await statement
         assert session.connection_lost() and session.suspect
         async with session.statement() as conn:  # another lane's next statement reconnects
             assert await conn.fetchval("SELECT pg_backend_pid()") != pid
