@@ -322,9 +322,14 @@ class OutboxRelay:
         """Wait for a NOTIFY or the next poll, then linger to gather a batch.
 
         Polls keep a fixed cadence: the interval counts from the start of the last pass,
-        not from its end, so an event waits at most one interval (plus the linger).
+        not from its end, so an event waits at most one interval (plus the linger). Under
+        steady NOTIFYs, passes start at most every `linger`, and an event waits for the pass
+        it arrived in to end, not for a whole linger on top.
         """
         ctx = self.ctx
+        # A NOTIFY during the pass: its events have been gathering since then, so the
+        # linger counts from the pass's start too; from idle it counts from the wake-up.
+        during_pass = ctx.wakes.events.is_set()
         ctx.state.idle()
         passed = time.monotonic() - self._pass_started
         await wait_any(
@@ -334,8 +339,11 @@ class OutboxRelay:
             within=max(ctx.source.config.poll_interval - passed, 0.0),
         )
         ctx.state.relaying()
-        if self.config.batch.linger and not ctx.stop.is_set():
-            await sleep_unless(ctx.stop, self.config.batch.linger)
+        linger = self.config.batch.linger
+        if during_pass:
+            linger -= time.monotonic() - self._pass_started
+        if linger > 0 and not ctx.stop.is_set():
+            await sleep_unless(ctx.stop, linger)
 
 
 def _within(max_bytes: int, items: list[Item]) -> list[Item]:
