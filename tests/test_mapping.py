@@ -229,3 +229,14 @@ def test_templates_render_literals_numbers_and_braces() -> None:
     envelope = {"aggregate_type": "book", "version": 3, "data": {"flag": True}}
     assert render(envelope) == "{x}-book/3:true!"
     assert compile_template("constant")({}) == "constant"
+
+
+def test_templates_of_scalar_fields_check_each_field_and_keep_braces() -> None:
+    render = compile_template("{{v}}{aggregate_type}/{aggregate_id}@{version}")
+    assert (
+        render({"aggregate_type": "book", "aggregate_id": "b-1", "version": 2}) == "{v}book/b-1@2"
+    )
+    with pytest.raises(ExpressionError, match=r"\{aggregate_id\} is null or empty"):
+        render({"aggregate_type": "book", "aggregate_id": "", "version": 2})
+    with pytest.raises(ExpressionError, match=r"\{version\} is null or empty"):
+        render({"aggregate_type": "book", "aggregate_id": "b-1", "version": None})
