@@ -174,12 +174,15 @@ class Delivery:
         self.state.published += len(done)
         self.metrics.retrying.labels(*self.labels).set(0)
         db_now = time.time() + self.clock_offset()
-        latency = self.metrics.end_to_end.labels(*self.labels)
         for event_type, count in Counter(item.event.type for item in done).items():
             self._published_to[event_type].inc(count)
-        for item in done:
-            if item.event.created_at is not None:
-                latency.observe(max(db_now - item.event.created_at.timestamp(), 0.0))
+        self.metrics.end_to_end.labels(*self.labels).observe_many(
+            [
+                max(db_now - item.event.created_at.timestamp(), 0.0)
+                for item in done
+                if item.event.created_at is not None
+            ]
+        )
         self.log.debug(
             "batch acknowledged",
             first_position=done[0].event.position,

@@ -11,10 +11,12 @@ its series are exactly those of a relay that could not split outboxes.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from relay import __version__
@@ -62,9 +64,12 @@ class Metrics:
         self.batch_messages = self._histogram(
             "relay_batch_messages", "Messages per published batch.", _BATCH_BUCKETS
         )
-        self.end_to_end = self._histogram(
+        self.end_to_end = BatchHistogram(
             "relay_end_to_end_latency_seconds",
             "From the event's created_at (database clock) to the broker's ack.",
+            OUTBOX,
+            _LATENCY_BUCKETS,
+            self._series,
         )
         # -- how far behind, and what is stuck
         self.lag_events = self._gauge(
@@ -110,6 +115,66 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class BatchHistogram(Collector):
+    """A histogram observed a batch of values at a time, for the per-event latency.
+
+    prometheus_client's Histogram takes two locks and scans its buckets for every value;
+    observing each event's latency that way cost about 4% of the relay's CPU. Here a batch
+    is a bisect per value into plain counters. Scrapes run on the same event loop, so no
+    lock is needed. The output is an ordinary Prometheus histogram.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.bounds = tuple(float(bound) for bound in buckets)
+        self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> BatchHistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = BatchHistogramChild(self.bounds)
+        return child
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            cumulative = list(accumulate(child.counts))
+            les = [*(_float_text(bound) for bound in self.bounds), "+Inf"]
+            family.add_metric(list(values), list(zip(les, cumulative, strict=True)), child.sum)
+        yield family
+
+
+class BatchHistogramChild:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1  # the first bound >= value: le
+        self.sum += sum(values)
+
+
+def _float_text(bound: float) -> str:
+    """As prometheus_client writes a bucket bound: 1.0, 0.005, 300.0."""
+    return repr(float(bound))
 
 
 class _WithoutEmptyPartition(Collector):

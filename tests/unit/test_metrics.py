@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
 from relay.core.lanes import lanes_of, metric_labels
-from relay.core.metrics import Metrics
+from relay.core.metrics import BatchHistogram, Metrics
 
 
 def test_lane_labels() -> None:
@@ -26,3 +28,20 @@ def test_an_outbox_of_one_lane_exports_no_partition_label() -> None:
     sample = metrics.registry.get_sample_value
     assert sample("relay_lease_held", {"outbox": "whole"}) == 0.0
     assert sample("relay_lease_held", {"outbox": "split", "partition": "1"}) == 1.0
+
+
+def test_batch_histogram_writes_what_prometheus_histogram_writes() -> None:
+    """The per-event latency is observed a batch at a time; the exposition must not change."""
+    values = [0.0, 0.001, 0.005, 0.1, 0.5, 1.0, 2.0, 299.9, 400.0]
+    buckets = (0.005, 0.1, 1, 300)
+    reference, batched = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("x_seconds", "d", ["outbox"], buckets=buckets, registry=reference)
+    for value in values:
+        histogram.labels("loans").observe(value)
+    latency = BatchHistogram("x_seconds", "d", ["outbox"], buckets, batched)
+    latency.labels("loans").observe_many(values[:4])  # two batches, one series
+    latency.labels("loans").observe_many(values[4:])
+    expected = [
+        line for line in generate_latest(reference).decode().splitlines() if "_created" not in line
+    ]
+    assert generate_latest(batched).decode().splitlines() == expected
