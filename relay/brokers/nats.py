@@ -395,12 +395,11 @@ def _broken_rule(subject: str) -> str:
 
 def _headers(message: Message) -> dict[str, str]:
     """CloudEvents NATS binding (binary mode), plus JetStream's dedup id."""
-    attributes = cloudevent_attributes(message)
-    return {
-        "Nats-Msg-Id": message.id,
-        **{f"ce-{name}": value for name, value in attributes.items()},
-        "content-type": message.content_type,
-    }
+    headers = {"Nats-Msg-Id": message.id}
+    for name, value in cloudevent_attributes(message).items():
+        headers["ce-" + name] = value
+    headers["content-type"] = message.content_type
+    return headers
 
 
 def _drop_transport(nc: Client) -> None:

@@ -387,14 +387,13 @@ def decode_json(text: str) -> Any:
 
 def _holds_float(value: Any) -> bool:
     kind = type(value)
-    if kind is float:
-        return True
     if kind is dict:
         value = value.values()
     elif kind is not list:
-        return False
-    for item in value:  # noqa: SIM110 - faster than any() over a generator, per row
-        if type(item) in (float, dict, list) and _holds_float(item):
+        return kind is float
+    for item in value:
+        kind = type(item)
+        if kind is float or ((kind is dict or kind is list) and _holds_float(item)):
             return True
     return False
 
