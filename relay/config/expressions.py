@@ -112,31 +112,7 @@ def compile_template(source: str) -> Template:
             literal = ""
     if not steps:
         return lambda _envelope: literal
-    if all(expr in _SCALAR_FIELDS for _, expr, _ in steps):
-        return _render_fields(tuple(steps), literal)
     return _render(tuple(steps), literal)
-
-
-# Envelope fields that always hold a string or an integer: a template naming only these
-# (the default id and key, most destinations) is one look-up per field and one format.
-_SCALAR_FIELDS = frozenset(
-    {"position", "aggregate_type", "aggregate_id", "version", "type", "created_at"}
-)
-
-
-def _render_fields(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
-    names = tuple(expr for _, expr, _ in steps)
-    layout = "".join(before.replace("{", "{{").replace("}", "}}") + "{}" for before, _, _ in steps)
-    layout += tail.replace("{", "{{").replace("}", "}}")
-
-    def render(envelope: Mapping[str, Any]) -> str:
-        values = [envelope.get(name) for name in names]
-        if None in values or "" in values:
-            missing = next(n for n, v in zip(names, values, strict=True) if v is None or v == "")
-            raise ExpressionError(f"{{{missing}}} is null or empty for this event")
-        return layout.format(*values)
-
-    return render
 
 
 def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
