@@ -43,6 +43,16 @@ def events_read(relay: Relay) -> float:
     )
 
 
+async def add_stream(nats_url: str, prefix: str, **limits: Any) -> str:
+    """A fresh stream capturing `<name>.>`, with these StreamConfig limits; its name."""
+    stream = unique_name(prefix)
+    async with nats_connect(nats_url) as nc:
+        await nc.jetstream().add_stream(
+            StreamConfig(name=stream, subjects=[f"{stream}.>"], **limits)
+        )
+    return stream
+
+
 def attempts(relay: Relay) -> int:
     """How often the head message has failed, as the relay reports it."""
     state = relay.states.get("loans")
@@ -62,14 +72,8 @@ async def write_backlog(dsn: str, poison_at: int | None = None) -> list[int]:
 async def test_a_transient_failure_of_batch_n_is_retried_before_the_batch_read_ahead(
     events_table: str, nats_url: str, tmp_path: Path
 ) -> None:
-    stream = unique_name("ahead")
-    async with nats_connect(nats_url) as nc:
-        # Holds 7 messages: the 8th, in the second batch, is refused until the limit goes.
-        await nc.jetstream().add_stream(
-            StreamConfig(
-                name=stream, subjects=[f"{stream}.>"], max_msgs=7, discard=DiscardPolicy.NEW
-            )
-        )
+    # Holds 7 messages: the 8th, in the second batch, is refused until the limit goes.
+    stream = await add_stream(nats_url, "ahead", max_msgs=7, discard=DiscardPolicy.NEW)
     config = await load_and_migrate(
         tmp_path,
         config_dict(events_table, nats_url, stream, **OPTIONS),
@@ -99,9 +103,7 @@ async def test_a_transient_failure_of_batch_n_is_retried_before_the_batch_read_a
 async def test_a_permanent_failure_of_batch_n_is_parked_before_the_batch_read_ahead(
     events_table: str, nats_url: str, tmp_path: Path
 ) -> None:
-    stream = unique_name("ahead")
-    async with nats_connect(nats_url) as nc:
-        await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
+    stream = await add_stream(nats_url, "ahead")
     config = await load_and_migrate(
         tmp_path,
         config_dict(
@@ -137,9 +139,7 @@ async def test_batches_close_at_max_bytes_and_a_larger_event_goes_alone(
     events_table: str, nats_url: str, tmp_path: Path
 ) -> None:
     """batch.max_bytes bounds what one batch holds; nothing is lost or reordered by it."""
-    stream = unique_name("bytes")
-    async with nats_connect(nats_url) as nc:
-        await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
+    stream = await add_stream(nats_url, "bytes")
     options = {**OPTIONS, "batch": {"max_messages": 100, "linger": "0s", "max_bytes": "4KiB"}}
     config = await load_and_migrate(
         tmp_path, config_dict(events_table, nats_url, stream, **options)
