@@ -27,6 +27,13 @@ _REST = """
 
 REFUSED = {
     "missing table": ("", "source.table: table 'events' does not exist"),
+    "a column named as the relay's own": (
+        "CREATE TABLE events (position bigserial PRIMARY KEY, aggregate_type text,"
+        " aggregate_id text, version bigint, type text, payload jsonb, metadata jsonb,"
+        " created_at timestamptz, relay_page_rows int)",
+        "source.table: table 'events' has a column named 'relay_page_rows', a name the relay's"
+        " read gives a column of its own; rename that column",
+    ),
     "payload bytea": (
         "CREATE TABLE events (position bigserial PRIMARY KEY, aggregate_type text,"
         " aggregate_id text, version bigint, type text, payload bytea, metadata jsonb,"

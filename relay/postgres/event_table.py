@@ -12,6 +12,8 @@ import asyncpg
 from relay.config import SourceConfig
 from relay.errors import SourceError
 
+# Names the bounded read (source.py) gives its own columns beside the table's.
+READ_COLUMNS = ("relay_row_pos", "relay_row_size", "relay_row_before", "relay_page_rows")
 _INTEGER = {"smallint", "integer", "bigint"}
 _TYPES: dict[str, tuple[set[str], str]] = {
     # column key: (accepted types, what to say)
@@ -75,6 +77,12 @@ async def verify(conn: asyncpg.Connection, config: SourceConfig, table: str) -> 
                 f"source.columns.{key}: column {column!r} of table {name!r} is {type_};"
                 f" the relay needs {wanted}"
             )
+    taken = [column for column in READ_COLUMNS if column in columns]
+    if taken:
+        raise SourceError(
+            f"source.table: table {name!r} has a column named {taken[0]!r}, a name the relay's"
+            " read gives a column of its own; rename that column"
+        )
     position = config.columns.position
     if not columns[position][1]:
         raise SourceError(

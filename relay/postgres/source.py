@@ -172,7 +172,8 @@ class EventSource:
         # stays, however large): rows beyond it never reach the relay's memory. The size is
         # pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
         # text only in the outer query, for the rows kept: the page's other rows cost an
-        # index entry each, not a conversion of their payload.
+        # index entry each, not a conversion of their payload. Its column names are
+        # reserved: event_table.READ_COLUMNS refuses a table that uses one.
         payload = quote(cols.payload)
         self._read_bounded_sql = (
             f"SELECT {select}, relay_page_rows FROM (SELECT *, sum(relay_row_size) OVER"
