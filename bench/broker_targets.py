@@ -28,6 +28,7 @@ from botocore.config import Config
 from pydantic import SecretStr
 
 from bench import relay_bench as rb
+from bench import report
 from relay.brokers.kafka import _headers as kafka_headers
 from relay.brokers.rabbitmq import RabbitMqPublisher, _routing_key
 from relay.brokers.sqs import (
@@ -76,11 +77,11 @@ class Target(Protocol):
     async def stored(self, expected: int) -> int:
         """Messages the relay stored (waiting up to a few seconds for `expected`)."""
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> rb.Throughput:
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         """The raw client on the same messages; `tag` is "1" (before) or "2" (after)."""
 
 
-def rate_of(t: rb.Throughput, unit: str = "msg") -> str:
+def rate_of(t: report.Throughput, unit: str = "msg") -> str:
     return (
         f"{t.rate:,.0f} {unit}s/s ({t.count:,} in {t.seconds:.2f}s, "
         f"{t.cpu_us_per_msg:.1f} µs CPU/{unit}, {t.stored:,} stored)"
@@ -118,12 +119,12 @@ class Nats:
     async def stored(self, expected: int) -> int:
         return await rb.stored_messages(self.url, self.name)
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> rb.Throughput:
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         """The `publish_async` reference, relay_bench's headline denominator: the client
         sending the way the relay's publisher does. The `js.publish` ceiling goes to the
         references, for information. Mirror order, as in relay_bench: ceiling, reference |
         relay | reference, ceiling."""
-        result: rb.Throughput | None = None
+        result: report.Throughput | None = None
         for pipelined in (False, True) if tag == "1" else (True, False):
             t = await rb.ceiling(
                 config,
@@ -215,7 +216,7 @@ class Kafka:
         finally:
             await consumer.stop()
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> rb.Throughput:
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         # The adapter's producer settings (relay/brokers/kafka.py, _new_producer).
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
@@ -289,7 +290,7 @@ class RabbitMq:
         declared = await self._channel.queue_declare(self.name, passive=True)
         return int(declared.message_count or 0)
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> rb.Throughput:
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         await self.before_relay()  # purge
         connection = await aio_pika.connect(self.url)
         try:
@@ -390,7 +391,7 @@ class Sqs:
         )
         return int(response["Attributes"]["ApproximateNumberOfMessages"])
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> rb.Throughput:
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         assert self.server is not None
         name = self.queue_name(f"raw{tag}")
         url = await self._queue(name)

@@ -63,6 +63,7 @@ from pathlib import Path
 import asyncpg
 
 from bench import relay_bench as rb
+from bench import report
 from bench.broker_targets import (
     RABBITMQ_URL,
     Kafka,
@@ -89,9 +90,9 @@ class Row:
     events: int
     server: str = "?"
     load_at_start: str = ""
-    relay: rb.Throughput | None = None
-    raw_before: rb.Throughput | None = None
-    raw_after: rb.Throughput | None = None
+    relay: report.Throughput | None = None
+    raw_before: report.Throughput | None = None
+    raw_after: report.Throughput | None = None
     raw_client: str = ""
     read_map: float = 0.0  # events/s: the relay's EventSource and Mapper alone, no broker
     references: dict[str, float] = field(default_factory=dict)  # label -> msgs/s
@@ -115,7 +116,7 @@ class Row:
     @property
     def raw_cpu_us(self) -> float:
         """The raw client's CPU per message, publishing only: mean of before and after."""
-        return rb.mean_of([t.cpu_us_per_msg for t in (self.raw_before, self.raw_after) if t])
+        return report.mean_of([t.cpu_us_per_msg for t in (self.raw_before, self.raw_after) if t])
 
     @property
     def in_turn(self) -> float:
@@ -150,7 +151,7 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
     return Sqs()
 
 
-def check(row: Row, what: str, t: rb.Throughput, expected: int) -> None:
+def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
     if t.count != expected or t.stored != expected:
         row.problems.append(f"{what}: sent {t.count:,}, destination holds {t.stored:,}")
 

@@ -38,13 +38,11 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import ctypes
 import gc
 import json
 import multiprocessing
 import os
 import random
-import resource
 import string
 import subprocess
 import sys
@@ -52,7 +50,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +63,17 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
+from bench.memory import RssSampler, maxrss_kib, reset_peak_rss, status_kib, trim_heap, vmrss_kib
+from bench.report import (
+    HEADLINE_GOAL,
+    PROGRESS,
+    Latency,
+    RelayRun,
+    Results,
+    Throughput,
+    summary,
+    to_json,
+)
 from relay.brokers.nats import _headers  # the relay's exact CloudEvents headers
 from relay.config import RelayConfig
 from relay.core.mapping import Mapper
@@ -86,9 +95,6 @@ AGGREGATES = 1000
 COPY_CHUNK = 10_000
 COPY_BYTES = 32 * 1024 * 1024  # payload bytes per COPY chunk at most (big payloads)
 POLL = 0.05  # checkpoint polling period during the backlog run
-RSS_PERIOD = 0.01  # VmRSS sampling period during the backlog run (a child process)
-PROGRESS = (25, 50, 75, 100)
-HEADLINE_GOAL = 0.85  # relay / mean publish_async reference
 NOTE_ALPHABET = string.ascii_letters + string.digits
 
 Prepared = TypeVar("Prepared")
@@ -97,213 +103,7 @@ Prepared = TypeVar("Prepared")
 # -- results ------------------------------------------------------------------------------
 
 
-@dataclass
-class Throughput:
-    count: int
-    seconds: float
-    stored: int = -1  # messages in the stream afterwards (it is purged before each phase)
-    cpu_seconds: float = 0.0  # this process's CPU (user + system) over the same timed span
-    body_bytes: int = 0  # message bodies sent, in all (0: not counted)
-
-    @property
-    def rate(self) -> float:
-        return self.count / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def cpu_us_per_msg(self) -> float:
-        return self.cpu_seconds / self.count * 1e6 if self.count else 0.0
-
-    @property
-    def cpu_share(self) -> float:
-        """CPU seconds per wall second: near 1.0 means one core was busy all along."""
-        return self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class RelayRun:
-    throughput: Throughput  # its cpu_seconds: the whole drain's, start-up included
-    maxrss_before_kib: int
-    maxrss_after_kib: int
-    vmrss_start_kib: int
-    vmrss_at_kib: dict[int, int]  # progress percent -> VmRSS
-    vmrss_peak_kib: int  # the peak during the drain: the kernel's VmHWM or the samples' max
-    stored: int  # messages in the stream afterwards
-    vmrss_samples: int = 0  # how many times the sampler read VmRSS
-    vmrss_max_gap_ms: float = 0.0  # the longest time between two of its readings
-    vmrss_late: int = 0  # gaps between two readings longer than 50 ms
-    vmrss_sampled_peak_kib: int = 0  # the highest VmRSS the sampler (and the poll loop) read
-    vmhwm_kib: int = 0  # the kernel's peak (VmHWM), reset at the drain's start (0: not reset)
-
-    @property
-    def vmrss_growth_kib(self) -> int:
-        """Peak during the drain minus VmRSS at its start: what the relay itself added."""
-        return self.vmrss_peak_kib - self.vmrss_start_kib
-
-
-@dataclass
-class Latency:
-    mode: str
-    rate_target: float
-    rate_achieved: float
-    sent: int
-    measured: int
-    missing: int
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    max_ms: float
-
-
-@dataclass
-class Results:
-    events: int
-    batch: int
-    payload_bytes: int = 0  # the `note` in each backlog event's payload (0: none)
-    max_bytes: int | None = None  # the relay's batch.max_bytes (None: not set)
-    machine: dict[str, str] = field(default_factory=dict)
-    insert_seconds: float = 0.0
-    ceiling_before: Throughput | None = None
-    ceiling_after: Throughput | None = None
-    pipelined_before: Throughput | None = None  # reference: publish_async, the relay's path
-    pipelined_after: Throughput | None = None
-    relay: RelayRun | None = None
-    latency: list[Latency] = field(default_factory=list)
-
-    @property
-    def ceiling_mean(self) -> float:
-        return mean_of([t.rate for t in self.ceilings])
-
-    @property
-    def ratio(self) -> float:
-        """Relay / mean `js.publish` ceiling: for information (the headline used to be this)."""
-        mean = self.ceiling_mean
-        return self.relay.throughput.rate / mean if self.relay and mean else 0.0
-
-    @property
-    def pipelined_mean(self) -> float:
-        return mean_of([t.rate for t in self.references])
-
-    @property
-    def pipelined_ratio(self) -> float:
-        mean = self.pipelined_mean
-        return self.relay.throughput.rate / mean if self.relay and mean else 0.0
-
-    @property
-    def headline_ratio(self) -> float:
-        """Relay / mean `publish_async` reference: the client sending the way the relay does."""
-        return self.pipelined_ratio
-
-    @property
-    def ceilings(self) -> list[Throughput]:
-        return [t for t in (self.ceiling_before, self.ceiling_after) if t is not None]
-
-    @property
-    def references(self) -> list[Throughput]:
-        return [t for t in (self.pipelined_before, self.pipelined_after) if t is not None]
-
-
-def mean_of(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
 # -- helpers ------------------------------------------------------------------------------
-
-
-def vmrss_kib() -> int:
-    """Resident set size now, from /proc/self/status (Linux), in KiB."""
-    return status_kib("VmRSS:")
-
-
-def status_kib(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith(key):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak RSS of this process (VmHWM, and so ru_maxrss) to its RSS now.
-
-    Linux 4.0 and later; False where refused. Read at the end, VmHWM is then the exact peak
-    in between, which sampling can only approach.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def maxrss_kib() -> int:
-    """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def trim_heap() -> None:
-    """Give free heap memory back to the OS (glibc's malloc_trim), if this is glibc.
-
-    The phases before the drain hold a chunk of `--batch` events at a time; with big payloads
-    that is tens of MiB, which glibc keeps once freed. Trimmed, VmRSS at the drain's start is
-    what is live, so the growth during the drain is the relay's, not hidden in that slack.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-# The sampler's child process: VmRSS of process `pid` every `period` s until stdin closes,
-# then "peak_kib samples max_gap_s late" on stdout (late: gaps longer than 50 ms).
-SAMPLER = """
-import select, sys, time
-pid, period = sys.argv[1], float(sys.argv[2])
-def rss():
-    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-        return next((int(l.split()[1]) for l in fh if l.startswith("VmRSS:")), 0)
-peak, samples, gap, late, last = 0, 0, 0.0, 0, None
-print("ready", flush=True)
-while True:
-    peak, now = max(peak, rss()), time.perf_counter()
-    late += now - (last or now) > 0.05
-    gap, last, samples = max(gap, now - (last or now)), now, samples + 1
-    if select.select([sys.stdin], [], [], period)[0]:
-        break
-print(peak, samples, gap, late, flush=True)
-"""
-
-
-class RssSampler:
-    """Reads this process's VmRSS every `period` seconds from a child process; keeps the peak.
-
-    Not a task: a long synchronous stretch of the event loop (decoding or mapping a batch of
-    big events) would delay it and hide the peak that stretch makes. Not a thread either: it
-    needs the GIL, which C code running a whole batch can hold for longer than 50 ms. The
-    child's CPU is not this process's, so it adds nothing to the relay's CPU per event.
-    """
-
-    def __init__(self, period: float = RSS_PERIOD) -> None:
-        self.period = period
-        self.peak_kib = 0
-        self.samples = 0
-        self.max_gap = 0.0  # seconds between two readings, at most
-        self.late = 0  # gaps longer than 50 ms (the child was not scheduled in time)
-        self._child: subprocess.Popen[str] | None = None
-
-    def __enter__(self) -> RssSampler:
-        command = [sys.executable, "-c", SAMPLER, str(os.getpid()), str(self.period)]
-        self._child = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        assert self._child.stdout is not None
-        self._child.stdout.readline()  # "ready": sampling has begun (before the timers start)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        assert self._child is not None
-        out, _err = self._child.communicate(timeout=10)  # closes stdin: the child reports
-        peak, samples, gap, late = out.split()
-        self.peak_kib, self.samples, self.max_gap = int(peak), int(samples), float(gap)
-        self.late = int(late)
 
 
 def with_database(dsn: str, database: str) -> str:
@@ -1001,144 +801,6 @@ async def cleanup(args: argparse.Namespace, name: str) -> None:
 
 
 # -- report -------------------------------------------------------------------------------
-
-
-def mib(kib: int) -> str:
-    return f"{kib / 1024:.1f} MiB"
-
-
-def summary(r: Results) -> str:
-    rows: list[tuple[str, str]] = [
-        ("events in backlog", f"{r.events:,}"),
-        ("batch (relay max_messages / client chunk)", str(r.batch)),
-        ("payload note per event (--payload-bytes)", f"{r.payload_bytes:,} bytes"),
-        (
-            "relay batch.max_bytes (--max-bytes)",
-            "not set" if r.max_bytes is None else str(r.max_bytes),
-        ),
-        ("backlog insert (COPY)", f"{r.insert_seconds:.1f} s"),
-    ]
-    if r.relay and r.references and r.ceilings:
-        rows += throughput_rows(r) + cpu_rows(r) + memory_rows(r.relay)
-    for lat in r.latency:
-        rows.append(
-            (
-                f"commit-to-broker latency, {lat.mode}",
-                f"p50 {lat.p50_ms:.1f} ms, p99 {lat.p99_ms:.1f} ms, max {lat.max_ms:.1f} ms "
-                f"({lat.measured:,} events at {lat.rate_achieved:,.0f}/s, {lat.missing} missing)",
-            )
-        )
-    rows += [(f"machine: {k}", v) for k, v in r.machine.items()]
-    lines = ["| measure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    return "\n".join(lines)
-
-
-def throughput_rows(r: Results) -> list[tuple[str, str]]:
-    """The headline (relay / publish_async reference) and, for information, the ceiling."""
-    assert r.relay is not None
-    drain = r.relay.throughput
-    met = "met" if r.headline_ratio >= HEADLINE_GOAL else "NOT met"
-    body = r.references[0]
-    return [
-        ("message body, mean", f"{body.body_bytes / body.count:,.0f} bytes" if body.count else "?"),
-        *(
-            (f"reference {when}, nats-py publish_async pipelined", f"{t.rate:,.0f} msgs/s")
-            for when, t in (("before", r.pipelined_before), ("after", r.pipelined_after))
-            if t is not None
-        ),
-        ("reference, mean", f"{r.pipelined_mean:,.0f} msgs/s"),
-        ("relay, backlog drain", f"{drain.rate:,.0f} events/s ({drain.seconds:.2f} s)"),
-        (
-            f"**ratio relay / publish_async reference** (goal >= {HEADLINE_GOAL})",
-            f"**{r.headline_ratio:.2f}** ({met})",
-        ),
-        *(
-            (f"ceiling {when}, nats-py js.publish (for information)", f"{t.rate:,.0f} msgs/s")
-            for when, t in (("before", r.ceiling_before), ("after", r.ceiling_after))
-            if t is not None
-        ),
-        ("ceiling, mean (for information)", f"{r.ceiling_mean:,.0f} msgs/s"),
-        ("ratio relay / js.publish ceiling (for information)", f"{r.ratio:.2f}"),
-    ]
-
-
-def cpu_rows(r: Results) -> list[tuple[str, str]]:
-    """CPU per message: the relay's whole drain against the clients' publishing alone."""
-    assert r.relay is not None
-
-    def per_msg(runs: list[Throughput]) -> str:
-        each = " / ".join(f"{t.cpu_us_per_msg:.1f}" for t in runs)
-        mean = mean_of([t.cpu_us_per_msg for t in runs])
-        return f"{mean:.1f} µs (runs: {each})"
-
-    drain = r.relay.throughput
-    return [
-        (
-            "relay CPU per event, backlog drain (process user + sys: read, map, publish, "
-            "checkpoint)",
-            f"{drain.cpu_us_per_msg:.1f} µs ({drain.cpu_share:.0%} of one core)",
-        ),
-        (
-            "client CPU per message, publish_async reference (publishing only)",
-            per_msg(r.references),
-        ),
-        ("client CPU per message, js.publish ceiling (for information)", per_msg(r.ceilings)),
-    ]
-
-
-def memory_rows(run: RelayRun) -> list[tuple[str, str]]:
-    """ru_maxrss counts the phases before the drain too; the VmRSS figures are the drain's."""
-    return [
-        (
-            "peak RSS (ru_maxrss) before relay run (earlier phases included)",
-            mib(run.maxrss_before_kib),
-        ),
-        ("peak RSS (ru_maxrss) after relay run", mib(run.maxrss_after_kib)),
-        ("VmRSS at start of relay run (after gc and malloc_trim)", mib(run.vmrss_start_kib)),
-        *((f"VmRSS at {pct}% of backlog", mib(run.vmrss_at_kib.get(pct, 0))) for pct in PROGRESS),
-        ("VmRSS peak during relay run", mib(run.vmrss_peak_kib)),
-        (
-            "VmRSS peak, kernel's VmHWM (reset at the start of the run)",
-            mib(run.vmhwm_kib) if run.vmhwm_kib else "not available",
-        ),
-        (
-            "VmRSS peak, sampled",
-            f"{mib(run.vmrss_sampled_peak_kib)} ({run.vmrss_samples:,} samples every "
-            f"{RSS_PERIOD * 1000:.0f} ms, longest gap {run.vmrss_max_gap_ms:.0f} ms, "
-            f"{run.vmrss_late} over 50 ms)",
-        ),
-        ("VmRSS growth during relay run (peak - start)", mib(run.vmrss_growth_kib)),
-        ("messages stored by relay run", f"{run.stored:,}"),
-    ]
-
-
-def to_json(r: Results) -> dict[str, Any]:
-    data = asdict(r)
-    data.update(
-        ceiling_mean=r.ceiling_mean,
-        ratio=r.ratio,  # relay / js.publish ceiling: for information since the headline changed
-        ceiling_ratio=r.ratio,
-        pipelined_mean=r.pipelined_mean,
-        pipelined_ratio=r.pipelined_ratio,
-        headline_ratio=r.headline_ratio,
-        headline_goal=HEADLINE_GOAL,
-        headline_denominator="mean of the two js.publish_async reference runs",
-        pipelined_cpu_us_per_msg=mean_of([t.cpu_us_per_msg for t in r.references]),
-        ceiling_cpu_us_per_msg=mean_of([t.cpu_us_per_msg for t in r.ceilings]),
-    )
-    if r.relay:
-        data["relay"]["rate"] = r.relay.throughput.rate
-        data["relay"]["cpu_us_per_event"] = r.relay.throughput.cpu_us_per_msg
-        data["relay"]["cpu_share"] = r.relay.throughput.cpu_share
-        data["relay"]["vmrss_growth_kib"] = r.relay.vmrss_growth_kib
-        data["relay_cpu_us_per_event"] = r.relay.throughput.cpu_us_per_msg
-    for key in ("ceiling_before", "ceiling_after", "pipelined_before", "pipelined_after"):
-        value = getattr(r, key)
-        if value:
-            data[key]["rate"] = value.rate
-            data[key]["cpu_us_per_msg"] = value.cpu_us_per_msg
-    return data
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
