@@ -62,6 +62,10 @@ class MalformedEventError(MappingError):
 
     reason = "malformed"
 
+    def __init__(self, message: str, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem  # the column at fault, as `relay check` shows it
+
 
 class FencedError(RelayError):
     """This replica no longer holds the outbox's lease; it must stop relaying."""

@@ -93,8 +93,8 @@ class Mapper:
         }
         sources = [config.key, config.id]
         for m in config.messages.values():
-            payload = [m.payload] if isinstance(m.payload, str) else list(m.payload.values())
-            sources += [m.destination, m.key or "", m.id or "", m.routing_key or "", *payload]
+            sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
+            sources += _payload_expressions(m.payload)
         # Decoding metadata is skipped when no expression could read it.
         self.reads_metadata = any("metadata" in text for text in sources)
 
@@ -112,7 +112,8 @@ class Mapper:
         if problem:
             raise MalformedEventError(
                 f"outboxes.{self.outbox}: event at position {event.position} ({_where(event)})"
-                f" is malformed: {problem}"
+                f" is malformed: {problem}",
+                problem,
             )
         envelope = event.envelope()
         try:
@@ -162,8 +163,13 @@ def _encode_fast(value: Any) -> bytes:
 def _encoder(payload: str | Mapping[str, str]) -> Callable[[Any], bytes]:
     """Values read from strict JSON are finite; only a function or a literal can compute
     NaN or Infinity (sum, avg, to_number('1e999'), `1e999`): those payloads stay strict."""
-    sources = [payload] if isinstance(payload, str) else list(payload.values())
-    return _encode_strict if any(may_compute(source) for source in sources) else _encode_fast
+    computes = any(may_compute(source) for source in _payload_expressions(payload))
+    return _encode_strict if computes else _encode_fast
+
+
+def _payload_expressions(payload: str | Mapping[str, str]) -> list[str]:
+    """A payload is one expression, or a mapping of field names to expressions."""
+    return [payload] if isinstance(payload, str) else list(payload.values())
 
 
 def _compile_payload(payload: str | Mapping[str, str]) -> Getter:

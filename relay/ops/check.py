@@ -12,7 +12,7 @@ import asyncpg
 
 from relay.config import RelayConfig
 from relay.core.mapping import Event, Mapper
-from relay.errors import MappingError
+from relay.errors import MalformedEventError, MappingError
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.source import EventSource
@@ -42,8 +42,7 @@ def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:
         message = mapper.map(event)
     except MappingError as exc:
         row["parked"] = exc.reason
-        malformed = event.problem or event.metadata_problem
-        row["error"] = malformed if exc.reason == "malformed" and malformed else str(exc)
+        row["error"] = exc.problem if isinstance(exc, MalformedEventError) else str(exc)
         return row
     if message is not None:  # wants() said it maps
         row.update(
