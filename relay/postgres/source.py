@@ -163,29 +163,26 @@ class EventSource:
             ]
         )
         pos = quote(cols.position)
-        self._read_sql = (
-            f"SELECT {select} FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
+        page = (
+            f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
             f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
             f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
         )
+        self._read_sql = f"SELECT {select} {page}"
         # The same page, cut before the stored payloads pass $6 bytes (the first row always
         # stays, however large): rows beyond it never reach the relay's memory. The size is
         # pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
         # text only in the outer query, for the rows kept: the page's other rows cost an
-        # index entry each, not a conversion of their payload. Its column names are
-        # reserved: event_table.READ_COLUMNS refuses a table that uses one.
-        payload = quote(cols.payload)
+        # index entry each, not a conversion of their payload. Its own columns' names are
+        # event_table.READ_COLUMNS, which a table may not use.
+        row_pos, row_size, row_before, page_rows = event_table.READ_COLUMNS
         self._read_bounded_sql = (
-            f"SELECT {select}, relay_page_rows FROM (SELECT *, sum(relay_row_size) OVER"
-            " (ORDER BY relay_row_pos ROWS UNBOUNDED PRECEDING) - relay_row_size"
-            " AS relay_row_before, count(*) OVER () AS relay_page_rows FROM ("
-            f"SELECT *, {pos} AS relay_row_pos,"
-            f" coalesce(pg_column_size({payload}), 0) AS relay_row_size"
-            f" FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
-            f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
-            f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3) page) sized"
-            " WHERE relay_row_before + relay_row_size <= $6 OR relay_row_before = 0"
-            " ORDER BY relay_row_pos"
+            f"SELECT {select}, {page_rows} FROM (SELECT *, sum({row_size}) OVER"
+            f" (ORDER BY {row_pos} ROWS UNBOUNDED PRECEDING) - {row_size} AS {row_before},"
+            f" count(*) OVER () AS {page_rows} FROM (SELECT *, {pos} AS {row_pos},"
+            f" coalesce(pg_column_size({quote(cols.payload)}), 0) AS {row_size} {page}) page)"
+            f" sized WHERE {row_before} + {row_size} <= $6 OR {row_before} = 0"
+            f" ORDER BY {row_pos}"
         )
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
         self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
@@ -325,7 +322,7 @@ class EventSource:
             rows = await conn.fetch(self._read_sql, *args)
             return [_event(r, self.config.columns) for r in rows], False
         rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
-        cut = bool(rows) and len(rows) < rows[0]["relay_page_rows"]
+        cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
         return [_event(r, self.config.columns) for r in rows], cut
 
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
