@@ -10,6 +10,7 @@ duplicate window is JetStream's shortest, 100 ms).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -106,15 +107,25 @@ def report(label: str, delivery: Delivery) -> int:
     return resent
 
 
+async def relayed_more(config: Path, writer: Writer, events: int = 30) -> None:
+    """Let the writer append `events` more, then wait until every lane's checkpoint has
+    passed them: a while under load, counted in events relayed rather than in seconds."""
+    start = len(writer.appended)
+    await eventually(lambda: len(writer.appended) >= start + events, timeout=30)
+    mark = max(writer.appended)
+    await until(config, lambda rows: all((row["checkpoint"] or 0) >= mark for row in rows))
+
+
 async def delivered(nats_url: str, stream: str, writer: Writer) -> Delivery:
     """Wait for every committed event (re-sent copies count once), then judge."""
     expected = set(writer.appended.values())
-    deadline = asyncio.get_running_loop().time() + 60
-    while True:
-        delivery = analyse(await fetch_all(nats_url, stream))
-        if not delivery.missing(expected) or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.2)
+
+    async def complete() -> bool:
+        return not analyse(await fetch_all(nats_url, stream)).missing(expected)
+
+    with contextlib.suppress(AssertionError):  # judged below, with what is missing named
+        await eventually(complete, timeout=60, interval=0.2)
+    delivery = analyse(await fetch_all(nats_url, stream))
     assert delivery.missing(expected) == [], "every committed event is delivered"
     assert delivery.unexpected(expected) == []
     assert delivery.order_violations == [], "each aggregate's first deliveries in order"
@@ -137,7 +148,7 @@ async def test_lanes_spread_move_after_a_kill_and_rebalance_when_a_replica_joins
         await until(config, lambda rows: shape(rows) == [2, 2])
         relay_process(["run", "--config", str(config)])
         await until(config, lambda rows: shape(rows) == [2, 1, 1])
-        await asyncio.sleep(1.0)  # a duration: events keep flowing after the rebalance
+        await relayed_more(config, writer)  # the lanes relay under load for a while
     delivery = await delivered(nats_url, stream, writer)
     resent = report("kill -9 and rebalance", delivery)
     assert resent <= 4 * 50, "at most the batches in flight of the killed replica's lanes"
@@ -154,7 +165,7 @@ async def test_a_graceful_rebalance_sends_nothing_twice(
         await until(config, lambda rows: shape(rows) == [4])
         second = relay_process(["run", "--config", str(config)])
         await until(config, lambda rows: shape(rows) == [2, 2])
-        await asyncio.sleep(1.0)  # a duration: both keep relaying
+        await relayed_more(config, writer)  # the lanes relay under load for a while
     delivery = await delivered(nats_url, stream, writer)
     assert report("graceful rebalance", delivery) == 0
     handed = [
@@ -182,7 +193,7 @@ async def test_repartition_under_load_loses_nothing_and_keeps_order(
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         replicas = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
         await until(old, lambda rows: all(row["holder"] for row in rows))
-        await asyncio.sleep(1.0)  # a duration: the old lanes relay for a while
+        await relayed_more(old, writer)  # the lanes relay under load for a while
         for replica in replicas:
             replica.terminate()
         for replica in replicas:
@@ -195,7 +206,7 @@ async def test_repartition_under_load_loses_nothing_and_keeps_order(
         assert f"{before} -> {after} partition(s)" in done.stdout
         replicas = [relay_process(["run", "--config", str(new)]) for _ in range(2)]
         await until(new, lambda rows: all(row["holder"] for row in rows))
-        await asyncio.sleep(1.0)  # a duration: the new lanes relay under load
+        await relayed_more(new, writer)  # the lanes relay under load for a while
     delivery = await delivered(nats_url, stream, writer)
     resent = report(f"repartition {before} -> {after}", delivery)
     announced = re.search(r"(\d+) event\(s\) already published will be sent", done.stdout)
