@@ -37,6 +37,7 @@ class Item:
     event: Event
     message: Message | None
     error: MappingError | None
+    rule: str = ""  # which of the event type's rules made it ("" for the single-rule form)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class RetryCount:
     position: int
     attempts: int
     rejections: int  # the permanent failures among them: parking counts these
+    rule: str = ""  # which of the event's messages: each rule's message counts on its own
 
 
 class CheckpointWriter(Protocol):
@@ -64,9 +66,17 @@ class CheckpointWriter(Protocol):
         """The outbox's state and retry count, for `relay status` and the next holder."""
 
     async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+        self,
+        event: Event,
+        message: Message | None,
+        reason: str,
+        error: str,
+        attempts: int,
+        *,
+        rule: str = "",
+        upto: int | None = None,
     ) -> None:
-        """Set the message aside and move the checkpoint past it, at once."""
+        """Set the message aside and move the checkpoint to `upto` (its event), at once."""
 
 
 class Delivery:
@@ -98,8 +108,9 @@ class Delivery:
         self._duplicates_seen = 0
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
-            event_type: metrics.published.labels(*self.labels, rule.destination)
-            for event_type, rule in config.messages.items()
+            (event_type, rule.name): metrics.published.labels(*self.labels, rule.config.destination)
+            for event_type, rules in config.rules(name).items()
+            for rule in rules
         }
 
     async def deliver(
@@ -122,14 +133,16 @@ class Delivery:
             if acked:
                 done, pending = pending[:acked], pending[acked:]
                 self._acknowledged(done)
-                if pending:
-                    await checkpoint.advance(done[-1].event.position)
+                if pending and (upto := _handled(done, pending)) > checkpoint.position:
+                    await checkpoint.advance(upto)
             if not pending:
                 break
             failure = _failure(outcomes, acked, pending[0])
             count = self._failed(pending[0], failure)
             if failure.permanent and count.rejections >= self.config.park_after:
-                await self._park(checkpoint, pending.pop(0), failure, count.rejections)
+                parked = pending.pop(0)
+                upto = _handled([parked], pending) if pending else parked.event.position
+                await self._park(checkpoint, parked, failure, count.rejections, upto)
                 continue
             await self._retrying(checkpoint, pending[0], failure, count)
             if on_retry is not None:
@@ -142,12 +155,12 @@ class Delivery:
     def _failed(self, head: Item, failure: PublishError) -> RetryCount:
         """Count one more failure of the head message (a new message starts at zero)."""
         self.metrics.failures.labels(*self.labels, failure.reason).inc()
-        position = head.event.position
+        position, rule = head.event.position, head.rule
         before = self.retry
-        if before is None or before.position != position:
-            before = RetryCount(position, 0, 0)
+        if before is None or before.position != position or before.rule != rule:
+            before = RetryCount(position, 0, 0, rule)
         self.retry = RetryCount(
-            position, before.attempts + 1, before.rejections + failure.permanent
+            position, before.attempts + 1, before.rejections + failure.permanent, rule
         )
         return self.retry
 
@@ -174,8 +187,8 @@ class Delivery:
         self.state.published += len(done)
         self.metrics.retrying.labels(*self.labels).set(0)
         db_now = time.time() + self.clock_offset()
-        for event_type, count in Counter(item.event.type for item in done).items():
-            self._published_to[event_type].inc(count)
+        for rule, count in Counter((item.event.type, item.rule) for item in done).items():
+            self._published_to[rule].inc(count)
         self.metrics.end_to_end.labels(*self.labels).observe_many(
             [
                 max(db_now - item.event.created_at.timestamp(), 0.0)
@@ -207,10 +220,17 @@ class Delivery:
         await checkpoint.report("retrying", str(failure), count)
 
     async def _park(
-        self, checkpoint: CheckpointWriter, item: Item, failure: PublishError, attempts: int
+        self,
+        checkpoint: CheckpointWriter,
+        item: Item,
+        failure: PublishError,
+        attempts: int,
+        upto: int,
     ) -> None:
         e = item.event
-        await checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
+        await checkpoint.park(
+            e, item.message, failure.reason, str(failure), attempts, rule=item.rule, upto=upto
+        )
         self.retry = None
         self.state.parked += 1
         self.metrics.parked_total.labels(*self.labels, failure.reason).inc()
@@ -222,7 +242,18 @@ class Delivery:
             reason=failure.reason,
             error=str(failure),
             attempts=attempts,
+            rule=item.rule or None,
         )
+
+
+def _handled(done: list[Item], pending: list[Item]) -> int:
+    """Where the checkpoint may move once `done` is: not past an event with messages pending.
+
+    An event with several messages is handled only when the last of them is; until then the
+    checkpoint stays just before it (a restart sends its acknowledged messages again).
+    """
+    last = done[-1].event.position
+    return last - 1 if last == pending[0].event.position else last
 
 
 def _sendable(pending: list[Item]) -> list[Message]:

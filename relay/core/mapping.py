@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from jmespath.exceptions import JMESPathError
 
-from relay.config import OutboxConfig
+from relay.config import OutboxConfig, Rule
 from relay.config.expressions import (
     ExpressionError,
     Getter,
@@ -26,8 +26,9 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
+from relay.config.schemas import CompiledSchema, compile_schema
 from relay.core.publishing import Message
-from relay.errors import MalformedEventError, MappingError
+from relay.errors import MalformedEventError, MappingError, SchemaViolation
 
 
 @dataclass(slots=True)
@@ -62,39 +63,62 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
-class _Compiled:
+class CompiledRule:
+    """One rule, compiled: what turns an event into one message."""
+
+    name: str  # "" for the single-rule form; see relay/config/rules.py
+    where: str  # its dotted key in the config, for errors
     type: str
+    destination_template: str  # labels the published metric: bounded
     destination: Template
     key: Template
     id: Template
+    id_suffix: str
     routing_key: Template | None
     payload: Getter
     encode: Callable[[Any], bytes]
+    when: Getter | None
+    when_text: str | None  # as written, for `relay check`
+    schema: CompiledSchema | None
+
+
+def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
+    m = rule.config
+    return CompiledRule(
+        name=rule.name,
+        where=rule.where,
+        type=m.type,
+        destination_template=m.destination,
+        destination=compile_template(m.destination),
+        key=compile_template(m.key or config.key),
+        id=compile_template(rule.id),
+        id_suffix=rule.id_suffix,
+        routing_key=compile_template(m.routing_key) if m.routing_key else None,
+        payload=_compile_payload(m.payload),
+        encode=_encoder(m.payload),
+        when=compile_expression(m.when) if m.when else None,
+        when_text=m.when,
+        schema=compile_schema(m.schema_) if m.schema_ is not None else None,
+    )
 
 
 class Mapper:
-    """Maps one outbox's events; `map` returns None for events it skips."""
+    """Maps one outbox's events: each event type has one rule or several."""
 
     def __init__(self, outbox: str, config: OutboxConfig) -> None:
         self.outbox = outbox
         self._aggregates = frozenset(config.aggregates) if config.aggregates is not None else None
         self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
         self._by_type = {
-            event_type: _Compiled(
-                type=m.type,
-                destination=compile_template(m.destination),
-                key=compile_template(m.key or config.key),
-                id=compile_template(m.id or config.id),
-                routing_key=compile_template(m.routing_key) if m.routing_key else None,
-                payload=_compile_payload(m.payload),
-                encode=_encoder(m.payload),
-            )
-            for event_type, m in config.messages.items()
+            event_type: tuple(_compile(rule, config) for rule in rules)
+            for event_type, rules in config.rules(outbox).items()
         }
         sources = [config.key, config.id]
-        for m in config.messages.values():
-            sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
-            sources += _payload_expressions(m.payload)
+        for rules in config.rules(outbox).values():
+            for rule in rules:
+                m = rule.config
+                sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
+                sources += [*_payload_expressions(m.payload), m.when or ""]
         # Decoding metadata is skipped when no expression could read it.
         self.reads_metadata = any("metadata" in text for text in sources)
 
@@ -104,10 +128,30 @@ class Mapper:
             return False
         return event.type in self._by_type
 
-    def map(self, event: Event) -> Message | None:
+    def rules_for(self, event: Event) -> tuple[CompiledRule, ...]:
+        """The rules that map this event, in the config's order; none if it is skipped."""
         if not self.wants(event):
-            return None
-        rule = self._by_type[event.type]
+            return ()
+        return self._by_type[event.type]
+
+    def map(self, event: Event) -> Message | None:
+        """The message of the event's first rule (its only one, in the single-rule form)."""
+        rules = self.rules_for(event)
+        return self.message(event, rules[0]) if rules else None
+
+    def messages(self, event: Event) -> list[Message]:
+        """Every rule's message, in order; the first failure raises."""
+        out = []
+        for rule in self.rules_for(event):
+            message = self.message(event, rule)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def message(
+        self, event: Event, rule: CompiledRule, envelope: dict[str, Any] | None = None
+    ) -> Message | None:
+        """This rule's message for the event; None when its `when` rejects the event."""
         problem = event.problem or (event.metadata_problem if self.reads_metadata else None)
         if problem:
             raise MalformedEventError(
@@ -115,25 +159,48 @@ class Mapper:
                 f" is malformed: {problem}",
                 problem,
             )
-        envelope = event.envelope()
+        if envelope is None:
+            envelope = event.envelope()
         try:
+            if rule.when is not None and not _truthy(rule.when(envelope)):
+                return None
+            body = rule.payload(envelope)
+            if rule.schema is not None and not rule.schema.is_valid(body):
+                raise self._violation(event, rule, rule.schema.violations(body))
+            id_ = rule.id(envelope)
+            if rule.id_suffix:
+                id_ += rule.id_suffix
             return Message(
-                id=rule.id(envelope),
+                id=id_,
                 type=rule.type,
                 destination=rule.destination(envelope),
                 key=rule.key(envelope),
-                body=rule.encode(rule.payload(envelope)),
+                body=rule.encode(body),
                 source=self._source,
                 time=event.created_at,
                 position=event.position,
                 routing_key=rule.routing_key(envelope) if rule.routing_key else None,
                 time_text=envelope["created_at"],
+                dataschema=rule.schema.id if rule.schema is not None else None,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             raise MappingError(
-                f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
+                f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
+
+    def _violation(self, event: Event, rule: CompiledRule, found: list[str]) -> SchemaViolation:
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        return SchemaViolation(
+            f"{rule.where}: the body of event at position {event.position} ({_where(event)})"
+            f" does not match its schema: {shown}",
+            found,
+        )
+
+
+def _truthy(value: Any) -> bool:
+    """JMESPath's truth: false, null, empty strings, lists and objects are false; 0 is true."""
+    return value is not None and value is not False and value not in ("", [], {})
 
 
 def _where(event: Event) -> str:

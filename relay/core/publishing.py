@@ -35,6 +35,7 @@ class Message:
     content_type: str = "application/json"
     routing_key: str | None = None  # brokers that route by key (RabbitMQ); else unused
     time_text: str | None = None  # `time` in ISO 8601, when the mapper already wrote it
+    dataschema: str | None = None
 
 
 def cloudevent_attributes(message: Message) -> dict[str, str]:

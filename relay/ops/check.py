@@ -11,8 +11,8 @@ from typing import Any
 import asyncpg
 
 from relay.config import RelayConfig
-from relay.core.mapping import Event, Mapper
-from relay.errors import MalformedEventError, MappingError
+from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.errors import MalformedEventError, MappingError, SchemaViolation
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.source import EventSource
@@ -26,32 +26,46 @@ async def preview(config: RelayConfig, last: int) -> tuple[list[dict[str, Any]],
         events = await source.latest(conn, last) if last else []
         warnings = [*config.warnings(), *await _server_warnings(conn, config)]
     mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
-    return [_preview(event, mapper) for event in events for mapper in mappers], warnings
+    rows = [row for event in events for mapper in mappers for row in _preview(event, mapper)]
+    return rows, warnings
 
 
-def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:
-    row: dict[str, Any] = {
+def _preview(event: Event, mapper: Mapper) -> list[dict[str, Any]]:
+    """One row per rule of the event's type (one row when the outbox skips the event)."""
+    head: dict[str, Any] = {
         "position": event.position,
         "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
         "outbox": mapper.outbox,
     }
-    if not mapper.wants(event):
-        row["skipped"] = "type not mapped or aggregate filtered out"
-        return row
+    rules = mapper.rules_for(event)
+    if not rules:
+        return [{**head, "skipped": "type not mapped or aggregate filtered out"}]
+    return [_preview_rule(event, mapper, rule, dict(head)) for rule in rules]
+
+
+def _preview_rule(
+    event: Event, mapper: Mapper, rule: CompiledRule, row: dict[str, Any]
+) -> dict[str, Any]:
+    if rule.name:
+        row["rule"] = rule.name
     try:
-        message = mapper.map(event)
+        message = mapper.message(event, rule)
     except MappingError as exc:
         row["parked"] = exc.reason
         row["error"] = exc.problem if isinstance(exc, MalformedEventError) else str(exc)
+        if isinstance(exc, SchemaViolation):
+            row["violations"] = exc.violations
         return row
-    if message is not None:  # wants() said it maps
-        row.update(
-            id=message.id,
-            type=message.type,
-            destination=message.destination,
-            key=message.key,
-            body=message.body.decode(),
-        )
+    if message is None:
+        row["skipped"] = f"its condition is false: when: {rule.when_text}"
+        return row
+    row.update(
+        id=message.id,
+        type=message.type,
+        destination=message.destination,
+        key=message.key,
+        body=message.body.decode(),
+    )
     return row
 
 

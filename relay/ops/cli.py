@@ -118,8 +118,14 @@ def check(
     typer.echo(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
     for row in rows:
         head = f"#{row['position']} {row['event']} [{row['outbox']}]"
+        if row.get("rule"):
+            head += f" ({row['rule']})"
         if row.get("skipped"):
             typer.echo(f"{head}: skipped ({row['skipped']})")
+        elif row.get("violations"):
+            typer.echo(f"{head}: would be parked (schema), {len(row['violations'])} violation(s):")
+            for violation in row["violations"]:
+                typer.echo(f"    {violation}")
         elif row.get("error"):
             typer.echo(f"{head}: would be parked ({row['parked']}): {row['error']}")
         else:

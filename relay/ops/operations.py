@@ -13,8 +13,8 @@ from typing import Any
 import asyncpg
 import structlog
 
-from relay.core.mapping import Event, Mapper
-from relay.core.publishing import Message, Publisher
+from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.core.publishing import Publisher
 from relay.errors import PublishError, RelayError
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import CommandKind
@@ -119,15 +119,40 @@ class Operations:
         return Done(ok=True, detail=detail)
 
     async def _retry_one(self, parked: ParkedMessage, event: Event | None) -> PublishError | None:
+        """Publish again the parked rule's message only: its siblings went out already."""
         if event is None:
             return PublishError(f"event at position {parked.position} is no longer in the table")
+        rules = _parked_rules(self.mapper.rules_for(event), parked)
+        if not rules:
+            return PublishError(
+                "the current config no longer maps this event"
+                + (f" with rule {parked.rule!r}" if parked.rule else "")
+            )
         try:
-            message: Message | None = self.mapper.map(event)
+            messages = [self.mapper.message(event, rule) for rule in rules]
         except PublishError as exc:
             return exc
-        if message is None:
-            return PublishError("the current config no longer maps this event")
+        sendable = [m for m in messages if m is not None]
+        if not sendable:
+            return PublishError("the rule's `when` now rejects this event: nothing to publish")
         if self.publisher is None:
             raise RelayError("retry-parked needs the outbox's broker")  # a caller's bug
-        (outcome,) = await self.publisher.publish([message])
-        return outcome
+        outcomes = await self.publisher.publish(sendable)
+        return next((o for o in outcomes if o is not None), None)
+
+
+def _parked_rules(rules: tuple[CompiledRule, ...], parked: ParkedMessage) -> list[CompiledRule]:
+    """The current rules that made the parked message.
+
+    By name; a message parked under the single-rule form (name "") is its event type's
+    only message, so every current rule makes it now; a rule renamed since (another rule
+    of the same type was added) is found by its type when that is unambiguous.
+    """
+    if not parked.rule:
+        return list(rules)
+    named = [rule for rule in rules if rule.name == parked.rule]
+    if named:
+        return named
+    type_ = parked.message_type or parked.rule.split(" ")[0]
+    typed = [rule for rule in rules if rule.type == type_]
+    return typed if len(typed) == 1 else []

@@ -222,10 +222,10 @@ class OutboxRelay:
             types=self._types,
             max_bytes=self.config.batch.max_bytes,
         )
-        items = _within(self.config.batch.max_bytes, [self._item(e) for e in events])
-        metrics.events_read.labels(*self.labels).inc(len(items))  # the rest is read again
-        full = len(events) == limit or cut or len(items) < len(events)
-        upto = items[-1].event.position if full else self._horizon
+        items, taken = _within(self.config.batch.max_bytes, [self._items(e) for e in events])
+        metrics.events_read.labels(*self.labels).inc(taken)  # the rest is read again
+        full = len(events) == limit or cut or taken < len(events)
+        upto = events[taken - 1].position if full and taken else self._horizon
         return Batch(items, position, upto, full=full or upto < self._horizon)
 
     async def _halt(self, s: Session, head: int, position: int) -> None:
@@ -279,11 +279,23 @@ class OutboxRelay:
         metrics.lag_seconds.labels(*self.labels).set(age)
         metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
 
-    def _item(self, event: Event) -> Item:
-        try:
-            return Item(event, self.ctx.mapper.map(event), None)
-        except MappingError as exc:
-            return Item(event, None, exc)
+    def _items(self, event: Event) -> list[Item]:
+        """The event's messages, one per rule whose `when` takes it; a failure as its item."""
+        mapper = self.ctx.mapper
+        rules = mapper.rules_for(event)
+        envelope = event.envelope() if len(rules) > 1 else None  # shared by the rules
+        items = []
+        for rule in rules:
+            try:
+                message = mapper.message(event, rule, envelope)
+            except MappingError as exc:
+                items.append(Item(event, None, exc, rule.name))
+                continue
+            if message is None:
+                self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()
+            else:
+                items.append(Item(event, message, None, rule.name))
+        return items
 
     def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
         state = self.ctx.state
@@ -346,11 +358,18 @@ class OutboxRelay:
             await sleep_unless(ctx.stop, linger)
 
 
-def _within(max_bytes: int, items: list[Item]) -> list[Item]:
-    """The items whose bodies fit in `max_bytes`; the first always (larger, it goes alone)."""
+def _within(max_bytes: int, per_event: list[list[Item]]) -> tuple[list[Item], int]:
+    """The items of the first events whose bodies fit in `max_bytes`, and how many events.
+
+    The first event always goes (larger, it goes alone); an event's messages are never
+    split between batches, so the checkpoint never moves past one half sent.
+    """
     total = 0
-    for i, item in enumerate(items):
-        total += len(item.message.body) if item.message is not None else 0
+    items: list[Item] = []
+    for i, event_items in enumerate(per_event):
+        for item in event_items:
+            total += len(item.message.body) if item.message is not None else 0
         if i and total > max_bytes:
-            return items[:i]
-    return items
+            return items, i
+        items += event_items
+    return items, len(per_event)

@@ -121,7 +121,15 @@ class CheckpointBehind:
         await self.claimed.report(state, last_error, retry)
 
     async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+        self,
+        event: Event,
+        message: Message | None,
+        reason: str,
+        error: str,
+        attempts: int,
+        *,
+        rule: str = "",
+        upto: int | None = None,
     ) -> None:
         await self.settled()
-        await self.claimed.park(event, message, reason, error, attempts)
+        await self.claimed.park(event, message, reason, error, attempts, rule=rule, upto=upto)

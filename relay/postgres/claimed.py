@@ -71,7 +71,15 @@ class ClaimedOutbox:
             await self.store.report_blocking(conn, self.claim, blocker)
 
     async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
+        self,
+        event: Event,
+        message: Message | None,
+        reason: str,
+        error: str,
+        attempts: int,
+        *,
+        rule: str = "",
+        upto: int | None = None,
     ) -> None:
         async with self.writer.statement() as conn:
             await self.store.park(
@@ -82,8 +90,10 @@ class ClaimedOutbox:
                 reason=reason,
                 error=error,
                 attempts=attempts,
+                rule=rule,
+                upto=upto,
             )
-        self._position = event.position
+        self._position = event.position if upto is None else upto
 
     async def parked_count(self) -> int:
         async with self.writer.statement() as conn:
