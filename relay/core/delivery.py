@@ -21,7 +21,7 @@ import structlog
 
 from relay.config import OutboxConfig
 from relay.core.lanes import metric_labels
-from relay.core.mapping import Event
+from relay.core.mapping import CompiledRule, Event, Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher
 from relay.core.retry import Backoff
@@ -38,6 +38,37 @@ class Item:
     message: Message | None
     error: MappingError | None
     rule: str = ""  # which of the event type's rules made it ("" for the single-rule form)
+
+
+def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], None]) -> list[Item]:
+    """The event's messages, one per rule whose `when` takes it; a failure as its item.
+
+    `skipped` is told of each rule whose condition rejected the event.
+    """
+    rules = mapper.rules_for(event)
+    if len(rules) == 1:  # the common case, kept as lean as one rule was before lists
+        rule = rules[0]
+        try:
+            message = mapper.message(event, rule)
+        except MappingError as exc:
+            return [Item(event, None, exc, rule.name)]
+        if message is None:
+            skipped(rule)
+            return []
+        return [Item(event, message, None, rule.name)]
+    envelope = event.envelope() if rules else None  # shared by the rules
+    items = []
+    for rule in rules:
+        try:
+            message = mapper.message(event, rule, envelope)
+        except MappingError as exc:
+            items.append(Item(event, None, exc, rule.name))
+            continue
+        if message is None:
+            skipped(rule)
+        else:
+            items.append(Item(event, message, None, rule.name))
+    return items
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,10 +80,13 @@ class CompiledRule:
     when: Getter | None
     when_text: str | None  # as written, for `relay check`
     schema: CompiledSchema | None
+    dataschema: str | None  # the schema's `$id`
+    plain: bool  # no `when`, no schema, no id suffix: nothing to do but map
 
 
 def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
     m = rule.config
+    schema = compile_schema(m.schema_) if m.schema_ is not None else None
     return CompiledRule(
         name=rule.name,
         where=rule.where,
@@ -98,7 +101,9 @@ def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
         encode=_encoder(m.payload),
         when=compile_expression(m.when) if m.when else None,
         when_text=m.when,
-        schema=compile_schema(m.schema_) if m.schema_ is not None else None,
+        schema=schema,
+        dataschema=schema.id if schema is not None else None,
+        plain=m.when is None and schema is None and not rule.id_suffix,
     )
 
 
@@ -130,9 +135,9 @@ class Mapper:
 
     def rules_for(self, event: Event) -> tuple[CompiledRule, ...]:
         """The rules that map this event, in the config's order; none if it is skipped."""
-        if not self.wants(event):
+        if self._aggregates is not None and event.aggregate_type not in self._aggregates:
             return ()
-        return self._by_type[event.type]
+        return self._by_type.get(event.type, ())
 
     def map(self, event: Event) -> Message | None:
         """The message of the event's first rule (its only one, in the single-rule form)."""
@@ -162,14 +167,15 @@ class Mapper:
         if envelope is None:
             envelope = event.envelope()
         try:
-            if rule.when is not None and not _truthy(rule.when(envelope)):
-                return None
-            body = rule.payload(envelope)
-            if rule.schema is not None and not rule.schema.is_valid(body):
-                raise self._violation(event, rule, rule.schema.violations(body))
-            id_ = rule.id(envelope)
-            if rule.id_suffix:
-                id_ += rule.id_suffix
+            if rule.plain:  # one flag for the common case: it costs what one rule did
+                body, id_ = rule.payload(envelope), rule.id(envelope)
+            else:
+                if rule.when is not None and not _truthy(rule.when(envelope)):
+                    return None
+                body = rule.payload(envelope)
+                if rule.schema is not None and not rule.schema.is_valid(body):
+                    raise self._violation(event, rule, rule.schema.violations(body))
+                id_ = rule.id(envelope) + rule.id_suffix
             return Message(
                 id=id_,
                 type=rule.type,
@@ -181,7 +187,7 @@ class Mapper:
                 position=event.position,
                 routing_key=rule.routing_key(envelope) if rule.routing_key else None,
                 time_text=envelope["created_at"],
-                dataschema=rule.schema.id if rule.schema is not None else None,
+                dataschema=rule.dataschema,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             raise MappingError(

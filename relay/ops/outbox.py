@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
-from relay.core.delivery import Delivery, Item
-from relay.core.mapping import Event
+from relay.core.delivery import Delivery, Item, items_of
+from relay.core.mapping import CompiledRule
 from relay.core.waiting import sleep_unless, wait_any
-from relay.errors import DatabaseError, MappingError
+from relay.errors import DatabaseError
 from relay.ops.context import OutboxContext
 from relay.ops.overlap import CheckpointBehind, ReadAhead
 from relay.postgres.claimed import ClaimedOutbox
@@ -222,7 +222,9 @@ class OutboxRelay:
             types=self._types,
             max_bytes=self.config.batch.max_bytes,
         )
-        items, taken = _within(self.config.batch.max_bytes, [self._items(e) for e in events])
+        mapper, skipped = self.ctx.mapper, self._skipped
+        per_event = [items_of(mapper, event, skipped) for event in events]
+        items, taken = _within(self.config.batch.max_bytes, per_event)
         metrics.events_read.labels(*self.labels).inc(taken)  # the rest is read again
         full = len(events) == limit or cut or taken < len(events)
         upto = events[taken - 1].position if full and taken else self._horizon
@@ -279,23 +281,8 @@ class OutboxRelay:
         metrics.lag_seconds.labels(*self.labels).set(age)
         metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
 
-    def _items(self, event: Event) -> list[Item]:
-        """The event's messages, one per rule whose `when` takes it; a failure as its item."""
-        mapper = self.ctx.mapper
-        rules = mapper.rules_for(event)
-        envelope = event.envelope() if len(rules) > 1 else None  # shared by the rules
-        items = []
-        for rule in rules:
-            try:
-                message = mapper.message(event, rule, envelope)
-            except MappingError as exc:
-                items.append(Item(event, None, exc, rule.name))
-                continue
-            if message is None:
-                self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()
-            else:
-                items.append(Item(event, message, None, rule.name))
-        return items
+    def _skipped(self, rule: CompiledRule) -> None:
+        self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()
 
     def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
         state = self.ctx.state
