@@ -112,7 +112,22 @@ def compile_template(source: str) -> Template:
             literal = ""
     if not steps:
         return lambda _envelope: literal
+    if len(steps) == 1:
+        return _render_one(*steps[0], literal)
     return _render(tuple(steps), literal)
+
+
+def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
+    """One placeholder (`{aggregate_id}`, `library.{aggregate_type}`): the common case,
+    without the list and join of the general renderer (about a microsecond per event)."""
+
+    def render(envelope: Mapping[str, Any]) -> str:
+        value = getter(envelope)
+        if value is None or value == "":
+            raise ExpressionError(f"{{{expr}}} is null or empty for this event")
+        return before + (value if type(value) is str else _text(value)) + tail
+
+    return render
 
 
 def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
