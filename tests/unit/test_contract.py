@@ -10,8 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
+from relay.config import (
+    BrokerConfig,
+    KafkaBrokerConfig,
+    NatsBrokerConfig,
+    RabbitMqBrokerConfig,
+    SqsBrokerConfig,
+)
 from relay.ops.contract.schemas import expression_schema, payload_schema
+from relay.ops.contract.servers import host_of, servers
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
 
 
@@ -233,3 +242,65 @@ def test_broker_bindings() -> None:
     )
     key = messages["library.book-lent.v1.kafka"]["bindings"]["kafka"]["key"]
     assert "`{aggregate_id}`" in key["description"]
+
+
+SECRET = "Xk7Tq2Zp9Wm4"
+
+
+@pytest.mark.parametrize("char", ["/", "@", ":", "#", "%", "?", "[", "]", "\\"])
+@pytest.mark.parametrize(
+    ("url", "host", "path"),
+    [
+        ("nats://relay:{password}@nats-1.internal:4222", "nats-1.internal:4222", ""),
+        ("http://relay:{password}@localhost:4566/", "localhost:4566", "/"),
+        ("amqps://relay:{password}@rabbit:5671/library?heartbeat=5", "rabbit:5671", "/library"),
+    ],
+)
+def test_a_server_host_never_keeps_a_piece_of_the_password(
+    char: str, url: str, host: str, path: str
+) -> None:
+    password = SECRET[:6] + char + SECRET[6:]
+    assert host_of(url.format(password=password)) == (host, path)
+
+
+def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
+    brokers: dict[str, BrokerConfig] = {
+        "nats": NatsBrokerConfig(
+            type="nats",
+            servers=[f"nats://relay:{SECRET}@nats-1:4222", "nats-2:4222"],
+            user="relay",
+            password=SecretStr(SECRET),
+            token=SecretStr(SECRET),
+        ),
+        "kafka": KafkaBrokerConfig(
+            type="kafka",
+            bootstrap_servers=["kafka-1:9093"],
+            security_protocol="SASL_SSL",
+            sasl_mechanism="PLAIN",
+            sasl_username="relay",
+            sasl_password=SecretStr(SECRET),
+        ),
+        "rabbit": RabbitMqBrokerConfig.model_validate(
+            {"type": "rabbitmq", "url": f"amqp://relay:{SECRET}@rabbit:5672/%2F?x=y"}
+        ),
+        "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+    }
+    found, schemes = servers(brokers)
+    assert SECRET[:3] not in repr((found, schemes))
+    assert found["nats"]["host"] == "nats-1:4222"
+    assert found["nats"]["description"] == "Servers: nats-1:4222, nats-2:4222."
+    assert found["kafka"]["protocol"] == "kafka-secure"
+    assert found["rabbit"] == {
+        "host": "rabbit:5672",
+        "protocol": "amqp",
+        "protocolVersion": "0.9.1",
+        "title": "RabbitMQ",
+        "pathname": "/%2F",
+        "security": [{"$ref": "#/components/securitySchemes/rabbit-user-password"}],
+    }
+    assert found["sqs"]["host"] == "sqs.eu-west-1.amazonaws.com"
+    assert schemes["kafka-sasl"] == {"type": "plain"}
+    assert {schemes["nats-user-password"]["type"], schemes["nats-token"]["type"]} == {
+        "userPassword",
+        "apiKey",
+    }
