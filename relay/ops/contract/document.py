@@ -130,7 +130,8 @@ def build(
     for key, origins in builder.origins.items():
         message = builder.messages[key]
         described = "Published from " + "; ".join(origins) + "."
-        builder.messages[key] = {"name": message["name"], "description": described, **message}
+        first = {"name": message["name"], "title": message["title"], "description": described}
+        builder.messages[key] = {**first, **message}
     server_objects, schemes = servers(dict(brokers))
     channels: Object = {}
     operations: Object = {}
