@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.db import NewEvent, append_many, connect
+from tests.support.db import append_many, connect
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
 from tests.support.relay_process import run_cli
-from tests.support.scenario import config_dict, eventually, save
+from tests.support.scenario import OVERSIZED_LOAN, config_dict, eventually, loans, save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,11 +38,7 @@ async def test_metrics_pass_promtool_and_tell_the_story(
     assert run_cli(["migrate", "--config", str(config)]).returncode == 0
     try:
         async with connect(events_table) as conn:
-            await append_many(
-                conn,
-                [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(20)]
-                + [NewEvent("book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})],
-            )
+            await append_many(conn, [*loans(20), OVERSIZED_LOAN])
         relay = relay_process(["run", "--config", str(config), "--http-port", "0"])
         port = await http_port(relay)
         await fetch_all(nats_url, stream, expected=20)

@@ -18,11 +18,18 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.db import NewEvent, append, append_many, connect
+from tests.support.db import append, append_many, connect
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, unique_name
 from tests.support.relay_process import run_cli
-from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, save
+from tests.support.scenario import (
+    LIBRARY_MESSAGES,
+    OVERSIZED_LOAN,
+    config_dict,
+    eventually,
+    loans,
+    save,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -111,12 +118,7 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
     assert run_cli(["migrate", "--config", str(config)]).returncode == 0
     try:
         async with connect(events_table) as conn:
-            await append_many(
-                conn,
-                [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(5)]
-                + [NewEvent("book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})]
-                + [NewEvent("dvd", f"d{i}", 1, "BookLent", {"loanId": f"D{i}"}) for i in range(8)],
-            )
+            await append_many(conn, [*loans(5), OVERSIZED_LOAN, *loans(8, "dvd")])
         relay = relay_process(["run", "--config", str(config)])
         port = await http_port(relay)
 
