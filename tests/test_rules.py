@@ -345,3 +345,36 @@ def test_relay_run_refuses_a_missing_schema_file_naming_file_line_and_key(
     assert f"{path}:{line}: outboxes.loans.messages.BookLent.1.schema: cannot read schema file" in (
         result.stderr
     )
+
+
+async def test_relay_check_lists_each_violation_of_the_last_events(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Nothing published: what the last events would become, rule by rule, and why not."""
+    strict = {
+        **SCHEMA,
+        "properties": {"member": {"required": ["id", "since"]}, "bookId": {"type": "integer"}},
+    }
+    when = {
+        **V1,
+        "destination": "{subject}.priority",
+        "id": "{aggregate_id}/p",
+        "when": "data.urgent",
+    }
+    rules = [V1, {**V2, "schema": strict}, when]
+    path = save(tmp_path, config_dict(events_table, nats_url, "s", messages={"BookLent": rules}))
+    async with connect(events_table) as conn:
+        await append_many(conn, [NewEvent("book", "b1", 1, "BookLent", {"memberId": "m1"})])
+    result = run_cli(["check", "--last", "5", "--config", str(path), "--json"])
+    assert result.returncode == 0, result.stderr
+    v1, v2, priority = json.loads(result.stdout)
+    assert (v1["rule"], v1["id"]) == (V1["type"], "book/b1@1/library.book-lent.v1")
+    assert v2["parked"] == "schema"
+    assert v2["violations"] == [
+        "$.bookId: 'b1' is not of type 'integer'",
+        "$.member: 'since' is a required property",
+    ]
+    assert priority["skipped"] == "its condition is false: when: data.urgent"
+    text = run_cli(["check", "--last", "5", "--config", str(path)])
+    assert "would be parked (schema), 2 violation(s):" in text.stdout
+    assert "    $.member: 'since' is a required property" in text.stdout

@@ -56,7 +56,7 @@ def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], Non
             skipped(rule)
             return []
         return [Item(event, message, None, rule.name)]
-    envelope = event.envelope() if rules else None  # shared by the rules
+    envelope = mapper.envelope(event) if rules else None  # shared by the rules
     items = []
     for rule in rules:
         try:
