@@ -111,7 +111,13 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
         "partitions": 2,
         "retry": {"initial": "20ms", "max": "200ms"},
         "messages": {
-            "BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": f"{nowhere}.dvds"}
+            "BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": f"{nowhere}.dvds"},
+            # A condition: its skipped-messages series exists from the start, at zero.
+            "BookReturned": {
+                **LIBRARY_MESSAGES["BookReturned"],
+                "destination": f"{nowhere}.returns",
+                "when": "data.late",
+            },
         },
     }
     config = save(tmp_path, data)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from relay.config import RelayConfig, load_config
+from relay.ops.runner import Relay
 from relay.postgres.store import Store
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
@@ -237,17 +238,7 @@ async def test_a_schema_violation_is_parked_alone_then_published_once_the_schema
         async with running(config) as relay:
             received = await fetch_all(nats_url, subject, expected=3)
             await eventually(lambda: _count(events_table, 1))
-            await eventually(lambda: relay.states["loans"].checkpoint == later)
-            published = relay.metrics.registry.get_sample_value(
-                "relay_messages_published_total",
-                {"outbox": "loans", "destination": f"{subject}.v1"},
-            )
-        assert ids_of(received, "v1") == [
-            "book/b1@1/library.book-lent.v1",
-            "book/b2@1/library.book-lent.v1",
-        ]
-        assert ids_of(received, "v2") == ["book/b2@1/library.book-lent.v2"]
-        assert published == 2  # the parked event's v1 went out once, not at each retry
+            await past_the_parked_event(relay, subject, later, received)
         (row,) = await parked_rows(events_table)
         assert (row.position, row.reason, row.rule) == (poison, "schema", V2["type"])
         assert "$.member.id: 'm1' does not match '^m2'" in row.error
@@ -267,6 +258,22 @@ async def test_a_schema_violation_is_parked_alone_then_published_once_the_schema
         assert received[-1].json() == {"bookId": "b1", "member": {"id": "m1"}, "version": 1}
     finally:
         await delete_stream(nats_url, subject)
+
+
+async def past_the_parked_event(
+    relay: Relay, subject: str, later: int, received: list[Received]
+) -> None:
+    """b1's v2 parked: the relay moved on to b2, and b1's v1 went out once, not at each retry."""
+    await eventually(lambda: relay.states["loans"].checkpoint == later)
+    published = relay.metrics.registry.get_sample_value(
+        "relay_messages_published_total", {"outbox": "loans", "destination": f"{subject}.v1"}
+    )
+    assert published == 2
+    assert ids_of(received, "v1") == [
+        "book/b1@1/library.book-lent.v1",
+        "book/b2@1/library.book-lent.v1",
+    ]
+    assert ids_of(received, "v2") == ["book/b2@1/library.book-lent.v2"]
 
 
 async def _count(dsn: str, expected: int) -> bool:
@@ -308,18 +315,7 @@ async def test_a_rejected_rule_blocks_later_events_then_is_parked_alone(
             assert ids_of(blocked, "v2") == []  # the later event waits behind the failure
             assert (await status(config))[0]["checkpoint"] < poison
             received = await fetch_all(nats_url, subject, expected=3)
-            await eventually(lambda: relay.states["loans"].checkpoint == later)
-            sample = relay.metrics.registry.get_sample_value
-            sent_v1 = sample(
-                "relay_messages_published_total",
-                {"outbox": "loans", "destination": f"{subject}.v1"},
-            )
-        assert ids_of(received, "v1") == [
-            "book/b1@1/library.book-lent.v1",
-            "book/b2@1/library.book-lent.v1",
-        ]
-        assert ids_of(received, "v2") == ["book/b2@1/library.book-lent.v2"]
-        assert sent_v1 == 2
+            await past_the_parked_event(relay, subject, later, received)
         (row,) = await parked_rows(events_table)
         assert (row.position, row.reason, row.rule) == (poison, "rejected", V2["type"])
         assert row.attempts == 5 and row.message_id == "book/b1@1/library.book-lent.v2"
@@ -331,8 +327,8 @@ def test_relay_run_refuses_a_missing_schema_file_naming_file_line_and_key(
     tmp_path: Path,
 ) -> None:
     data = config_dict(
-        "postgresql://postgres@127.0.0.1/postgres",
-        "nats://127.0.0.1:4222",
+        "postgresql://relay@db.internal/app",  # never reached: the config is refused first
+        "nats://nats.internal:4222",
         "s",
         messages={"BookLent": [V1, {**V2, "schema": "schemas/missing.json"}]},
     )
@@ -357,6 +353,7 @@ async def test_relay_check_lists_each_violation_of_the_last_events(
     }
     when = {
         **V1,
+        "type": "library.book-lent-priority.v1",
         "destination": "{subject}.priority",
         "id": "{aggregate_id}/p",
         "when": "data.urgent",

@@ -72,6 +72,19 @@ def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], Non
 
 
 @dataclass(frozen=True, slots=True)
+class Parking:
+    """A message set aside: what the parked table keeps, and where the checkpoint goes."""
+
+    event: Event
+    message: Message | None  # None when it could not be mapped
+    rule: str
+    reason: str
+    error: str
+    attempts: int
+    upto: int  # its event; just before it while another of the event's messages is pending
+
+
+@dataclass(frozen=True, slots=True)
 class RetryCount:
     """How often the message at `position` has failed; kept across commands and holders."""
 
@@ -96,18 +109,8 @@ class CheckpointWriter(Protocol):
     ) -> None:
         """The outbox's state and retry count, for `relay status` and the next holder."""
 
-    async def park(
-        self,
-        event: Event,
-        message: Message | None,
-        reason: str,
-        error: str,
-        attempts: int,
-        *,
-        rule: str = "",
-        upto: int | None = None,
-    ) -> None:
-        """Set the message aside and move the checkpoint to `upto` (its event), at once."""
+    async def park(self, parking: Parking) -> None:
+        """Set the message aside and move the checkpoint to `parking.upto`, at once."""
 
 
 class Delivery:
@@ -260,7 +263,7 @@ class Delivery:
     ) -> None:
         e = item.event
         await checkpoint.park(
-            e, item.message, failure.reason, str(failure), attempts, rule=item.rule, upto=upto
+            Parking(e, item.message, item.rule, failure.reason, str(failure), attempts, upto)
         )
         self.retry = None
         self.state.parked += 1

@@ -63,6 +63,10 @@ class OutboxRelay:
             clock_offset=lambda: context.source.clock_offset,
         )
         self._types = list(context.config.messages)
+        for rules in context.config.rules(context.name).values():
+            for rule in rules:  # at zero from the start, so alerts see the series
+                if rule.config.when is not None:
+                    context.metrics.skipped.labels(*self.labels, rule.config.type, "when")
         self._horizon = 0
         self._commands_checked = 0.0
         self._lag_measured = 0.0

@@ -11,9 +11,7 @@ from typing import Protocol
 
 import asyncpg
 
-from relay.core.delivery import RetryCount
-from relay.core.mapping import Event
-from relay.core.publishing import Message
+from relay.core.delivery import Parking, RetryCount
 from relay.postgres.source import Blocker
 from relay.postgres.store import Claim, Store
 
@@ -70,30 +68,10 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             await self.store.report_blocking(conn, self.claim, blocker)
 
-    async def park(
-        self,
-        event: Event,
-        message: Message | None,
-        reason: str,
-        error: str,
-        attempts: int,
-        *,
-        rule: str = "",
-        upto: int | None = None,
-    ) -> None:
+    async def park(self, parking: Parking) -> None:
         async with self.writer.statement() as conn:
-            await self.store.park(
-                conn=conn,
-                claim=self.claim,
-                event=event,
-                message=message,
-                reason=reason,
-                error=error,
-                attempts=attempts,
-                rule=rule,
-                upto=upto,
-            )
-        self._position = event.position if upto is None else upto
+            await self.store.park(conn, self.claim, parking)
+        self._position = parking.upto
 
     async def parked_count(self) -> int:
         async with self.writer.statement() as conn:

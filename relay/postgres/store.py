@@ -15,8 +15,7 @@ from typing import Any
 
 import asyncpg
 
-from relay.core.delivery import RetryCount
-from relay.core.mapping import Event
+from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
 from relay.postgres.source import Blocker
@@ -239,23 +238,12 @@ class Store:
         )
         _fenced_unless_updated(status, claim, "reporting a blocking transaction")
 
-    async def park(
-        self,
-        *,
-        conn: asyncpg.Connection,
-        claim: Claim,
-        event: Event,
-        message: Message | None,
-        reason: str,
-        error: str,
-        attempts: int,
-        rule: str = "",
-        upto: int | None = None,
-    ) -> None:
-        """Keep the message aside and move to `upto` (its event's position), in one transaction.
+    async def park(self, conn: asyncpg.Connection, claim: Claim, parking: Parking) -> None:
+        """Keep the message aside and move to `parking.upto`, in one transaction.
 
         `upto` stays before the event while another of its messages is still to be sent.
         """
+        event = parking.event
         async with conn.transaction():
             await conn.execute(
                 f"INSERT INTO {self._parked} (outbox, position, event_type, aggregate_type,"
@@ -270,13 +258,13 @@ class Store:
                 event.aggregate_type,
                 event.aggregate_id,
                 event.version,
-                *_message_columns(message),
-                reason,
-                error,
-                attempts,
-                rule,
+                *_message_columns(parking.message),
+                parking.reason,
+                parking.error,
+                parking.attempts,
+                parking.rule,
             )
-            await self.advance(conn, claim, event.position if upto is None else upto)
+            await self.advance(conn, claim, parking.upto)
 
     async def checkpoints(self, conn: asyncpg.Connection) -> list[CheckpointRow]:
         rows = await conn.fetch(

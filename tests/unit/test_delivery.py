@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import pytest
 
 from relay.config import OutboxConfig
-from relay.core.delivery import Delivery, Item, RetryCount
+from relay.core.delivery import Delivery, Item, Parking, RetryCount
 from relay.core.mapping import Event
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Outcome
@@ -79,20 +79,10 @@ class MemoryCheckpoint:
     ) -> None:
         self.reports.append((state, retry))
 
-    async def park(
-        self,
-        event: Event,
-        message: Message | None,
-        reason: str,
-        error: str,
-        attempts: int,
-        *,
-        rule: str = "",
-        upto: int | None = None,
-    ) -> None:
-        self.parked.append((event.position, reason, attempts))
-        self.parked_rules.append(rule)
-        await self.advance(event.position if upto is None else upto)
+    async def park(self, parking: Parking) -> None:
+        self.parked.append((parking.event.position, parking.reason, parking.attempts))
+        self.parked_rules.append(parking.rule)
+        await self.advance(parking.upto)
 
 
 def event(position: int) -> Event:

@@ -256,7 +256,7 @@ database:
 brokers:
   nats:
     type: nats
-    servers: ["nats://127.0.0.1:4222"]
+    servers: ["nats://nats.internal:4222"]
 outboxes:
   loans:
     broker: nats
