@@ -38,6 +38,11 @@ def load_schema(value: str | dict[str, Any]) -> dict[str, Any]:
     where = f"schema file {value}" if isinstance(value, str) else "schema"
     if not isinstance(document, dict):
         raise SchemaError(f"{where}: a JSON Schema must be an object")
+    if remote := _remote_refs(document):
+        raise SchemaError(
+            f"{where}: $ref {remote[0]!r} points outside the schema; the relay resolves only"
+            " references within it (#/...): copy the referenced part under $defs"
+        )
     from jsonschema.exceptions import SchemaError as MetaschemaError  # noqa: PLC0415 - see above
 
     try:
@@ -46,6 +51,17 @@ def load_schema(value: str | dict[str, Any]) -> dict[str, Any]:
         at = exc.json_path if hasattr(exc, "json_path") else "$"
         raise SchemaError(f"{where} is not a valid JSON Schema: {exc.message} (at {at})") from None
     return document
+
+
+def _remote_refs(node: Any) -> list[str]:
+    """`$ref`s to other documents: resolving them would fetch files or URLs at start-up."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        own = [ref] if isinstance(ref, str) and not ref.startswith("#") else []
+        return own + [r for value in node.values() for r in _remote_refs(value)]
+    if isinstance(node, list):
+        return [r for value in node for r in _remote_refs(value)]
+    return []
 
 
 def _read(path: Path) -> Any:

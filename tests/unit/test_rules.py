@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from relay.config import OutboxConfig, load_config
-from relay.config.schemas import compile_schema
+from relay.config.schemas import SchemaError, compile_schema
 from relay.core.mapping import Event, Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
 from relay.ops.operations import _parked_rules
@@ -185,6 +185,19 @@ def test_fast_and_full_checks_agree_for_each_draft(draft: str | None) -> None:
     bad = {"bookId": "b", "member": {}}
     assert compiled.is_valid(good) and not compiled.is_valid(bad)
     assert compiled.violations(bad) == ["$.member: 'id' is a required property"]
+
+
+def test_a_reference_to_another_document_is_refused_at_start_up() -> None:
+    """Resolving it would fetch a file or a URL when the relay starts."""
+    schema = {"type": "object", "properties": {"member": {"$ref": "member.json#/m"}}}
+    with pytest.raises(SchemaError, match=r"'member\.json#/m' points outside the schema"):
+        compile_schema(schema)
+    local = {
+        **V2_SCHEMA,
+        "$defs": {"id": {"type": "string"}},
+        "properties": {"bookId": {"$ref": "#/$defs/id"}},
+    }
+    assert not compile_schema(local).is_valid({"bookId": 1, "member": {"id": "m"}})
 
 
 def test_a_2020_12_keyword_is_checked_not_ignored() -> None:
