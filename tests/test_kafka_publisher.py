@@ -289,6 +289,20 @@ async def test_idempotent_producer_on_a_broker_without_it_says_what_to_change(
         await pub.close()
 
 
+async def test_transactional_producer_on_a_broker_without_it_says_to_remove_the_id(
+    tansu: TansuServer,
+) -> None:
+    """Transactions force the idempotent producer on: `enable_idempotence: false` is no way out."""
+    pub = publisher(tansu.bootstrap, transactional_id="relay-loans", enable_idempotence=False)
+    try:
+        (outcome,) = await pub.publish([message(unique_topic(), "b1", 1)])
+        assert isinstance(outcome, TransientPublishError)
+        assert "remove transactional_id" in str(outcome)
+        assert "set enable_idempotence: false" not in str(outcome)
+    finally:
+        await pub.close()
+
+
 async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everything(
     tansu_factory: Callable[..., TansuServer], events_table: str, tmp_path: Path
 ) -> None:
