@@ -33,7 +33,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.config import load_config
+from relay.config.schema import chart_config_schema, config_schema
+from relay.config.schema import render as render_schema
 from relay.core.metrics import Metrics
+from tests.support.relay_process import run_cli
 
 helm_python: Any
 try:
@@ -564,6 +567,42 @@ def test_schema_rejects_typos_and_wrong_types(chart: Any) -> None:
     # Rendering applies the schema too, as `helm install` does.
     with pytest.raises(helm_python.HelmValuesError):
         chart.render({"replicas": 3}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def test_chart_schema_embeds_the_relays_config_schema() -> None:
+    """values.schema.json holds `relay config-schema` for relay.config: `python3 dev.py schema`
+    writes it again after a change to the config models."""
+    values_schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    embedded = values_schema["properties"]["relay"]["properties"]["config"]
+    printed = run_cli(["config-schema"])
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == render_schema(config_schema())
+    assert embedded == chart_config_schema(json.loads(printed.stdout)), (
+        "helm/outbox-relay/values.schema.json is out of date: run `python3 dev.py schema`"
+    )
+
+
+def test_chart_refuses_a_typo_inside_an_outbox(chart: Any) -> None:
+    assert helm_python is not None
+    outbox = CUSTOM_CONFIG["outboxes"]["orders"]
+    for typo, where in [
+        ({**outbox, "mesages": outbox["messages"]}, "mesages"),
+        ({**outbox, "park_after": "ten"}, "park_after"),
+        ({**outbox, "batch": {"max_bytes": "4 parsecs"}}, "max_bytes"),
+    ]:
+        values = custom(outboxes={"orders": typo})
+        with pytest.raises(helm_python.HelmValuesError) as caught:
+            chart.validate_schema(values)
+        assert where in str(caught.value)
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    # What the relay accepts passes: ${VAR} anywhere, durations and sizes as text, the
+    # chart's example, and an empty relay.config (the example is used).
+    fine = {**outbox, "park_after": "${PARK_AFTER:-10}", "batch": {"max_bytes": "4MiB"}}
+    chart.validate_schema(custom(outboxes={"orders": fine}))
+    example = yaml.safe_load((CHART / "files" / "relay.example.yaml").read_text(encoding="utf-8"))
+    chart.validate_schema({"relay": {"config": example}})
+    chart.validate_schema({"relay": {"config": {}}})
 
 
 def test_packaged_chart_leaves_out_the_rule_tests(chart: Any) -> None:
