@@ -13,34 +13,15 @@ from typing import Any
 
 from relay.ops.log_noise import WINDOW
 from tests.support.db import NewEvent, append_many, connect
-from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
+from tests.support.kafka_server import (
+    TansuServer,
+    consume,
+    create_topic,
+    relay_config,
+    unique_topic,
+)
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
-
-
-def kafka_config(dsn: str, bootstrap: str, topic: str) -> dict[str, Any]:
-    return {
-        "database": {"url": dsn, "retry": {"initial": "20ms", "max": "200ms"}},
-        "source": {"poll_interval": "100ms"},
-        "brokers": {
-            "kafka": {
-                "type": "kafka",
-                "bootstrap_servers": [bootstrap],
-                "enable_idempotence": False,
-                "ack_timeout": "2s",
-                "connect_timeout": "1s",
-            }
-        },
-        "outboxes": {
-            "loans": {
-                "broker": "kafka",
-                "messages": {"BookLent": {"type": "library.book-lent.v1", "destination": topic}},
-                "retry": {"initial": "50ms", "max": "300ms"},
-            }
-        },
-        "http": {"enabled": False},
-        "logging": {"level": "info", "format": "json"},
-    }
 
 
 def lent(books: range) -> list[NewEvent]:
@@ -56,7 +37,7 @@ async def test_kafka_outage_does_not_flood_the_log_with_the_clients_retries(
     server = tansu_factory()
     topic = unique_topic("outage")
     await create_topic(server.bootstrap, topic, partitions=3)
-    path = save(tmp_path, kafka_config(events_table, server.bootstrap, topic))
+    path = save(tmp_path, relay_config(events_table, server.bootstrap, topic))
     assert run_cli(["migrate", "--config", str(path)]).returncode == 0
     async with connect(events_table) as conn:
         await append_many(conn, lent(range(5)))
@@ -128,7 +109,7 @@ async def test_an_outbox_pointed_at_another_broker_says_so_at_start_up(
     server = tansu_factory()
     topic = unique_topic("switched")
     await create_topic(server.bootstrap, topic, partitions=1)
-    on_kafka = kafka_config(events_table, server.bootstrap, topic)
+    on_kafka = relay_config(events_table, server.bootstrap, topic)
     on_kafka["brokers"] = {"nats": on_kafka["brokers"]["kafka"]}
     on_kafka["outboxes"]["loans"]["broker"] = "nats"
     on_kafka["logging"]["level"] = "debug"

@@ -27,6 +27,7 @@ from tests.support.kafka_server import (
     consume,
     create_topic,
     headers,
+    relay_config,
     unique_topic,
     version,
 )
@@ -308,36 +309,9 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
 ) -> None:
     server = tansu_factory(started=False)
     topic = unique_topic("late")
-    config = await load_and_migrate(
-        tmp_path,
-        {
-            "database": {"url": events_table},
-            "source": {"poll_interval": "100ms"},
-            "brokers": {
-                "kafka": {
-                    "type": "kafka",
-                    "bootstrap_servers": [server.bootstrap],
-                    "enable_idempotence": False,
-                    "ack_timeout": "2s",
-                    "connect_timeout": "1s",
-                }
-            },
-            "outboxes": {
-                "loans": {
-                    "broker": "kafka",
-                    "messages": {
-                        "BookLent": {
-                            "type": "library.book-lent.v1",
-                            "destination": topic,
-                            "payload": {"bookId": "aggregate_id", "version": "version"},
-                        }
-                    },
-                    "retry": {"initial": "50ms", "max": "300ms"},
-                }
-            },
-            "logging": {"level": "warning", "format": "json"},
-        },
-    )
+    payload = {"bookId": "aggregate_id", "version": "version"}
+    data = relay_config(events_table, server.bootstrap, topic, payload=payload, level="warning")
+    config = await load_and_migrate(tmp_path, data)
     events = [
         NewEvent("book", f"book-{b}", v, "BookLent", {"loanId": f"{b}-{v}"})
         for v in range(1, 6)

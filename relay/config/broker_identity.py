@@ -8,7 +8,7 @@ no user, password or token is ever part of it.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import re
 
 from relay.config.brokers import (
     KafkaBrokerConfig,
@@ -17,7 +17,15 @@ from relay.config.brokers import (
     SqsBrokerConfig,
 )
 
-_DEFAULT_PORTS = {"nats": 4222, "tls": 4222, "kafka": 9092, "amqp": 5672, "amqps": 5671}
+_DEFAULT_PORTS = {
+    "nats": 4222,
+    "tls": 4222,
+    "kafka": 9092,
+    "amqp": 5672,
+    "amqps": 5671,
+    "http": 80,
+    "https": 443,
+}
 
 
 def broker_identity(
@@ -25,17 +33,15 @@ def broker_identity(
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
-        hosts = [_host(server, "nats") for server in config.servers]
+        hosts = [_host(server, "nats")[0] for server in config.servers]
     elif isinstance(config, KafkaBrokerConfig):
-        hosts = [_host(server, "kafka") for server in config.bootstrap_servers]
+        hosts = [_host(server, "kafka")[0] for server in config.bootstrap_servers]
     elif isinstance(config, RabbitMqBrokerConfig):
-        url = config.url.get_secret_value().strip()
-        scheme = url.partition(":")[0].lower()
-        vhost = urlsplit(url).path.removeprefix("/") or "/"
-        hosts = [f"{_host(url, scheme)}/{vhost}"]
+        host, path = _host(config.url.get_secret_value(), "amqp")
+        hosts = [f"{host}/{path.removeprefix('/') or '/'}"]
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
-        hosts = [f"{_host(endpoint, 'https')}/{config.region}"]
+        hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]
     return f"{config.type} {','.join(sorted(set(hosts)))}"
 
 
@@ -49,15 +55,25 @@ def same_broker(recorded: str, current: str) -> bool:
     return type_a == type_b and bool(set(hosts_a.split(",")) & set(hosts_b.split(",")))
 
 
-def _host(address: str, default_scheme: str) -> str:
-    """`host:port` of a URL or a bare `host:port`, without credentials; default port added."""
+def _host(address: str, default_scheme: str) -> tuple[str, str]:
+    """(`host:port`, path) of a URL or a bare `host:port`; the default port added.
+
+    Not urlsplit: a raw `/`, `#` or `?` in a password (NATS URLs are not checked at load)
+    would end its netloc inside the password. Everything up to the last `@` is dropped,
+    as `relay.redaction` does.
+    """
     text = address.strip()
-    parts = urlsplit(text if "://" in text else f"{default_scheme}://{text}")
-    try:
-        port = parts.port
-        host = parts.hostname or ""
-    except ValueError:  # not a URL the clients would read either: keep the text after any '@'
-        return text.rpartition("@")[2].lower()
-    port = port or _DEFAULT_PORTS.get(parts.scheme.lower(), 443 if parts.scheme == "https" else 0)
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port}" if port else host
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = default_scheme, text
+    rest = rest.rpartition("@")[2]
+    hostport = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    path = re.split(r"[?#]", rest[len(hostport) :], maxsplit=1)[0]
+    if hostport.startswith("["):  # [IPv6]:port
+        host, _, port = hostport.partition("]")
+        host, port = f"{host}]", port.removeprefix(":")
+    else:
+        host, _, port = hostport.partition(":")
+    if not port.isdigit():
+        port = str(_DEFAULT_PORTS.get(scheme.lower(), ""))
+    return (f"{host.lower()}:{port}" if port else host.lower()), path

@@ -49,3 +49,14 @@ def test_same_broker_when_the_type_matches_and_a_host_is_shared() -> None:
     assert not same_broker("kafka k1:9092", "kafka k3:9092")
     assert not same_broker("nats k1:9092", "kafka k1:9092")
     assert not same_broker("rabbitmq mq:5672/prod", "rabbitmq mq:5672/test")
+
+
+@pytest.mark.parametrize("char", ["/", "@", ":", "#", "%", "?", "[", "]", "\\"])
+def test_no_piece_of_a_password_with_a_reserved_character_becomes_a_host(char: str) -> None:
+    """NATS URLs are not checked at load: a raw `/` in a password must not end the host."""
+    config = BROKERS.validate_python(
+        {"type": "nats", "servers": [f"nats://relay:Xk7{char}12@nats-1.internal:4222"]}
+    )
+    found = broker_identity(config)
+    assert found == "nats nats-1.internal:4222"
+    assert "Xk7" not in found and "12@" not in found
