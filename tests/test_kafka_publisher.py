@@ -310,7 +310,7 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
     server = tansu_factory(started=False)
     topic = unique_topic("late")
     payload = {"bookId": "aggregate_id", "version": "version"}
-    data = relay_config(events_table, server.bootstrap, topic, payload=payload, level="warning")
+    data = relay_config(events_table, [server.bootstrap], topic, payload=payload, level="warning")
     config = await load_and_migrate(tmp_path, data)
     events = [
         NewEvent("book", f"book-{b}", v, "BookLent", {"loanId": f"{b}-{v}"})
@@ -340,6 +340,27 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
             first_seen[book].append(int(v))
     assert seen == {f"book/{e.aggregate_id}@{e.version}" for e in events}
     assert all(versions == [1, 2, 3, 4, 5] for versions in first_seen.values())
+
+
+async def test_relay_takes_bootstrap_servers_as_one_comma_separated_string(
+    tansu: TansuServer, kafka_topic: str, events_table: str, tmp_path: Path
+) -> None:
+    """As Kafka users write it: the first address answers nothing, the second is tansu."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    servers = f"{nowhere}, {tansu.bootstrap}"
+    config = await load_and_migrate(
+        tmp_path, relay_config(events_table, servers, kafka_topic, connect_timeout="5s")
+    )
+    broker = config.brokers["kafka"]
+    assert isinstance(broker, KafkaBrokerConfig)
+    assert broker.bootstrap_servers == [nowhere, tansu.bootstrap]
+    async with connect(events_table) as conn:
+        await append_many(
+            conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(5)]
+        )
+    async with running(config):
+        records = await consume(tansu.bootstrap, kafka_topic, expected=5, timeout=60)
+    assert sorted(headers(r)["ce_id"] for r in records) == [f"book/b{i}@1" for i in range(5)]
 
 
 # -- transactions, against a scripted producer ----------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 
 import jmespath
 import pytest
@@ -240,3 +240,40 @@ def test_templates_of_scalar_fields_check_each_field_and_keep_braces() -> None:
         render({"aggregate_type": "book", "aggregate_id": "", "version": 2})
     with pytest.raises(ExpressionError, match=r"\{version\} is null or empty"):
         render({"aggregate_type": "book", "aggregate_id": "b-1", "version": None})
+
+
+def test_one_placeholder_templates_render_like_the_general_ones() -> None:
+    envelope = {"aggregate_id": "b-1", "version": 2, "data": {"flag": False, "n": None}}
+    assert compile_template("{aggregate_id}")(envelope) == "b-1"
+    assert compile_template("{{k}}:{version}}}")(envelope) == "{k}:2}"
+    assert compile_template("flag={data.flag}.")(envelope) == "flag=false."
+    with pytest.raises(ExpressionError, match=r"\{data.n\} is null or empty"):
+        compile_template("x.{data.n}")(envelope)
+    with pytest.raises(ExpressionError, match=r"\{aggregate_id\} is null or empty"):
+        compile_template("{aggregate_id}")({"aggregate_id": ""})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_created_at_is_written_exactly_as_isoformat(seed: int) -> None:
+    """The mapper writes UTC times a second at a time; any time must come out as isoformat()."""
+    rng = random.Random(seed)
+    mapper = Mapper(
+        "o",
+        OutboxConfig(
+            broker="b",
+            messages={"BookLent": {"type": "t", "destination": "d", "payload": "created_at"}},
+        ),
+    )
+    zones = [UTC, timezone(timedelta(hours=5, minutes=30)), None]
+    moments = [WHEN, WHEN.replace(microsecond=1), datetime(1969, 12, 31, 23, 59, 59, 999999, UTC)]
+    moments += [
+        datetime.fromtimestamp(rng.uniform(-3e9, 5e9), rng.choice(zones[:2])).replace(
+            microsecond=rng.choice([0, rng.randrange(10**6)]), tzinfo=rng.choice(zones)
+        )
+        for _ in range(2000)
+    ]
+    for moment in moments:
+        message = mapper.map(event(created_at=moment))
+        assert message is not None
+        assert message.time_text == moment.isoformat()
+        assert json.loads(message.body) == moment.isoformat()

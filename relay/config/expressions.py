@@ -87,32 +87,52 @@ def _dotted_getter(parts: tuple[str, ...]) -> Getter:
 Template = Callable[[Mapping[str, Any]], str]
 
 
-def compile_template(source: str) -> Template:
-    """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces."""
-    pieces: list[str | tuple[str, Getter]] = []
+def template_pieces(source: str) -> tuple[list[tuple[str, str]], str]:
+    """Split a template into (literal text before, placeholder expression) steps and a tail.
+
+    `{{` and `}}` come back as single braces in the literal text. Shared by the compiler and
+    by `relay contract`, which turns placeholders into AsyncAPI channel parameters.
+    """
+    steps: list[tuple[str, str]] = []
+    literal: list[str] = []
     pos = 0
     for match in _PLACEHOLDER.finditer(source):
-        pieces.append(source[pos : match.start()])
+        literal.append(source[pos : match.start()])
         token = match.group(0)
         if token in ("{{", "}}"):
-            pieces.append(token[0])
+            literal.append(token[0])
         elif match.group(1) is None:
             raise ExpressionError(f"unbalanced brace in template {source!r}")
         else:
-            pieces.append((match.group(1).strip(), compile_expression(match.group(1))))
+            steps.append(("".join(literal), match.group(1).strip()))
+            literal = []
         pos = match.end()
-    pieces.append(source[pos:])
-    steps: list[tuple[str, str, Getter]] = []  # (literal before, expression, getter)
-    literal = ""
-    for piece in pieces:
-        if isinstance(piece, str):
-            literal += piece
-        else:
-            steps.append((literal, *piece))
-            literal = ""
-    if not steps:
-        return lambda _envelope: literal
-    return _render(tuple(steps), literal)
+    literal.append(source[pos:])
+    return steps, "".join(literal)
+
+
+def compile_template(source: str) -> Template:
+    """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces."""
+    pieces, tail = template_pieces(source)
+    if not pieces:
+        return lambda _envelope: tail
+    steps = tuple((before, expr, compile_expression(expr)) for before, expr in pieces)
+    if len(steps) == 1:
+        return _render_one(*steps[0], tail)
+    return _render(steps, tail)
+
+
+def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
+    """One placeholder (`{aggregate_id}`, `library.{aggregate_type}`): the common case,
+    without the list and join of the general renderer (about a microsecond per event)."""
+
+    def render(envelope: Mapping[str, Any]) -> str:
+        value = getter(envelope)
+        if value is None or value == "":
+            raise ExpressionError(f"{{{expr}}} is null or empty for this event")
+        return before + (value if type(value) is str else _text(value)) + tail
+
+    return render
 
 
 def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:

@@ -8,13 +8,14 @@ import json
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from relay import __version__
-from relay.config import RelayConfig, load_config
+from relay.config import RelayConfig, config_path, load_config
 from relay.errors import ConfigError, RelayError, UsageError
 from relay.ops.logs import configure
 from relay.redaction import redact
@@ -127,6 +128,44 @@ def check(
                 f"{head} -> {row['destination']} type={row['type']} id={row['id']} "
                 f"key={row['key']}\n    {row['body']}"
             )
+
+
+class ContractFormat(StrEnum):
+    yaml = "yaml"
+    json = "json"
+
+
+@app.command()
+def contract(
+    config: ConfigOption = None,
+    format_: Annotated[
+        ContractFormat, typer.Option("--format", "-f", help="yaml or json.")
+    ] = ContractFormat.yaml,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to FILE instead of stdout.")
+    ] = None,
+    title: Annotated[str, typer.Option("--title", help="info.title of the document.")] = (
+        "Integration events"
+    ),
+    api_version: Annotated[
+        str, typer.Option("--api-version", help="info.version of the document.")
+    ] = "1.0.0",
+) -> None:
+    """Write an AsyncAPI 3.0 document of the integration events the config publishes."""
+    from relay.ops.contract import contract_document, render
+
+    cfg = _load(config)
+    document = contract_document(cfg, config_path(config), title=title, version=api_version)
+    text = render(document, format_.value)
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        typer.echo(f"error: cannot write {output}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {output}", err=True)
 
 
 @app.command()

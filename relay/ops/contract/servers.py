@@ -1,0 +1,139 @@
+"""The contract's servers: where each configured broker is, and how clients authenticate.
+
+Nothing here may carry a secret. Hosts come from URLs taken apart field by field (the
+user and password part is never read), query strings are dropped, and security schemes say
+only which kind of credential a broker wants, never its value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from relay.config import (
+    BrokerConfig,
+    KafkaBrokerConfig,
+    NatsBrokerConfig,
+    RabbitMqBrokerConfig,
+    SqsBrokerConfig,
+)
+
+Object = dict[str, Any]
+
+_SASL = {"PLAIN": "plain", "SCRAM-SHA-256": "scramSha256", "SCRAM-SHA-512": "scramSha512"}
+
+
+def host_of(address: str) -> tuple[str, str]:
+    """(`host[:port]`, path) of a URL or a bare `host:port`, without user, password or query.
+
+    Not urlsplit: a raw `/`, `#` or `?` in a password would end its netloc inside the
+    password. Everything up to the last `@` is dropped, as `relay.redaction` does.
+    """
+    rest = address.strip().partition("://")[2] or address.strip()
+    rest = rest.rpartition("@")[2]
+    host = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    path = re.split(r"[?#]", rest[len(host) :], maxsplit=1)[0]
+    return host, path
+
+
+def servers(brokers: dict[str, BrokerConfig]) -> tuple[Object, Object]:
+    """(servers, security schemes), one server per configured broker, named as in the config."""
+    found: Object = {}
+    schemes: Object = {}
+    for name, broker in brokers.items():
+        server, needs = _server(broker)
+        security = []
+        for scheme_name, scheme in needs.items():
+            key = f"{name}-{scheme_name}"
+            schemes[key] = scheme
+            security.append({"$ref": f"#/components/securitySchemes/{key}"})
+        if security:
+            server["security"] = security
+        found[name] = server
+    return found, schemes
+
+
+def _server(broker: BrokerConfig) -> tuple[Object, Object]:
+    if isinstance(broker, NatsBrokerConfig):
+        return _nats(broker)
+    if isinstance(broker, KafkaBrokerConfig):
+        return _kafka(broker)
+    if isinstance(broker, RabbitMqBrokerConfig):
+        return _rabbitmq(broker)
+    return _sqs(broker)
+
+
+def _listing(kind: str, hosts: list[str]) -> Object:
+    """The first host is the server's; a cluster's others are named in its description."""
+    server: Object = {"host": hosts[0]}
+    if len(hosts) > 1:
+        server["description"] = f"{kind}: {', '.join(hosts)}."
+    return server
+
+
+def _mutual_tls(tls: Any) -> Object:
+    if tls is not None and tls.cert_file is not None:
+        return {"tls-client-certificate": {"type": "X509"}}
+    return {}
+
+
+def _nats(broker: NatsBrokerConfig) -> tuple[Object, Object]:
+    server = _listing("Servers", [host_of(url)[0] for url in broker.servers])
+    server["protocol"] = "nats"
+    server["title"] = "NATS JetStream" if broker.jetstream else "NATS"
+    if broker.stream is not None:
+        server["summary"] = f"Stream {broker.stream.name}."
+    needs: Object = {}
+    if broker.user is not None:
+        needs["user-password"] = {"type": "userPassword"}
+    if broker.token is not None:
+        needs["token"] = {"type": "apiKey", "in": "user", "description": "A NATS auth token."}
+    if broker.creds_file is not None:
+        needs["credentials"] = {
+            "type": "asymmetricEncryption",
+            "description": "A NATS credentials file: an NKey and a user JWT.",
+        }
+    return server, {**needs, **_mutual_tls(broker.tls)}
+
+
+def _kafka(broker: KafkaBrokerConfig) -> tuple[Object, Object]:
+    server = _listing("Bootstrap servers", [host_of(h)[0] for h in broker.bootstrap_servers])
+    secure = broker.security_protocol in ("SSL", "SASL_SSL")
+    server["protocol"] = "kafka-secure" if secure else "kafka"
+    server["title"] = "Kafka"
+    needs: Object = {}
+    if broker.sasl_mechanism is not None and broker.security_protocol.startswith("SASL"):
+        needs["sasl"] = {"type": _SASL[broker.sasl_mechanism]}
+    return server, {**needs, **_mutual_tls(broker.tls)}
+
+
+def _rabbitmq(broker: RabbitMqBrokerConfig) -> tuple[Object, Object]:
+    url = broker.url.get_secret_value()  # only the scheme, host and path are read
+    host, path = host_of(url)
+    server: Object = {
+        "host": host,
+        "protocol": url.partition(":")[0].lower(),
+        "protocolVersion": "0.9.1",
+        "title": "RabbitMQ",
+    }
+    if path not in ("", "/"):
+        server["pathname"] = path
+    return server, {"user-password": {"type": "userPassword"}, **_mutual_tls(broker.tls)}
+
+
+def _sqs(broker: SqsBrokerConfig) -> tuple[Object, Object]:
+    if broker.endpoint_url is not None:
+        host = host_of(broker.endpoint_url)[0]
+    else:
+        host = f"sqs.{broker.region}.amazonaws.com"
+    server: Object = {
+        "host": host,
+        "protocol": "sqs",
+        "title": "Amazon SQS",
+        "summary": f"Region {broker.region}.",
+    }
+    sigv4 = {
+        "type": "symmetricEncryption",
+        "description": "AWS credentials (Signature Version 4), from the standard AWS chain.",
+    }
+    return server, {"aws-sigv4": sigv4}

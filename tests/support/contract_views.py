@@ -1,0 +1,68 @@
+"""Outbox views and broker configs for the AsyncAPI generator's tests, built in code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relay.config import (
+    BrokerConfig,
+    KafkaBrokerConfig,
+    NatsBrokerConfig,
+    RabbitMqBrokerConfig,
+    SqsBrokerConfig,
+)
+from relay.ops.contract.document import build
+from relay.ops.contract.view import OutboxView, Protocol, RuleView
+
+BROKERS: dict[str, BrokerConfig] = {
+    "nats": NatsBrokerConfig(type="nats", servers=["nats://127.0.0.1:4222"]),
+    "kafka": KafkaBrokerConfig(type="kafka", bootstrap_servers=["127.0.0.1:9092"]),
+    "rabbit": RabbitMqBrokerConfig.model_validate(
+        {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/"}
+    ),
+    "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+}
+PROTOCOL: dict[str, Protocol] = {
+    "nats": "nats",
+    "kafka": "kafka",
+    "rabbit": "rabbitmq",
+    "sqs": "sqs",
+}
+
+LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}
+BOOK_LENT_V2_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://schemas.example.com/library/book-lent.v2.json",
+    "type": "object",
+    "required": ["bookId", "member"],
+    "properties": {
+        "bookId": {"type": "string"},
+        "member": {"$ref": "#/$defs/member"},
+        "previous": {"$ref": "#"},
+    },
+    "$defs": {"member": {"type": "object", "properties": {"id": {"type": "string"}}}},
+}
+
+
+def rule(type_: str, destination: str = "library.loans", **fields: Any) -> RuleView:
+    defaults: dict[str, Any] = {
+        "key": "{aggregate_id}",
+        "id": "{aggregate_type}/{aggregate_id}@{version}",
+        "payload": LENT,
+    }
+    return RuleView(type=type_, destination=destination, **{**defaults, **fields})
+
+
+def outbox(rules: list[tuple[str, RuleView]], broker: str = "nats", **fields: Any) -> OutboxView:
+    return OutboxView(
+        name=fields.pop("name", f"{broker}-outbox"),
+        broker=broker,
+        protocol=PROTOCOL[broker],
+        source=fields.pop("source", "/outbox-relay/loans"),
+        rules=tuple(rules),
+        **fields,
+    )
+
+
+def document(*views: OutboxView) -> dict[str, Any]:
+    return build(list(views), BROKERS, title="t", version="1", description="d")
