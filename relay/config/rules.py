@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from relay.config.base import Model
 from relay.config.expressions import ExpressionError, compile_expression, compile_template
-from relay.config.schemas import SchemaError, load_schema
+from relay.config.message_schemas import SchemaError, load_schema
 
 TemplateStr = Annotated[str, Field(min_length=1)]
 

@@ -27,7 +27,7 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
-from relay.config.schemas import CompiledSchema, compile_schema
+from relay.config.message_schemas import CompiledSchema, compile_schema
 from relay.core.publishing import Message
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
 

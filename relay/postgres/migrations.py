@@ -104,6 +104,11 @@ STEPS: tuple[str, ...] = (
       seen_at     timestamptz NOT NULL DEFAULT now()
     );
     """,
+    # The broker each checkpoint was last written for (type and hosts, no credentials), so
+    # that an outbox pointed at another broker says so at start-up.
+    """
+    ALTER TABLE {schema}.checkpoints ADD COLUMN broker text;
+    """,
     # Several messages per event (a list of rules): each is parked, and its failures
     # counted, on its own; `rule` names it ('' for an event type's single rule).
     """

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from relay.config import OutboxConfig, load_config
-from relay.config.schemas import SchemaError, compile_schema
+from relay.config.message_schemas import SchemaError, compile_schema
 from relay.core.mapping import Event, Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
 from relay.ops.operations import _parked_rules
