@@ -13,6 +13,7 @@ from relay.config import OutboxConfig, load_config
 from relay.config.message_schemas import SchemaError, compile_schema
 from relay.core.mapping import Event, Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
+from relay.ops.contract.view import rules_of
 from relay.ops.operations import _parked_rules
 from relay.postgres.store import ParkedMessage
 
@@ -353,3 +354,18 @@ def test_an_empty_list_of_rules_is_refused(tmp_path: Path) -> None:
     text = CONFIG.split("      BookLent:", maxsplit=1)[0] + "      BookLent: []\n"
     message = error_of(write(tmp_path, text))
     assert "relay.yaml:11: outboxes.loans.messages.BookLent:" in message
+
+
+def test_the_contract_sees_every_rule_of_a_list() -> None:
+    """relay contract documents each rule: its own id, its schema and its condition."""
+    conditional = {**V1, "destination": "library.priority", "when": "data.urgent"}
+    conditional["id"] = "{aggregate_id}/priority"
+    views = list(rules_of(outbox({"BookLent": [V1, V2, conditional], "BookReturned": V1})))
+    assert [(event_type, view.type, view.id) for event_type, view in views] == [
+        ("BookLent", V1["type"], "{aggregate_type}/{aggregate_id}@{version}/library.book-lent.v1"),
+        ("BookLent", V2["type"], "{aggregate_type}/{aggregate_id}@{version}/library.book-lent.v2"),
+        ("BookLent", V1["type"], "{aggregate_id}/priority"),
+        ("BookReturned", V1["type"], "{aggregate_type}/{aggregate_id}@{version}"),
+    ]
+    assert views[1][1].schema == V2_SCHEMA
+    assert views[2][1].when == "data.urgent"
