@@ -11,10 +11,12 @@ import pytest
 
 from relay.config import OutboxConfig, load_config
 from relay.config.message_schemas import SchemaError, compile_schema
+from relay.core.delivery import items_of
 from relay.core.mapping import Event, Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
 from relay.ops.contract.view import rules_of
 from relay.ops.operations import _parked_rules
+from relay.ops.outbox import _within
 from relay.postgres.store import ParkedMessage
 
 V2_SCHEMA: dict[str, Any] = {
@@ -369,3 +371,20 @@ def test_the_contract_sees_every_rule_of_a_list() -> None:
     ]
     assert views[1][1].schema == V2_SCHEMA
     assert views[2][1].when == "data.urgent"
+
+
+def test_a_batch_never_splits_an_events_messages() -> None:
+    """max_bytes cuts between events: the checkpoint must not pass one half sent."""
+    mapper = Mapper("loans", outbox({"BookLent": [V1, {**V2, "schema": None}]}))
+
+    def skipped(_rule: object) -> None:
+        raise AssertionError("no rule has a condition")
+
+    per_event = [items_of(mapper, event({"memberId": f"m{n}"}), skipped) for n in range(3)]
+    size = sum(len(i.message.body) for i in per_event[0] if i.message is not None)
+    items, taken = _within(size + 10, per_event)  # room for one event and a bit of the next
+    assert taken == 1 and items == per_event[0] and len(items) == 2
+    items, taken = _within(1, per_event)  # the first event goes whatever its size
+    assert taken == 1 and len(items) == 2
+    items, taken = _within(10 * size, per_event)
+    assert taken == 3 and len(items) == 6
