@@ -31,7 +31,7 @@ import contextlib
 import functools
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,14 +176,45 @@ class KafkaPublisher:
             raise
         self._producer = producer
 
-    def _new_producer(self) -> AIOKafkaProducer:
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: connect and authenticate as a producer (never with the
+        transactional id, which would fence a running relay's producer), and find each topic
+        in the cluster's metadata, which creates none. Nothing is published; what is wrong,
+        one line each."""
         c = self._config
+        producer = self._new_producer(transactional=False)
+        try:
+            async with asyncio.timeout(c.connect_timeout):
+                await producer.start()
+            async with asyncio.timeout(c.ack_timeout):
+                metadata = await producer.client.fetch_all_metadata()
+        except (OSError, TimeoutError, KafkaError) as exc:
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {self._connect_error(exc)}"
+            ) from exc
+        finally:
+            await _stop(producer)
+        topics = metadata.topics()
+        problems = []
+        for topic in sorted(destinations):
+            if not _TOPIC.match(topic) or topic in (".", ".."):
+                problems.append(f"broker {self.name!r}: {topic!r} is not a valid Kafka topic name")
+            elif topic not in topics:
+                problems.append(
+                    f"broker {self.name!r}: topic {topic!r} does not exist: every message to it"
+                    " would be retried for ever; create it"
+                )
+        return problems
+
+    def _new_producer(self, *, transactional: bool = True) -> AIOKafkaProducer:
+        c = self._config
+        tid = c.transactional_id if transactional else None
         options: dict[str, Any] = {
             "bootstrap_servers": c.bootstrap_servers,
             "client_id": c.client_id,
             "acks": "all",
-            "enable_idempotence": c.enable_idempotence,
-            "transactional_id": c.transactional_id,
+            "enable_idempotence": c.enable_idempotence or c.transactional_id is not None,
+            "transactional_id": tid,
             "compression_type": None if c.compression_type == "none" else c.compression_type,
             "max_request_size": c.max_request_size,
             # Explicit record batches are filled up to this (see _plan).
