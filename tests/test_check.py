@@ -432,3 +432,53 @@ async def test_run_logs_a_start_up_line_and_a_dying_task_once_as_fields(
     assert all("locals" not in frame for frame in trace["frames"])
     assert sum("exception" in record for record in relay.logs()) == 1
     assert "Traceback" not in relay.output()
+
+
+# -- config rules that used to wait for the adapter ------------------------------------------
+
+BROKER_RULES = {
+    "rabbitmq url not amqp": (
+        {"type": "rabbitmq", "url": "http://guest:guest@127.0.0.1:5672/"},
+        "brokers.b.url: must start with amqp:// or amqps://",
+    ),
+    "nats server not a nats url": (
+        {"type": "nats", "servers": ["http://127.0.0.1:4222"]},
+        "brokers.b.servers: http:// is not a NATS URL scheme; use nats://, tls://, ws://, wss://",
+    ),
+    "nats creds file missing": (
+        {"type": "nats", "servers": ["nats://127.0.0.1:4222"], "creds_file": "/nope/x.creds"},
+        "brokers.b.creds_file: no such file: /nope/x.creds",
+    ),
+    "tls file missing": (
+        {
+            "type": "kafka",
+            "bootstrap_servers": ["k:9092"],
+            "security_protocol": "SSL",
+            "tls": {"ca_file": "/nope/ca.pem"},
+        },
+        "brokers.b.tls: cannot load the TLS files: [Errno 2] No such file or directory",
+    ),
+    "sqs endpoint not a url": (
+        {"type": "sqs", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
+        "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "sqs region malformed": (
+        {"type": "sqs", "region": "eu west 1"},
+        "brokers.b.region: String should match pattern",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKER_RULES))
+def test_broker_rules_are_config_errors_that_check_offline_reports(
+    case: str, tmp_path: Path
+) -> None:
+    broker, message = BROKER_RULES[case]
+    data = config_dict("postgresql://127.0.0.1:1/app", "nats://127.0.0.1:1", "library")
+    data["brokers"] = {"b": broker}
+    data["outboxes"]["loans"]["broker"] = "b"
+    path = save(tmp_path, data)
+    result = run_cli(["check", "--config", str(path), "--offline"])
+    assert result.returncode == 2, result.stderr
+    assert "relay.yaml:" in result.stderr and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

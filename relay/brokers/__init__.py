@@ -48,8 +48,8 @@ class Probing(Protocol):
 
 async def probe_broker(name: str, config: BrokerConfig, destinations: Collection[str]) -> list[str]:
     """Connect to broker `name`, log in and look for `destinations`; publishes nothing."""
-    publisher = cast(Probing, create_publisher(name, config))
     try:
+        publisher = cast(Probing, create_publisher(name, config))
         return await publisher.probe(destinations)
-    except PublishError as exc:
+    except (ConfigError, PublishError) as exc:
         return [str(exc)]

@@ -37,7 +37,6 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.codec import has_gzip, has_lz4, has_snappy, has_zstd
 from aiokafka.errors import (
     BrokerResponseError,
     InvalidTopicError,
@@ -56,7 +55,7 @@ from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 log = structlog.get_logger("relay.brokers.kafka")
 
@@ -83,14 +82,6 @@ def _key_hash(key: bytes) -> int:
     into it. An aggregate's key comes back with each of its events, so it is hashed once.
     """
     return int(murmur2(key)) & 0x7FFFFFFF
-
-
-_CODECS = {
-    "gzip": (has_gzip, "the standard library's gzip"),
-    "snappy": (has_snappy, "the `cramjam` package"),
-    "lz4": (has_lz4, "the `cramjam` package"),
-    "zstd": (has_zstd, "the `cramjam` package"),
-}
 
 
 @dataclass
@@ -150,7 +141,7 @@ class KafkaPublisher:
         self._log = log.bind(broker=name)
         self._stage = "connecting"  # what publish was waiting for, should ack_timeout expire
         self.duplicates = 0  # Kafka does not say when it dropped a duplicate
-        self._ssl = _check(name, config)
+        self._ssl = _check(config)
         if config.transactional_id is not None and not config.enable_idempotence:
             self._log.warning(
                 "transactional_id implies the idempotent producer; enable_idempotence: "
@@ -547,21 +538,11 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _check(name: str, config: KafkaBrokerConfig) -> ssl.SSLContext | None:
-    """What the producer cannot be built without; the TLS context when TLS is used."""
-    if config.compression_type != "none":
-        available, needs = _CODECS[config.compression_type]
-        if not available():
-            raise ConfigError(
-                f"brokers.{name}.compression_type: {config.compression_type} needs {needs}"
-            )
+def _check(config: KafkaBrokerConfig) -> ssl.SSLContext | None:
+    """The TLS context when TLS is used (the config model checked that its files load)."""
     if config.security_protocol not in ("SSL", "SASL_SSL"):
         return None  # the config model refuses tls without them
-    try:
-        context = (config.tls or TlsConfig()).context()
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"brokers.{name}.tls: {exc}") from exc
-    return context
+    return (config.tls or TlsConfig()).context()
 
 
 def _text(exc: BaseException) -> str:

@@ -17,10 +17,10 @@ from typing import Any
 
 import asyncpg
 
-from relay.brokers import probe_broker
+from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
 from relay.core.mapping import Event, Mapper
-from relay.errors import DatabaseError, MalformedEventError, MappingError, SourceError
+from relay.errors import ConfigError, DatabaseError, MalformedEventError, MappingError, SourceError
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.migrations import LATEST, schema_version
@@ -50,6 +50,7 @@ async def run_check(config: RelayConfig, last: int, *, offline: bool = False) ->
             await asyncio.gather(brokers, return_exceptions=True)
         raise
     if brokers is None:
+        report.problems += _adapters(config)
         report.notes.append("brokers not checked (--offline)")
         return report
     for name, problems in zip(config.brokers, await brokers, strict=True):
@@ -94,6 +95,17 @@ async def _migration_state(conn: asyncpg.Connection, config: RelayConfig) -> lis
             " `relay run` refuses to start until `relay migrate` has run"
         ]
     return []
+
+
+def _adapters(config: RelayConfig) -> list[str]:
+    """What stops an adapter from being built at all (its client library missing)."""
+    problems = []
+    for name, broker in config.brokers.items():
+        try:
+            create_publisher(name, broker)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _probes(config: RelayConfig) -> Iterator[Any]:
