@@ -13,10 +13,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from nats.js.errors import NotFoundError
 
 from relay.postgres.lease import lock_key
 from tests.support import postgres
 from tests.support.db import connect
+from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
 from tests.support.nats_server import NatsServerWithAuth
@@ -482,3 +484,27 @@ def test_broker_rules_are_config_errors_that_check_offline_reports(
     assert result.returncode == 2, result.stderr
     assert "relay.yaml:" in result.stderr and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_a_configured_stream_is_created_at_start_not_by_check(
+    migrated: str, nats_url: str, tmp_path: Path
+) -> None:
+    name = unique_name("chk-own")
+    stream = {"name": name, "subjects": [f"{name}.>"]}
+    brokers = {"nats": {"type": "nats", "servers": [nats_url], "stream": stream}}
+    data = broker_config(migrated, brokers, {f"{name}.loans": "nats"})
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 0, result.stderr  # `relay run` will create it
+    async with nats_connect(nats_url) as nc:
+        with pytest.raises(NotFoundError):
+            await nc.jetstream().stream_info(name)  # check created nothing
+
+    data["brokers"]["nats"]["stream"]["create"] = False
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 1
+    assert errors(result.stderr) == [
+        f"error: broker 'nats': stream {name!r} does not exist and stream.create is false",
+        f"error: broker 'nats': no JetStream stream captures subject '{name}.loans': every"
+        " message to it would be retried for ever; create a stream for it (or configure"
+        " brokers.<name>.stream)",
+    ]

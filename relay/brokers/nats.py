@@ -174,7 +174,7 @@ class NatsPublisher:
         if (
             wanted is not None
             and wanted.create
-            and any(_captures(pattern, subject) for pattern in wanted.subjects)
+            and any(captures(pattern, subject) for pattern in wanted.subjects)
         ):
             return None  # the configured stream captures it, and is created at start
         try:
@@ -454,7 +454,7 @@ def _broken_rule(subject: str) -> str:
     return "it contains whitespace or a control character"
 
 
-def _captures(pattern: str, subject: str) -> bool:
+def captures(pattern: str, subject: str) -> bool:
     """Whether a stream subject (`*` one token, `>` the rest) captures a publish subject."""
     want, got = pattern.split("."), subject.split(".")
     for i, token in enumerate(want):
