@@ -232,25 +232,20 @@ async def _own_schema(
                     )
                 )
             continue
-        lacking = [p for p in OWN_TABLES.get(obj["relname"], ()) if not obj[p]]
-        if lacking:
-            found.append(
-                Missing(
-                    f"{', '.join(lacking)} on table {obj['name']}",
-                    "the relay keeps its own state there",
-                    f"GRANT {', '.join(lacking)} ON {obj['name']} TO {to};",
+        for needs, why, required in (
+            (OWN_TABLES, "the relay keeps its own state there", True),
+            (_REPARTITION_ONLY, "only `relay repartition` needs it (it rewrites lanes)", False),
+        ):
+            if lacking := [p for p in needs.get(obj["relname"], ()) if not obj[p]]:
+                privileges = ", ".join(lacking)
+                found.append(
+                    Missing(
+                        f"{privileges} on table {obj['name']}",
+                        why,
+                        f"GRANT {privileges} ON {obj['name']} TO {to};",
+                        required,
+                    )
                 )
-            )
-        only = [p for p in _REPARTITION_ONLY.get(obj["relname"], ()) if not obj[p]]
-        if only:
-            found.append(
-                Missing(
-                    f"{', '.join(only)} on table {obj['name']}",
-                    "only `relay repartition` needs it (it rewrites an outbox's lanes)",
-                    f"GRANT {', '.join(only)} ON {obj['name']} TO {to};",
-                    required=False,
-                )
-            )
     return found
 
 
