@@ -189,7 +189,7 @@ async def test_a_holder_this_role_may_not_end_is_named(
         assert result.returncode == 0, result.stderr
         assert (
             f"warning: database: ending the sessions of role {holder_role!r}: a lease of this"
-            f" config is held now by relay:other-pod:7:lease session of role {holder_role!r},"
+            f" config is held now by the session relay:other-pod:7:lease of role {holder_role!r},"
             " which this role may not end: if that holder goes silent, heartbeat takeover cannot"
             " work"
         ) in result.stderr

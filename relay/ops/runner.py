@@ -170,43 +170,46 @@ class Relay:
                     conn.terminate()
 
     async def _preflight(self, db: Database) -> bool:
-        """Refuse to start on what no retry can fix: a missing migration, a bad table.
+        """Refuse to start on what no retry can fix: a missing right or migration, a bad table.
 
-        An unreachable database is waited for (False if stopped meanwhile).
+        An unreachable database is waited for, also when it goes away during the checks
+        (False if stopped meanwhile).
         """
         backoff, attempt = Backoff(self.config.database.retry), 0
         while True:
             try:
                 conn = await db.connect("preflight")
                 self._db_seen = time.monotonic()
-                break
-            except DatabaseUnavailable as exc:
+                try:
+                    await self._checks(conn)
+                finally:
+                    conn.terminate()  # each statement committed on its own: nothing to finish
+                return True
+            except (DatabaseUnavailable, *CONNECTION_LOST) as exc:
                 if self.stop.is_set():
                     return False
                 attempt += 1
                 log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
                 await sleep_unless(self.stop, backoff.delay(attempt))
-        try:
-            version = conn.get_server_version()
-            if version.major < 14:
-                raise DatabaseError(
-                    f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
-                    " (client_connection_check_interval frees a dead holder's lease)"
-                )
-            rights = await check_rights(conn, self.config)
-            for missing in rights.degraded:
-                log.warning(
-                    "database right missing", right=missing.what, why=missing.why, fix=missing.fix
-                )
-            rights.raise_if_required_missing()
-            await ensure_migrated(conn, self.config.database.schema_)
-            await EventSource(self.config.source).check(conn)
-            partitions = Partitions(self.config.database.schema_)
-            for name, outbox in self.config.outboxes.items():
-                await partitions.agree(conn, name, outbox.partitions)
-        finally:
-            await conn.close()
-        return True
+
+    async def _checks(self, conn: asyncpg.Connection) -> None:
+        version = conn.get_server_version()
+        if version.major < 14:
+            raise DatabaseError(
+                f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
+                " (client_connection_check_interval frees a dead holder's lease)"
+            )
+        rights = await check_rights(conn, self.config)
+        for missing in rights.degraded:
+            log.warning(
+                "database right missing", right=missing.what, why=missing.why, fix=missing.fix
+            )
+        rights.raise_if_required_missing()
+        await ensure_migrated(conn, self.config.database.schema_)
+        await EventSource(self.config.source).check(conn)
+        partitions = Partitions(self.config.database.schema_)
+        for name, outbox in self.config.outboxes.items():
+            await partitions.agree(conn, name, outbox.partitions)
 
     async def _supervise(
         self,

@@ -79,7 +79,8 @@ WHERE c.relnamespace = $1 AND c.relkind IN ('r', 'p', 'S') ORDER BY c.relname
 # superusers end a superuser's session; otherwise membership in the session's role, or
 # in pg_signal_backend, is needed (the rules of pg_terminate_backend).
 _UNENDABLE_HOLDERS = """
-SELECT DISTINCT r.rolname AS role, coalesce(a.application_name, '') AS application_name
+SELECT DISTINCT r.rolname AS role, coalesce(a.application_name, '') AS application_name,
+  r.rolsuper AS superuser
 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid JOIN pg_roles r ON r.oid = a.usesysid
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -278,12 +279,15 @@ async def _ending_holders(
         found.append(
             Missing(
                 f"ending the sessions of role {holder['role']!r}",
-                f"a lease of this config is held now by {holder['application_name'] or 'a'}"
-                f" session of role {holder['role']!r}, which this role may not end: if that"
+                "a lease of this config is held now by the session"
+                f" {holder['application_name'] or '(no application_name)'} of role"
+                f" {holder['role']!r}, which this role may not end: if that"
                 " holder goes silent, heartbeat takeover cannot work and its outboxes stop"
                 " until it is stopped by hand; run every replica as the same role",
-                f"GRANT pg_signal_backend TO {to}; (a superuser's session only a superuser"
-                " may end)",
+                "run every replica as one role that is not a superuser (only a superuser may"
+                " end a superuser's session)"
+                if holder["superuser"]
+                else f"GRANT pg_signal_backend TO {to};",
                 required=False,
             )
         )
