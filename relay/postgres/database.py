@@ -126,7 +126,9 @@ def address(url: str) -> str:
     hosts = authority.group().rpartition("@")[2] if authority else ""
     if not hosts:
         return "the default host (PGHOST or the local socket)"
-    return ",".join(h if re.search(r"(:\d+|\]:\d+)$", h) else f"{h}:5432" for h in hosts.split(","))
+    return ",".join(
+        h if re.search(r":\d+$", h) else f"{h.rstrip(':')}:5432" for h in hosts.split(",")
+    )
 
 
 def _text(exc: BaseException) -> str:
