@@ -173,7 +173,7 @@ class KafkaPublisher:
         in the cluster's metadata, which creates none. Nothing is published; what is wrong,
         one line each."""
         c = self._config
-        producer = self._new_producer(transactional=False)
+        producer = AIOKafkaProducer(**self._options(transactional=False))
         try:
             async with asyncio.timeout(c.connect_timeout):
                 await producer.start()
@@ -197,15 +197,20 @@ class KafkaPublisher:
                 )
         return problems
 
-    def _new_producer(self, *, transactional: bool = True) -> AIOKafkaProducer:
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(**self._options())
+
+    def _options(self, *, transactional: bool = True) -> dict[str, Any]:
+        """The producer's settings; `transactional=False` leaves out the transactional id."""
         c = self._config
-        tid = c.transactional_id if transactional else None
+        # Without its transactional id, a producer that has one is still idempotent.
+        idempotent = c.enable_idempotence or (not transactional and c.transactional_id is not None)
         options: dict[str, Any] = {
             "bootstrap_servers": c.bootstrap_servers,
             "client_id": c.client_id,
             "acks": "all",
-            "enable_idempotence": c.enable_idempotence or c.transactional_id is not None,
-            "transactional_id": tid,
+            "enable_idempotence": idempotent,
+            "transactional_id": c.transactional_id if transactional else None,
             "compression_type": None if c.compression_type == "none" else c.compression_type,
             "max_request_size": c.max_request_size,
             # Explicit record batches are filled up to this (see _plan).
@@ -223,7 +228,7 @@ class KafkaPublisher:
             options["sasl_plain_username"] = c.sasl_username
             if c.sasl_password is not None:
                 options["sasl_plain_password"] = c.sasl_password.get_secret_value()
-        return AIOKafkaProducer(**options)
+        return options
 
     def _connect_error(self, exc: BaseException) -> str:
         if isinstance(exc, TimeoutError):
