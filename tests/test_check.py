@@ -440,15 +440,15 @@ async def test_run_logs_a_start_up_line_and_a_dying_task_once_as_fields(
 
 BROKER_RULES = {
     "rabbitmq url not amqp": (
-        {"type": "rabbitmq", "url": "http://guest:guest@127.0.0.1:5672/"},
+        {"type": "rabbitmq", "url": "http://guest:guest@rabbit.invalid/"},
         "brokers.b.url: must start with amqp:// or amqps://",
     ),
     "nats server not a nats url": (
-        {"type": "nats", "servers": ["http://127.0.0.1:4222"]},
+        {"type": "nats", "servers": ["http://nats.invalid:4222"]},
         "brokers.b.servers: http:// is not a NATS URL scheme; use nats://, tls://, ws://, wss://",
     ),
     "nats creds file missing": (
-        {"type": "nats", "servers": ["nats://127.0.0.1:4222"], "creds_file": "/nope/x.creds"},
+        {"type": "nats", "servers": ["nats://nats.invalid:4222"], "creds_file": "/nope/x.creds"},
         "brokers.b.creds_file: no such file: /nope/x.creds",
     ),
     "tls file missing": (
