@@ -67,10 +67,11 @@ class NatsBrokerConfig(TlsCapable):
     @classmethod
     def _servers_are_nats_urls(cls, servers: list[str]) -> list[str]:
         for server in servers:
-            scheme = urlsplit(server).scheme if "://" in server else "nats"
+            # Only the scheme is read (and quoted): the rest may hold a password.
+            scheme = server.partition("://")[0].lower() if "://" in server else "nats"
             if scheme not in _NATS_SCHEMES:
                 raise ValueError(
-                    f"{server.partition('://')[0]}:// is not a NATS URL scheme; use"
+                    f"{scheme}:// is not a NATS URL scheme; use"
                     f" {', '.join(s + '://' for s in _NATS_SCHEMES)}"
                 )
         return servers
