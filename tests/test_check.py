@@ -427,9 +427,12 @@ async def test_run_logs_a_start_up_line_and_a_dying_task_once_as_fields(
     await admin(migrated, f"REVOKE SELECT ON SEQUENCE events_position_seq FROM {role}")
     died = await relay.wait_for_log("task died, stopping the relay")
     assert await relay.wait_async() == 1
-    assert died["error"].startswith("InsufficientPrivilegeError: permission denied for sequence")
+    # PostgreSQL refuses the read up to 17; from 18 on it reads NULL, which the relay refuses.
+    error_type, _, message = died["error"].partition(": ")
+    assert error_type in {"InsufficientPrivilegeError", "SourceError"}, died
+    assert message.startswith("permission denied for sequence"), died
     (trace,) = died["exception"]
-    assert trace["exc_type"] == "InsufficientPrivilegeError"
+    assert trace["exc_type"] == error_type
     assert trace["frames"], trace
     assert all("locals" not in frame for frame in trace["frames"])
     assert sum("exception" in record for record in relay.logs()) == 1
