@@ -39,7 +39,7 @@ import hashlib
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -156,6 +156,54 @@ class SqsPublisher:
             ) from exc
         self._stack = stack
         self._slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: ask SQS for each queue (GetQueueUrl, or GetQueueAttributes for a
+        URL), which proves the credentials too; with no queue known in advance, ListQueues
+        does (an AccessDenied answer also proves them). Nothing is sent; what is wrong, one
+        line each."""
+        await self.connect()
+        try:
+            if not destinations:
+                problem = await self._probe_call(
+                    "(any)", self._client.list_queues(MaxResults=1), denied_is_fine=True
+                )
+                return [problem] if problem else []
+            problems = []
+            for destination in sorted(destinations):
+                if destination.startswith(("https://", "http://")):
+                    call = self._client.get_queue_attributes(
+                        QueueUrl=destination, AttributeNames=["QueueArn"]
+                    )
+                elif _QUEUE_NAME.fullmatch(destination):
+                    call = self._client.get_queue_url(QueueName=destination)
+                else:
+                    problems.append(
+                        f"broker {self.name!r}: {destination!r} is neither a queue URL nor a"
+                        " queue name"
+                    )
+                    continue
+                if problem := await self._probe_call(destination, call):
+                    problems.append(problem)
+            return problems
+        finally:
+            await self.close()
+
+    async def _probe_call(
+        self, queue: str, call: Awaitable[Any], *, denied_is_fine: bool = False
+    ) -> str | None:
+        try:
+            await call
+        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
+            if isinstance(exc, ClientError) and _code(exc) in _QUEUE_GONE:
+                return (
+                    f"broker {self.name!r}: queue {queue!r} does not exist: every message to"
+                    " it would be retried for ever; create it"
+                )
+            if denied_is_fine and isinstance(exc, ClientError) and "AccessDenied" in _code(exc):
+                return None  # authenticated, just not allowed to list
+            return str(self._call_error(exc, queue))
+        return None
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
