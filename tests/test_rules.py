@@ -362,7 +362,7 @@ async def test_relay_check_lists_each_violation_of_the_last_events(
     path = save(tmp_path, config_dict(events_table, nats_url, "s", messages={"BookLent": rules}))
     async with connect(events_table) as conn:
         await append_many(conn, [NewEvent("book", "b1", 1, "BookLent", {"memberId": "m1"})])
-    result = run_cli(["check", "--last", "5", "--config", str(path), "--json"])
+    result = run_cli(["check", "--last", "5", "--offline", "--config", str(path), "--json"])
     assert result.returncode == 0, result.stderr
     v1, v2, priority = json.loads(result.stdout)
     assert (v1["rule"], v1["id"]) == (V1["type"], "book/b1@1/library.book-lent.v1")
@@ -372,6 +372,6 @@ async def test_relay_check_lists_each_violation_of_the_last_events(
         "$.member: 'since' is a required property",
     ]
     assert priority["skipped"] == "its condition is false: when: data.urgent"
-    text = run_cli(["check", "--last", "5", "--config", str(path)])
+    text = run_cli(["check", "--last", "5", "--offline", "--config", str(path)])
     assert "would be parked (schema), 2 violation(s):" in text.stdout
     assert "    $.member: 'since' is a required property" in text.stdout
