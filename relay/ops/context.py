@@ -60,7 +60,8 @@ class OutboxContext:
     ) -> OutboxContext:
         config = relay_config.outboxes[lane.outbox]
         schema = relay_config.database.schema_
-        mapper = Mapper(lane.outbox, config)
+        invalid_trace = metrics.trace_context_invalid.labels(*lane.labels)
+        mapper = Mapper(lane.outbox, config, count_invalid_trace=invalid_trace.inc)
         source = EventSource(relay_config.source, lane, metadata=mapper.reads_metadata)
         store = Store(schema)
         metrics.register_lane(lane.labels)
