@@ -32,11 +32,16 @@ def enabled() -> bool:
     return trace is not None
 
 
-def traced(publish: Publish, *, outbox: str, broker: str, broker_type: str) -> Publish:
-    """`publish` itself without OpenTelemetry; else `publish` inside a producer span."""
+def traced(
+    publish: Publish, *, outbox: str, broker: str, broker_type: str, provider: Any = None
+) -> Publish:
+    """`publish` itself without OpenTelemetry; else `publish` inside a producer span.
+
+    `provider` is a TracerProvider; the global one (the operator's SDK) when None.
+    """
     if trace is None:
         return publish
-    tracer = trace.get_tracer("outbox-relay", __version__)
+    tracer = trace.get_tracer("outbox-relay", __version__, tracer_provider=provider)
     system = _SYSTEMS.get(broker_type, broker_type)
 
     async def publish_in_span(messages: Sequence[Message]) -> list[Outcome]:
