@@ -31,10 +31,21 @@ _KEY = r"(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_
 _VALUE = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
 _MEMBER = re.compile(rf"[ \t]*{_KEY}={_VALUE}[ \t]*")
 _MAX_MEMBERS = 32
+# The common cases, checked with one match each (the general rules below give the reasons).
+_VERSION_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}").fullmatch
+_PLAIN_LIST = re.compile(rf"{_MEMBER.pattern}(?:,{_MEMBER.pattern})*").fullmatch
 
 
 def traceparent_problem(value: Any) -> str | None:
     """Why `value` is not a W3C traceparent header, or None when it is one."""
+    if (
+        type(value) is str
+        and len(value) == 55
+        and _VERSION_00(value)
+        and value[3:35] != _ZERO_TRACE
+        and value[36:52] != _ZERO_PARENT
+    ):
+        return None
     if type(value) is not str:
         return f"not a string ({type(value).__name__})"
     match = _TRACEPARENT.fullmatch(value)
@@ -51,7 +62,11 @@ def traceparent_problem(value: Any) -> str | None:
 
 
 def tracestate_valid(value: Any) -> bool:
-    if type(value) is not str or not value.strip():
+    if type(value) is not str:
+        return False
+    if value.count(",") < _MAX_MEMBERS and _PLAIN_LIST(value):
+        return True  # no empty member, at most 32
+    if not value.strip():
         return False
     members = [m for m in value.split(",") if m.strip()]
     return len(members) <= _MAX_MEMBERS and all(_MEMBER.fullmatch(m) for m in members)
