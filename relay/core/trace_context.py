@@ -22,8 +22,9 @@ from relay.core.publishing import Message
 
 log = structlog.get_logger("relay.trace_context")
 
-# version-traceid-parentid-flags, lowercase hex. Version ff is invalid; a later version
-# may append fields after a dash, which a version-00 parser keeps reading past.
+# version-traceid-parentid-flags, lowercase hex; version ff is invalid. A later version may
+# append fields; the relay forwards only the four it knows (the contract's pattern), so a
+# value with more is dropped rather than passed on unread.
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
 _ZERO_TRACE, _ZERO_PARENT = "0" * 32, "0" * 16
 # tracestate: up to 32 comma-separated `key=value` members (W3C Trace Context, level 1).
@@ -54,8 +55,8 @@ def traceparent_problem(value: Any) -> str | None:
     version, trace_id, parent_id, rest = match.groups()
     if version == "ff":
         return "version ff is invalid"
-    if version == "00" and rest is not None:
-        return "version 00 has exactly four fields"
+    if rest is not None:
+        return "more than the four fields of version 00"
     if trace_id == _ZERO_TRACE or parent_id == _ZERO_PARENT:
         return "an all-zero trace id or parent id is invalid"
     return None

@@ -93,9 +93,10 @@ def full_message() -> Message:
     ("value", "problem"),
     [
         (TRACEPARENT, None),
-        ("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future", None),
+        ("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None),
+        ("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future", "four fields"),
         (TRACEPARENT.upper(), "lowercase hex"),
-        (TRACEPARENT + "-x", "exactly four fields"),
+        (TRACEPARENT + "-x", "four fields"),
         ("ff" + TRACEPARENT[2:], "version ff"),
         ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", "all-zero"),
         ("00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01", "all-zero"),
