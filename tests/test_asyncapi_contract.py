@@ -354,7 +354,7 @@ def test_the_config_reaches_the_contract_view(tmp_path: Path) -> None:
     path.write_text(
         "database: {url: 'postgresql://localhost/db'}\n"
         "brokers:\n"
-        "  rabbit: {type: rabbitmq, url: 'amqp://guest:guest@127.0.0.1:5672/',"
+        "  rabbit: {type: rabbitmq, url: 'amqp://guest:guest@rabbit.invalid/',"
         " cloudevents_headers: ce}\n"
         "outboxes:\n"
         "  loans:\n"

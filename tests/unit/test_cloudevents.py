@@ -189,7 +189,7 @@ def test_trace_context_config_errors_name_the_key(tmp_path: Path) -> None:
     path = tmp_path / "relay.yaml"
     path.write_text(
         "database: {url: 'postgresql://localhost/db'}\n"
-        "brokers: {nats: {type: nats, servers: ['nats://127.0.0.1:4222']}}\n"
+        "brokers: {nats: {type: nats, servers: ['nats://nats.invalid:4222']}}\n"
         "outboxes:\n"
         "  loans:\n"
         "    broker: nats\n"
