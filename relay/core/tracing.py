@@ -45,8 +45,6 @@ def traced(
     system = _SYSTEMS.get(broker_type, broker_type)
 
     async def publish_in_span(messages: Sequence[Message]) -> list[Outcome]:
-        destinations = {m.destination for m in messages}
-        name = f"send {next(iter(destinations))}" if len(destinations) == 1 else "send"
         attributes: dict[str, Any] = {
             "messaging.system": system,
             "messaging.operation.type": "send",
@@ -55,23 +53,34 @@ def traced(
             "relay.outbox": outbox,
             "relay.broker": broker,
         }
-        if len(destinations) == 1:
-            attributes["messaging.destination.name"] = name.removeprefix("send ")
         with tracer.start_as_current_span(
-            name, kind=trace.SpanKind.PRODUCER, attributes=attributes
+            "send", kind=trace.SpanKind.PRODUCER, attributes=attributes
         ) as span:
-            if span.is_recording():
-                for message in messages:
-                    if message.traceparent is not None:
-                        span.add_link(_context(message), {"messaging.message.id": message.id})
+            # Without an SDK the span records nothing: nothing per message is done for it.
+            recording = span.is_recording()
+            if recording:
+                _describe(span, messages)
             outcomes = await publish(messages)
-            acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
-            if acked < len(outcomes):
-                span.set_attribute("relay.acknowledged", acked)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(outcomes[acked])))
+            if recording:
+                acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
+                if acked < len(outcomes):
+                    span.set_attribute("relay.acknowledged", acked)
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(outcomes[acked])))
             return outcomes
 
     return publish_in_span
+
+
+def _describe(span: Any, messages: Sequence[Message]) -> None:
+    """The destination (when the batch has one) and a link to each event's trace."""
+    destinations = {m.destination for m in messages}
+    if len(destinations) == 1:
+        (destination,) = destinations
+        span.update_name(f"send {destination}")
+        span.set_attribute("messaging.destination.name", destination)
+    for message in messages:
+        if message.traceparent is not None:
+            span.add_link(_context(message), {"messaging.message.id": message.id})
 
 
 def _context(message: Message) -> Any:
