@@ -116,7 +116,7 @@ async def test_a_partition_share_above_one_record_batch_goes_in_order_waves(
 
 
 async def test_cloudevents_headers_key_and_body(tansu: TansuServer, kafka_topic: str) -> None:
-    timed = message(kafka_topic, "b1", 1, content_type="application/cloudevents+json")
+    timed = message(kafka_topic, "b1", 1, content_type="application/vnd.library+json")
     untimed = message(kafka_topic, "b1", 2, time=None)
     pub = publisher(tansu.bootstrap)
     try:
@@ -130,7 +130,7 @@ async def test_cloudevents_headers_key_and_body(tansu: TansuServer, kafka_topic:
         "ce_type": "library.book-lent.v1",
         "ce_source": "/outbox-relay/loans",
         "ce_time": "2026-11-29T08:30:00+00:00",
-        "content-type": "application/cloudevents+json",
+        "content-type": "application/vnd.library+json",
     }
     assert first.key == b"b1"
     assert first.value == b'{"v":1}'

@@ -488,9 +488,9 @@ class KafkaPublisher:
 
 
 def _headers(message: Message) -> list[tuple[str, bytes]]:
-    """CloudEvents Kafka binding, binary mode."""
+    """CloudEvents Kafka binding: binary mode, or only the content type in structured mode."""
     attributes = cloudevent_attributes(message)
-    del attributes["partitionkey"]  # the record's key is the partition key here
+    attributes.pop("partitionkey", None)  # the record's key is the partition key here
     headers = [(f"ce_{name}", value.encode()) for name, value in attributes.items()]
     return [*headers, ("content-type", message.content_type.encode())]
 

@@ -14,8 +14,13 @@ is a thin wrapper over aiormq's, and only aiormq lets the relay keep hold of
 the socket, to abort a connection that went silent instead of waiting on it.
 
 RabbitMQ has no deduplication of its own. The message id is sent as the
-`message_id` property, as `cloudEvents:id`, and as `x-deduplication-header`
-for the message-deduplication plugin; `duplicates` stays 0.
+`message_id` property, as `cloudEvents:id` (or `ce-id`), and as
+`x-deduplication-header` for the message-deduplication plugin; `duplicates`
+stays 0.
+
+CloudEvents headers come in two styles (`cloudevents_headers`): `amqp`, the
+AMQP binding's `cloudEvents:` prefix (the default), or `ce`, the `ce-` prefix
+that the RabbitMQ bindings of the CloudEvents SDKs read.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class RabbitMqPublisher:
         # max_message_size once it has refused a message for its size.
         self._alone_above = _LARGE
         self._probe = False  # the last batch failed
+        self._prefix = "cloudEvents:" if config.cloudevents_headers == "amqp" else "ce-"
         self.duplicates = 0
 
     async def connect(self) -> None:
@@ -199,7 +205,7 @@ class RabbitMqPublisher:
                     message.body,
                     exchange=message.destination,
                     routing_key=_routing_key(message),
-                    properties=_properties(message),
+                    properties=_properties(message, self._prefix),
                     mandatory=mandatory,
                     wait=False,
                 )
@@ -384,10 +390,10 @@ def _routing_key(message: Message) -> str:
     return message.routing_key if message.routing_key is not None else message.type
 
 
-def _properties(message: Message) -> Basic.Properties:
-    """Message properties plus the CloudEvents AMQP binding (binary mode) in headers."""
+def _properties(message: Message, prefix: str) -> Basic.Properties:
+    """Message properties plus the CloudEvents attributes (binary mode) in headers."""
     headers: dict[str, Any] = {
-        **{f"cloudEvents:{name}": value for name, value in cloudevent_attributes(message).items()},
+        **{prefix + name: value for name, value in cloudevent_attributes(message).items()},
         "x-deduplication-header": message.id,
     }
     return Basic.Properties(

@@ -54,6 +54,7 @@ from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
+MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit)
 MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
 CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
@@ -459,11 +460,41 @@ def _chunks(entries: list[_Entry]) -> Iterator[list[_Entry]]:
 
 
 def _attributes(message: Message) -> dict[str, dict[str, str]]:
-    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix)."""
+    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix).
+
+    At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
+    today, and should one more ever be added, the least useful ones go first (_KEEP).
+    """
     values = {f"ce_{name}": value for name, value in cloudevent_attributes(message).items()}
     values["content-type"] = message.content_type
+    if len(values) > MAX_ATTRIBUTES:
+        values = _within_limit(values)
     # SQS refuses empty attribute values; an absent attribute says the same.
     return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
+
+
+# Which attributes SQS gets first when there are more than it takes: what the CloudEvents
+# SDKs require, the data's content type, then the optional ones. The partition key comes
+# last: a FIFO queue's MessageGroupId already orders by it, and a standard queue has no order.
+_KEEP = (
+    "ce_specversion",
+    "ce_id",
+    "ce_type",
+    "ce_source",
+    "content-type",
+    "ce_time",
+    "ce_traceparent",
+    "ce_tracestate",
+    "ce_dataschema",
+    "ce_partitionkey",
+)
+
+
+def _within_limit(values: dict[str, str]) -> dict[str, str]:
+    """The first MAX_ATTRIBUTES in _KEEP order; an attribute not listed there goes first."""
+    rank = {name: i for i, name in enumerate(_KEEP)}
+    kept = sorted(values, key=lambda name: rank.get(name, len(_KEEP)))[:MAX_ATTRIBUTES]
+    return {name: values[name] for name in values if name in kept}
 
 
 def _group_id(key: str) -> str:

@@ -172,6 +172,11 @@ class RabbitMqBrokerConfig(TlsCapable):
     # a piece of it, and a config error at load beats a traceback at the first publish.
     url: AmqpUrl = Field(description="amqp:// or amqps:// URL, credentials included.")
     mandatory: bool = True
+    cloudevents_headers: Literal["amqp", "ce"] = Field(
+        "amqp",
+        description="amqp: `cloudEvents:` headers (AMQP binding); ce: `ce-` headers (the"
+        " RabbitMQ binding of the CloudEvents SDKs).",
+    )
     declare_exchanges: list[RabbitMqExchange] = []
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 10.0

@@ -28,7 +28,8 @@ from relay.config.expressions import (
     may_compute,
 )
 from relay.config.message_schemas import CompiledSchema, compile_schema
-from relay.core.publishing import Message
+from relay.core.publishing import Message, to_structured
+from relay.core.trace_context import TraceContext
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
 
 
@@ -141,7 +142,13 @@ def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
 class Mapper:
     """Maps one outbox's events: each event type has one rule or several."""
 
-    def __init__(self, outbox: str, config: OutboxConfig) -> None:
+    def __init__(
+        self,
+        outbox: str,
+        config: OutboxConfig,
+        *,
+        count_invalid_trace: Callable[[], None] | None = None,
+    ) -> None:
         self.outbox = outbox
         self._aggregates = frozenset(config.aggregates) if config.aggregates is not None else None
         self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
@@ -156,8 +163,15 @@ class Mapper:
                 m = rule.config
                 sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
                 sources += [*_payload_expressions(m.payload), m.when or ""]
+        # Metadata that is not JSON fails the event only if the message itself reads it.
+        self._needs_metadata = any("metadata" in text for text in sources)
+        trace = config.trace_context
+        self._trace = TraceContext(outbox, trace, count_invalid_trace) if trace else None
+        self._structured = config.cloudevents == "structured"
         # Decoding metadata is skipped when no expression could read it.
-        self.reads_metadata = any("metadata" in text for text in sources)
+        self.reads_metadata = self._needs_metadata or (
+            self._trace is not None and self._trace.reads_metadata
+        )
 
     def wants(self, event: Event) -> bool:
         """False for unmapped types and filtered-out aggregates: skipped, not published."""
@@ -193,7 +207,7 @@ class Mapper:
         self, event: Event, rule: CompiledRule, envelope: dict[str, Any] | None = None
     ) -> Message | None:
         """This rule's message for the event; None when its `when` rejects the event."""
-        problem = event.problem or (event.metadata_problem if self.reads_metadata else None)
+        problem = event.problem or (event.metadata_problem if self._needs_metadata else None)
         if problem:
             raise MalformedEventError(
                 f"outboxes.{self.outbox}: event at position {event.position} ({_where(event)})"
@@ -212,7 +226,7 @@ class Mapper:
                 if rule.schema is not None and not rule.schema.is_valid(body):
                     raise self._violation(event, rule, rule.schema.violations(body))
                 id_ = rule.id(envelope) + rule.id_suffix
-            return Message(
+            message = Message(
                 id=id_,
                 type=rule.type,
                 destination=rule.destination(envelope),
@@ -230,6 +244,11 @@ class Mapper:
                 f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
+        if self._trace is not None:
+            self._trace.apply(envelope, message, event.metadata_problem)
+        if self._structured:
+            to_structured(message)
+        return message
 
     def _violation(self, event: Event, rule: CompiledRule, found: list[str]) -> SchemaViolation:
         shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
