@@ -155,6 +155,9 @@ async def test_v1_and_v2_side_by_side_in_order_on_kafka(
             r.key.decode() == ids[i].split("/")[1].split("@")[0] for i, r in enumerate(records)
         )
     assert {headers(r).get("ce_type") for r in v2} == {V2["type"]}
+    # The schema's $id travels as the CloudEvents dataschema; v1 has no schema, so none.
+    assert {headers(r).get("ce_dataschema") for r in v2} == {SCHEMA["$id"]}
+    assert {headers(r).get("ce_dataschema") for r in v1} == {None}
 
 
 @pytest.mark.parametrize("condition", [True, False], ids=["when-on", "when-off"])
@@ -256,6 +259,7 @@ async def test_a_schema_violation_is_parked_alone_then_published_once_the_schema
         ]
         assert len(ids_of(received, "v1")) == 2  # only the parked rule's message was re-sent
         assert received[-1].json() == {"bookId": "b1", "member": {"id": "m1"}, "version": 1}
+        assert received[-1].headers["ce-dataschema"] == SCHEMA["$id"]
     finally:
         await delete_stream(nats_url, subject)
 
