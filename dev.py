@@ -35,6 +35,8 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 # Debian's; the tests start private RabbitMQ nodes with it (tests/support/rabbitmq_server.py).
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
+# Node.js runs the official AsyncAPI parser in the contract tests (Debian 12 ships Node 18).
+INSTALL_NODE = ["apt-get", "install", "-y", "--no-install-recommends", "nodejs", "npm"]
 
 # Runs inside the venv (asyncpg is only there): create the example event table if it is missing.
 CREATE_EVENTS_TABLE = """
@@ -63,6 +65,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test":
         ensure_promtool()
         ensure_rabbitmq()
+        ensure_node()
         return test(argv[1:])
     if argv[0] == "demo":
         relay = tool("relay")
@@ -164,6 +167,36 @@ def install_rabbitmq() -> None:
     if subprocess.call(INSTALL_RABBITMQ, env=env) != 0:  # the package lists may be stale
         check(["apt-get", "update", "-qq"], env, "apt-get update (for rabbitmq-server)")
         check(INSTALL_RABBITMQ, env, "apt-get install rabbitmq-server")
+
+
+def ensure_node() -> None:
+    """The AsyncAPI tests run the official parser on Node.js (they npm-install it themselves)."""
+    plan = node_plan(
+        found=shutil.which("node") is not None and shutil.which("npm") is not None,
+        root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        apt=shutil.which("apt-get") is not None,
+    )
+    if plan == "install":
+        print("dev.py: installing Debian's nodejs and npm for the AsyncAPI tests", file=sys.stderr)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        if subprocess.call(INSTALL_NODE, env=env) != 0:  # the package lists may be stale
+            check(["apt-get", "update", "-qq"], env, "apt-get update (for nodejs)")
+            check(INSTALL_NODE, env, "apt-get install nodejs npm")
+    elif plan is not None:
+        print(f"dev.py: {plan}", file=sys.stderr)
+
+
+def node_plan(*, found: bool, root: bool, apt: bool) -> str | None:
+    """None (nothing to do), "install", or what to tell the user."""
+    if found:
+        return None
+    if root and apt:
+        return "install"
+    return (
+        "Node.js and npm are not on PATH, so the AsyncAPI contract tests will fail. To get "
+        "them: `apt-get install nodejs npm` as root (`python3 dev.py test` run as root does "
+        "it), or Node.js 18 or later from https://nodejs.org/"
+    )
 
 
 def port_taken(host: str, port: int) -> bool:

@@ -62,3 +62,12 @@ def test_install_updates_the_package_lists_when_the_first_try_fails(
 
 def test_dev_py_looks_for_the_server_the_fixtures_start() -> None:
     assert dev.RABBITMQ_SERVER == SERVER_SCRIPT
+
+
+def test_node_is_installed_only_where_it_is_missing_and_apt_runs_as_root() -> None:
+    assert dev.node_plan(found=True, root=True, apt=True) is None
+    assert dev.node_plan(found=False, root=True, apt=True) == "install"
+    for root, apt in ((False, True), (True, False), (False, False)):
+        advice = dev.node_plan(found=False, root=root, apt=apt)
+        assert advice is not None and "apt-get install nodejs npm" in advice
+    assert dev.INSTALL_NODE[:2] == ["apt-get", "install"] and "nodejs" in dev.INSTALL_NODE
