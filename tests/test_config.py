@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from relay.config import NatsBrokerConfig, RabbitMqBrokerConfig, RelayConfig, load_config
+from relay.config import (
+    KafkaBrokerConfig,
+    NatsBrokerConfig,
+    RabbitMqBrokerConfig,
+    RelayConfig,
+    load_config,
+)
 from relay.config.yaml_file import expand_vars
 from relay.errors import ConfigError
 
@@ -565,3 +571,46 @@ def test_broker_level_errors_name_the_key_not_the_broker_type(tmp_path: Path) ->
     )
     message = error_of(tmp_path, text)
     assert "relay.yaml:8: brokers.nats.stream: a stream needs JetStream" in message
+
+
+def kafka_config(servers: str) -> str:
+    """GOOD with its broker swapped for Kafka, bootstrap_servers written as given."""
+    return GOOD.replace(
+        '  nats:\n    type: nats\n    servers: ["nats://127.0.0.1:4222"]\n',
+        f"  kafka:\n    type: kafka\n    bootstrap_servers: {servers}\n",
+    ).replace("broker: nats", "broker: kafka")
+
+
+@pytest.mark.parametrize(
+    "servers",
+    [
+        '"kafka-1.internal:9093,kafka-2.internal:9093"',
+        '"kafka-1.internal:9093, kafka-2.internal:9093,"',
+        '["kafka-1.internal:9093", "kafka-2.internal:9093"]',
+    ],
+    ids=["comma-separated", "spaces-and-trailing-comma", "list"],
+)
+def test_kafka_bootstrap_servers_as_a_comma_separated_string_or_a_list(
+    tmp_path: Path, servers: str
+) -> None:
+    broker = load_config(write(tmp_path, kafka_config(servers))).brokers["kafka"]
+    assert isinstance(broker, KafkaBrokerConfig)
+    assert broker.bootstrap_servers == ["kafka-1.internal:9093", "kafka-2.internal:9093"]
+
+
+@pytest.mark.parametrize(
+    ("servers", "expected"),
+    [
+        ('""', "brokers.kafka.bootstrap_servers: no server: write host:port"),
+        ('" , "', "brokers.kafka.bootstrap_servers: no server: write host:port"),
+        ("[]", "brokers.kafka.bootstrap_servers: Value should have at least 1 item"),
+        ('["kafka-1:9093", ""]', "brokers.kafka.bootstrap_servers: an entry is empty"),
+    ],
+    ids=["empty", "only-a-comma", "empty-list", "empty-entry"],
+)
+def test_kafka_bootstrap_servers_without_a_server_is_refused(
+    tmp_path: Path, servers: str, expected: str
+) -> None:
+    message = error_of(tmp_path, kafka_config(servers))
+    assert "relay.yaml:6:" in message
+    assert expected in message

@@ -450,6 +450,9 @@ def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.Monke
         "failures",
         "p50 / p99",
         "barrier wait",
+        "memory by pod",
+        "cpu by pod",
+        "restarts by pod",
     ):
         assert topic in titles
 
@@ -656,7 +659,9 @@ def test_rules_and_dashboard_use_real_metric_names(chart: Any) -> None:
     board = json.loads((CHART / "files" / "dashboard.json").read_text(encoding="utf-8"))
     exprs += [t["expr"] for p in board["panels"] for t in p["targets"]]
     exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
-    used = {name for expr in exprs for name in re.findall(r"\brelay_[a-z_]+\b", expr)}
+    used = {
+        name for expr in exprs for name in re.findall(r"\b(?:relay|process|python)_[a-z_]+\b", expr)
+    }
     assert used, "no metric found in the rules and the dashboard"
     assert used <= exposed, f"not exposed by relay.core.metrics: {sorted(used - exposed)}"
 

@@ -21,7 +21,7 @@ import pytest
 from tests.support.db import connect
 from tests.support.delivery import Writer, analyse, append_backlog, checkpoint, wait_for_count
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
-from tests.support.postgres import with_address
+from tests.support.postgres import address, with_address
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import (
@@ -244,8 +244,7 @@ async def test_network_cut_holder_fences_itself_and_standby_takes_over(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, tcp_proxy: Any
 ) -> None:
     config, stream = await _setup(events_table, nats_url, tmp_path, takeover_after="5s")
-    host, port = "127.0.0.1", 5432
-    proxy: TcpProxy = tcp_proxy(host, port)
+    proxy: TcpProxy = tcp_proxy(*address(events_table))  # the test database's own server
     cut_url = with_address(events_table, proxy.host, proxy.port)
     try:
         async with Writer(events_table, rate=50) as writer:

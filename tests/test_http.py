@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,12 +12,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.db import NewEvent, append_many, connect
+from tests.support.db import append_many, connect
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
 from tests.support.relay_process import run_cli
-from tests.support.scenario import config_dict, eventually, save
+from tests.support.scenario import OVERSIZED_LOAN, config_dict, eventually, loans, save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,11 +38,7 @@ async def test_metrics_pass_promtool_and_tell_the_story(
     assert run_cli(["migrate", "--config", str(config)]).returncode == 0
     try:
         async with connect(events_table) as conn:
-            await append_many(
-                conn,
-                [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(20)]
-                + [NewEvent("book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})],
-            )
+            await append_many(conn, [*loans(20), OVERSIZED_LOAN])
         relay = relay_process(["run", "--config", str(config), "--http-port", "0"])
         port = await http_port(relay)
         await fetch_all(nats_url, stream, expected=20)
@@ -94,6 +91,11 @@ async def test_metrics_pass_promtool_and_tell_the_story(
         assert ("relay_barrier_wait_seconds_count", (("outbox", "loans"),)) in samples
         assert ("relay_lag_seconds", (("outbox", "loans"),)) in samples
         assert any(name == "relay_build_info" for name, _ in samples)
+        # The standard process and Python collectors: memory, CPU, file descriptors, GC.
+        assert samples[("process_resident_memory_bytes", ())] > 10_000_000
+        assert samples[("process_cpu_seconds_total", ())] > 0
+        assert samples[("process_open_fds", ())] > 0
+        assert samples[("python_gc_objects_collected_total", (("generation", "0"),))] >= 0
         assert "postgres://" not in text and "postgresql://" not in text
     finally:
         await delete_stream(nats_url, stream)
@@ -141,3 +143,63 @@ async def test_healthz_stays_up_while_postgres_is_down(
     await eventually(ready, timeout=40)
     relay.terminate()
     assert await relay.wait_async(15) == 0
+
+
+async def test_half_sent_requests_are_closed_and_cannot_lock_out_a_scrape(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """200 clients each send one line of a request and wait: a scraper gone wrong.
+
+    The relay closes every one of them (the oldest at once past http.max_connections, the
+    rest after http.request_timeout), keeps its descriptors bounded meanwhile, and still
+    answers a normal scrape and the probes.
+    """
+    data = config_dict(events_table, nats_url, unique_name("slow"))
+    data["http"] |= {"request_timeout": "1s", "max_connections": 64}
+    config = save(tmp_path, data)
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    relay = relay_process(["run", "--config", str(config)])
+    port = await http_port(relay)
+    before = open_fds(await scrape(port))
+
+    async def half_sent() -> asyncio.StreamReader:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\n")  # and never the blank line that ends it
+        await writer.drain()
+        connections.append(writer)
+        return reader
+
+    async def closed_by_server(reader: asyncio.StreamReader) -> bytes:
+        with contextlib.suppress(ConnectionError):
+            return await reader.read()  # b"" at the server's FIN
+        return b""
+
+    connections: list[asyncio.StreamWriter] = []
+    try:
+        readers = [await half_sent() for _ in range(200)]
+        waiting = [asyncio.ensure_future(closed_by_server(r)) for r in readers]
+        # Normal requests get through while the half-sent ones are still arriving or open.
+        during = open_fds(await scrape(port))
+        assert during <= before + 64 + 8, f"{during} descriptors open, {before} before"
+        assert (await get(port, "/healthz"))[0] == 200
+        async with asyncio.timeout(30):
+            answers = await asyncio.gather(*waiting)
+        assert answers == [b""] * 200, "a half-sent request got an answer"
+        assert (await get(port, "/readyz"))[0] == 200
+        assert relay.returncode is None
+    finally:
+        for writer in connections:
+            writer.close()
+
+
+async def scrape(port: int) -> str:
+    status, text = await get(port, "/metrics")
+    assert status == 200, text
+    return text
+
+
+def open_fds(text: str) -> float:
+    for family in text_string_to_metric_families(text):
+        if family.name == "process_open_fds":
+            return float(family.samples[0].value)
+    raise AssertionError("/metrics serves no process_open_fds")

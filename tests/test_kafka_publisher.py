@@ -289,6 +289,38 @@ async def test_idempotent_producer_on_a_broker_without_it_says_what_to_change(
         await pub.close()
 
 
+def relay_config(
+    dsn: str, bootstrap_servers: str | list[str], topic: str, **broker: Any
+) -> dict[str, Any]:
+    """A relay of BookLent events to `topic`, with fast retries; `broker` adds Kafka options."""
+    return {
+        "database": {"url": dsn},
+        "source": {"poll_interval": "100ms"},
+        "brokers": {
+            "kafka": {
+                "type": "kafka",
+                "bootstrap_servers": bootstrap_servers,
+                "enable_idempotence": False,
+                **broker,
+            }
+        },
+        "outboxes": {
+            "loans": {
+                "broker": "kafka",
+                "messages": {
+                    "BookLent": {
+                        "type": "library.book-lent.v1",
+                        "destination": topic,
+                        "payload": {"bookId": "aggregate_id", "version": "version"},
+                    }
+                },
+                "retry": {"initial": "50ms", "max": "300ms"},
+            }
+        },
+        "logging": {"level": "warning", "format": "json"},
+    }
+
+
 async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everything(
     tansu_factory: Callable[..., TansuServer], events_table: str, tmp_path: Path
 ) -> None:
@@ -296,33 +328,9 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
     topic = unique_topic("late")
     config = await load_and_migrate(
         tmp_path,
-        {
-            "database": {"url": events_table},
-            "source": {"poll_interval": "100ms"},
-            "brokers": {
-                "kafka": {
-                    "type": "kafka",
-                    "bootstrap_servers": [server.bootstrap],
-                    "enable_idempotence": False,
-                    "ack_timeout": "2s",
-                    "connect_timeout": "1s",
-                }
-            },
-            "outboxes": {
-                "loans": {
-                    "broker": "kafka",
-                    "messages": {
-                        "BookLent": {
-                            "type": "library.book-lent.v1",
-                            "destination": topic,
-                            "payload": {"bookId": "aggregate_id", "version": "version"},
-                        }
-                    },
-                    "retry": {"initial": "50ms", "max": "300ms"},
-                }
-            },
-            "logging": {"level": "warning", "format": "json"},
-        },
+        relay_config(
+            events_table, [server.bootstrap], topic, ack_timeout="2s", connect_timeout="1s"
+        ),
     )
     events = [
         NewEvent("book", f"book-{b}", v, "BookLent", {"loanId": f"{b}-{v}"})
@@ -352,6 +360,27 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
             first_seen[book].append(int(v))
     assert seen == {f"book/{e.aggregate_id}@{e.version}" for e in events}
     assert all(versions == [1, 2, 3, 4, 5] for versions in first_seen.values())
+
+
+async def test_relay_takes_bootstrap_servers_as_one_comma_separated_string(
+    tansu: TansuServer, kafka_topic: str, events_table: str, tmp_path: Path
+) -> None:
+    """As Kafka users write it: the first address answers nothing, the second is tansu."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    servers = f"{nowhere}, {tansu.bootstrap}"
+    config = await load_and_migrate(
+        tmp_path, relay_config(events_table, servers, kafka_topic, connect_timeout="5s")
+    )
+    broker = config.brokers["kafka"]
+    assert isinstance(broker, KafkaBrokerConfig)
+    assert broker.bootstrap_servers == [nowhere, tansu.bootstrap]
+    async with connect(events_table) as conn:
+        await append_many(
+            conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": f"L{i}"}) for i in range(5)]
+        )
+    async with running(config):
+        records = await consume(tansu.bootstrap, kafka_topic, expected=5, timeout=60)
+    assert sorted(headers(r)["ce_id"] for r in records) == [f"book/b{i}@1" for i in range(5)]
 
 
 # -- transactions, against a scripted producer ----------------------------------------------

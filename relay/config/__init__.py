@@ -269,6 +269,11 @@ class HttpConfig(Model):
     port: Annotated[int, Field(ge=0, le=65535)] = 9464
     database_probe_interval: PositiveDuration = 5.0
     ready_after_database_silence: PositiveDuration = 15.0
+    # A scraper that sends half a request, or never reads the answer, costs a file
+    # descriptor: each connection gets this long to send its request, and again to take
+    # the response; past max_connections the oldest is closed.
+    request_timeout: PositiveDuration = 5.0
+    max_connections: Annotated[int, Field(ge=1)] = 64
 
 
 class LoggingConfig(Model):

@@ -6,9 +6,16 @@ that they come from the environment, not the file.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    WithJsonSchema,
+    model_validator,
+)
 
 from relay.config.base import AmqpUrl, Model, PositiveDuration, TlsConfig
 
@@ -50,9 +57,42 @@ class NatsBrokerConfig(TlsCapable):
         return self
 
 
+def _comma_separated(value: Any) -> Any:
+    """`a:9092,b:9092`, as Kafka's own clients take it; a trailing comma is harmless."""
+    if isinstance(value, str):
+        servers = [part.strip() for part in value.split(",") if part.strip()]
+        if not servers:
+            raise ValueError("no server: write host:port, or several separated by commas")
+        return servers
+    return value
+
+
+def _no_blank_entry(servers: list[str]) -> list[str]:
+    if any(not server.strip() for server in servers):
+        raise ValueError("an entry is empty: write host:port for each server")
+    return [server.strip() for server in servers]
+
+
+# A list of host:port, or one string of them separated by commas.
+ServerList = Annotated[
+    list[str],
+    BeforeValidator(_comma_separated),
+    AfterValidator(_no_blank_entry),
+    Field(min_length=1),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "string", "pattern": "[^,\\s]"},
+            ]
+        }
+    ),
+]
+
+
 class KafkaBrokerConfig(TlsCapable):
     type: Literal["kafka"]
-    bootstrap_servers: list[str] = Field(min_length=1)
+    bootstrap_servers: ServerList
     enable_idempotence: bool = True
     transactional_id: str | None = None
     client_id: str = "outbox-relay"

@@ -7,6 +7,10 @@ A rendered destination (which may contain an aggregate id) is never a label.
 Per-outbox series also carry `partition` (`0`..`K-1`) when the outbox is split into
 lanes. For an outbox with one lane it is empty and left out of the output, so that
 its series are exactly those of a relay that could not split outboxes.
+
+The registry also carries the client library's standard process and Python collectors
+(memory, CPU, open file descriptors, GC), read from /proc at each scrape: nothing is
+counted on the hot path.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,6 +46,10 @@ class Metrics:
         # What /metrics shows and tests read: the series, without empty partitions.
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_WithoutEmptyPartition(self._series))
+        # process_* and python_*, on this registry (the library's defaults sit on its global one).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.build_info = self._gauge(
             "relay_build_info", "The relay's version; always 1.", ["version"]
         )

@@ -8,6 +8,12 @@ not justify a web framework dependency.
   Kubernetes restart every replica.
 - /readyz answers 200 once the config is loaded and the database answered
   recently. A standby is ready: it is part of the deployment's capacity.
+
+A misbehaving client must not exhaust the relay's file descriptors: a connection gets
+`request_timeout` to send its request and again to take the response, and past
+`max_connections` the oldest connection is closed. The oldest, not the newest, so that
+a flood of half-sent requests cannot lock the probes out: a probe sends its request at
+once and is answered long before it becomes the oldest.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +31,7 @@ from relay.core.metrics import Metrics
 from relay.errors import RelayError
 
 log = structlog.get_logger("relay.ops.http")
+_WARN_EVERY = 60.0  # seconds between two warnings that the connection cap was reached
 
 
 @dataclass
@@ -36,12 +44,25 @@ class Health:
 
 
 class HttpServer:
-    def __init__(self, host: str, port: int, metrics: Metrics, health: Health) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: Metrics,
+        health: Health,
+        *,
+        request_timeout: float = 5.0,
+        max_connections: int = 64,
+    ) -> None:
         self.host = host
         self.port = port
         self.metrics = metrics
         self.health = health
+        self.request_timeout = request_timeout
+        self.max_connections = max_connections
         self._server: asyncio.Server | None = None
+        self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._warned_full = -_WARN_EVERY
 
     async def start(self) -> None:
         try:
@@ -59,11 +80,16 @@ class HttpServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= self.max_connections:
+            self._close_oldest()
+        self._open[writer] = None
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(self.request_timeout):
                 request = await reader.readuntil(b"\r\n\r\n")
             method, path = _request_line(request)
             status, content_type, body = self._route(method, path)
@@ -72,7 +98,8 @@ class HttpServer:
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + (body if method != "HEAD" else b"")
             )
-            await writer.drain()
+            async with asyncio.timeout(self.request_timeout):
+                await writer.drain()
         except (
             TimeoutError,
             asyncio.IncompleteReadError,
@@ -82,9 +109,27 @@ class HttpServer:
         ):
             pass
         finally:
-            writer.close()
+            self._open.pop(writer, None)
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # a reader that stalled: close() would wait for it
+            else:
+                writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+    def _close_oldest(self) -> None:
+        """At the cap: drop the connection that has been open longest (see the module doc)."""
+        oldest = next(iter(self._open))
+        del self._open[oldest]
+        oldest.transport.abort()  # its handler sees the connection lost and ends
+        now = time.monotonic()
+        if now - self._warned_full >= _WARN_EVERY:
+            self._warned_full = now
+            log.warning(
+                "http: too many open connections, closing the oldest",
+                max_connections=self.max_connections,
+                request_timeout=self.request_timeout,
+            )
 
     def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):

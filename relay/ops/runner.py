@@ -131,7 +131,14 @@ class Relay:
             database_ok=lambda: time.monotonic() - self._db_seen < c.ready_after_database_silence,
             states=lambda: {n: s.role for n, s in self.states.items()},
         )
-        return HttpServer(c.host, port, self.metrics, health)
+        return HttpServer(
+            c.host,
+            port,
+            self.metrics,
+            health,
+            request_timeout=c.request_timeout,
+            max_connections=c.max_connections,
+        )
 
     async def _probe(self, db: Database) -> None:
         """Readiness: ask the database every few seconds; never fail, never block the loop."""

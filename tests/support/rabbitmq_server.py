@@ -1,9 +1,9 @@
 """RabbitMQ for tests: the machine's server, private nodes, and client helpers.
 
-`rabbitmq_url` is the machine's RabbitMQ (127.0.0.1:5672, guest/guest), which is part of
-every machine the tests run on; tests use unique exchange and queue names on it and delete
-them afterwards. Without it (or with RELAY_TEST_EMBEDDED=1) the session starts a private node,
-if `rabbitmq-server` is installed.
+`rabbitmq_url` is the machine's RabbitMQ (127.0.0.1:5672, guest/guest) when one answers there;
+tests use unique exchange and queue names on it and delete them afterwards. Without it (or
+with RELAY_TEST_EMBEDDED=1) the session starts a private node from Debian's `rabbitmq-server`
+package, which `python3 dev.py test` installs when it runs as root (see dev.py).
 
 `rabbitmq_small_url` is a private node whose `max_message_size` is 1 MiB: the only way to see
 RabbitMQ reject a message for good without a 128 MiB body or touching the shared server.
@@ -34,9 +34,14 @@ import pytest
 from tests.support.net import free_port, wait_for_port
 
 MACHINE_URL = "amqp://guest:guest@127.0.0.1:5672/"
+HOW_TO_INSTALL = (
+    "install Debian's rabbitmq-server package (`apt-get install rabbitmq-server`, which "
+    "`python3 dev.py test` runs itself as root when nothing listens on port 5672)"
+)
 # Runs the node as the calling user; /usr/sbin/rabbitmq-server would switch to `rabbitmq`.
 SERVER_SCRIPT = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 SMALL_MAX_MESSAGE_SIZE = 1024 * 1024
+FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
 
 _PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 
@@ -138,14 +143,14 @@ class RabbitMqServer:
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> Iterator[str]:
     """URL of a shared RabbitMQ: the machine's, else a private node started for the session."""
-    if os.environ.get("RELAY_TEST_EMBEDDED") != "1" and amqp_reachable():
+    if not FORCE_EMBEDDED and amqp_reachable():
         yield MACHINE_URL
         return
     if not SERVER_SCRIPT.is_file():
+        machine = "" if FORCE_EMBEDDED else "RabbitMQ is not reachable at 127.0.0.1:5672 and "
         pytest.fail(
-            "RabbitMQ is not reachable at 127.0.0.1:5672. It is part of the machine: start it "
-            "with `rabbitmq-server -detached` (and check /var/log/rabbitmq/), or install "
-            "rabbitmq-server so that the tests can run a private node."
+            f"{machine}{SERVER_SCRIPT} is not there to start a private node: {HOW_TO_INSTALL}, "
+            "or run a RabbitMQ on 127.0.0.1:5672 with the user guest/guest"
         )
     with tempfile.TemporaryDirectory(prefix="relay-rabbitmq-") as tmp:
         server = RabbitMqServer(Path(tmp)).start()
@@ -159,7 +164,9 @@ def rabbitmq_url() -> Iterator[str]:
 def rabbitmq_small_url() -> Iterator[str]:
     """URL of a private node that refuses bodies over SMALL_MAX_MESSAGE_SIZE (1 MiB)."""
     if not SERVER_SCRIPT.is_file():
-        pytest.fail(f"{SERVER_SCRIPT} not found: these tests need rabbitmq-server installed")
+        pytest.fail(
+            f"{SERVER_SCRIPT} not found: these tests start a private node; {HOW_TO_INSTALL}"
+        )
     with tempfile.TemporaryDirectory(prefix="relay-rabbitmq-small-") as tmp:
         settings = {"max_message_size": str(SMALL_MAX_MESSAGE_SIZE)}
         server = RabbitMqServer(Path(tmp), settings).start()

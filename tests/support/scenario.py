@@ -15,6 +15,7 @@ from relay.ops.status import status as read_status
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from tests.support.config import write_config as write_yaml
+from tests.support.db import NewEvent
 from tests.support.relay_process import run_cli
 
 LIBRARY_MESSAGES: dict[str, Any] = {
@@ -34,6 +35,18 @@ LIBRARY_MESSAGES: dict[str, Any] = {
         "payload": "{bookId: aggregate_id, loanId: data.loanId, version: version}",
     },
 }
+
+
+def loans(count: int, aggregate_type: str = "book") -> list[NewEvent]:
+    """`count` BookLent events, one per aggregate (`b0`, `b1`, ... for books)."""
+    return [
+        NewEvent(aggregate_type, f"{aggregate_type[0]}{i}", 1, "BookLent", {"loanId": f"L{i}"})
+        for i in range(count)
+    ]
+
+
+# A BookLent whose 2 MB body NATS refuses for good (max_payload 1 MB): it is parked.
+OVERSIZED_LOAN = NewEvent("book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})
 
 
 def config_dict(
