@@ -115,6 +115,41 @@ async def test_replay_wait_shows_progress_until_caught_up(
         await delete_stream(nats_url, stream)
 
 
+async def test_replay_wait_sums_the_partitions_of_a_split_outbox(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    stream = await _stream(nats_url)
+    config = write_config(
+        tmp_path, events_table, nats_url, stream, partitions=3, batch={"max_messages": 10}
+    )
+    migrate_cli(config)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(
+                conn,
+                [NewEvent("book", f"b{i % 11}", i // 11 + 1, "BookLent", {}) for i in range(90)],
+            )
+        relay_process(["run", "--config", str(config)])
+
+        await eventually(lambda: _all_caught_up(config, positions[-1]), timeout=30)
+        result = run_cli(
+            ["replay", "loans", "--from", str(positions[30]), "--wait", "--json", "-c", str(config)]
+        )
+        assert result.returncode == 0, result.stderr
+        *progress, outcome = [json.loads(line) for line in result.stdout.splitlines()]
+        # 60 events from position 31 on, over three lanes, each counted once.
+        _increasing([(p["progress"]["done"], p["progress"]["total"]) for p in progress], 60)
+        assert outcome["caught_up"] is True and outcome["head"] == positions[-1]
+        assert sorted(outcome["detail"]["lanes"]) == ["loans/0", "loans/1", "loans/2"]
+        assert await _all_caught_up(config, positions[-1])
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def _all_caught_up(config: Path, position: int) -> bool:
+    return all(row["checkpoint"] == position for row in cli(config, "status"))
+
+
 async def test_replay_wait_fails_when_no_replica_holds_the_lease(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:

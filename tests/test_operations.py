@@ -195,7 +195,9 @@ async def test_parked_drop(
         assert cli(config, "parked", "drop", str(ids[0])) == {"dropped": [ids[0]]}
         missing = run_cli(["parked", "drop", str(ids[0]), "--config", str(config)])
         assert missing.returncode == 1 and "no parked message" in missing.stderr
-        assert cli(config, "parked", "drop", "--all", "--outbox", "loans") == {"dropped": ids[1:]}
+        assert cli(config, "parked", "drop", "--all", "--outbox", "loans", "--yes") == {
+            "dropped": ids[1:]
+        }
         assert cli(config, "status")[0]["parked"] == 0
     finally:
         await delete_stream(nats_url, stream)

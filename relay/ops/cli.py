@@ -169,21 +169,6 @@ def contract(
     typer.echo(f"wrote {output}", err=True)
 
 
-STATUS_COLUMNS = [
-    "name",
-    "state",
-    "holder",
-    "epoch",
-    "checkpoint",
-    "head",
-    "lag_events",
-    "lag_seconds",
-    "parked",
-    "last_error",
-    "blocking_transaction",
-]
-
-
 @app.command()
 def status(
     config: ConfigOption = None,
@@ -226,13 +211,13 @@ def _show_status(
 ) -> None:
     """The status table (or JSON: every field whole); a hint when a value was cut short."""
     from relay.ops.console import cut
-    from relay.ops.status import summary
+    from relay.ops.status import TABLE_COLUMNS, summary
 
     rows = [row.as_json() for row in lanes]
     if as_json:
         typer.echo(json.dumps(rows, default=str) if compact else _pretty(rows))
         return
-    for line in [*summary(cfg, lanes), *table(rows, STATUS_COLUMNS, wide=wide)]:
+    for line in [*summary(cfg, lanes), *table(rows, TABLE_COLUMNS, wide=wide)]:
         typer.echo(line)
     if not wide and cut(rows, "last_error"):
         typer.echo("(last_error cut short: --wide shows it whole, and so does --json)")
