@@ -9,7 +9,13 @@ confirmed; `status` shows a long last_error whole on demand and refreshes with -
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import select
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,41 @@ from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, eventually, migrate_cli, save, write_config
 
 PLAIN_LINE = re.compile(r"^replay loans: (\d+)/(\d+) events \(\d+%\)$")
+
+
+def on_terminal(args: list[str], answer: bytes = b"", until: bytes = b"") -> tuple[int, str]:
+    """Run `relay ARGS` with a pseudo-terminal for stdin, stdout and stderr, as a person
+    would; type `answer` once `until` was shown. (exit code, everything it wrote)."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "relay", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+    )
+    os.close(follower)
+    seen, answered = b"", not answer
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # the terminal closed: the process has ended
+                    break
+                seen += chunk
+            if not answered and until in seen:
+                os.write(leader, answer)
+                answered = True
+            if not ready and process.poll() is not None:
+                break
+        return process.wait(10), seen.decode(errors="replace")
+    finally:
+        os.close(leader)
+        if process.poll() is None:
+            process.kill()
 
 
 def cli(config: Path, *args: str) -> Any:
@@ -77,6 +118,11 @@ async def test_replay_wait_shows_progress_until_caught_up(
         _increasing([(int(m[1]), int(m[2])) for m in lines], 300)
         assert "\r" not in plain.stderr  # no bar off a terminal
         assert f"loans caught up with position {positions[-1]}: 300 event(s)" in plain.stdout
+
+        # On a terminal: a bar redrawn in place.
+        code, drawn = on_terminal(["replay", "loans", "--from-start", "--wait", "-c", str(config)])
+        assert code == 0, drawn
+        assert "\rreplay loans [" in drawn and "] 100% 300/300 events" in drawn
 
         # --json: one object a line; progress first, the result last.
         machine = run_cli(
@@ -293,6 +339,14 @@ async def test_parked_drop_all_is_confirmed(
             )
         dry_json = cli(config, "parked", "drop", "--all", "--outbox", "loans", "--dry-run")
         assert [p["id"] for p in dry_json["would_drop"]] == ids
+        assert len(cli(config, "parked", "list", "loans")) == 3
+
+        # On a terminal it lists them and asks; "no" drops nothing.
+        code, said = on_terminal(
+            ["parked", "drop", "--all", "-c", str(config)], answer=b"n\n", until=b"[y/N]"
+        )
+        assert code == 1 and "Drop these 3 parked message(s) of every outbox" in said, said
+        assert "nothing was dropped" in said and "book/b2@1" in said
         assert len(cli(config, "parked", "list", "loans")) == 3
 
         assert cli(config, "parked", "drop", "--all", "--yes") == {"dropped": ids}

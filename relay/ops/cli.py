@@ -17,7 +17,7 @@ import typer
 from relay import __version__
 from relay.config import RelayConfig, config_path, load_config
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.ops.console import table
+from relay.ops.console import ProgressView, progress_mode, table
 from relay.ops.logs import configure
 from relay.redaction import redact
 
@@ -399,10 +399,8 @@ def retry_parked(
         raise typer.Exit(1)
 
 
-def _progress_view(label: str, unit: str, as_json: bool) -> Any:
+def _progress_view(label: str, unit: str, as_json: bool) -> ProgressView:
     """Progress for a terminal (a bar on stderr), for a log (lines), or JSON lines."""
-    from relay.ops.console import ProgressView, progress_mode
-
     mode = progress_mode(as_json, sys.stderr.isatty())
     return ProgressView(label, unit, mode, sys.stdout if as_json else sys.stderr)
 
