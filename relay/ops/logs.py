@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from relay.ops.log_noise import RepeatFilter
 from relay.redaction import redact
 
 
@@ -72,6 +73,8 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
             ],
         )
     )
+    # Their retry noise during an outage: one line per kind a minute (log_noise.py).
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(max(logging.WARNING, logging.getLevelNamesMapping()[level.upper()]))

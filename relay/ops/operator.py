@@ -20,6 +20,7 @@ import structlog
 
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
+from relay.config.broker_identity import broker_identity
 from relay.core.lanes import Lane, lanes_of
 from relay.core.mapping import Mapper
 from relay.core.publishing import Publisher
@@ -188,8 +189,12 @@ class Operator:
         reader = await self.db.connect("cli")
         publisher: Publisher | None = None
         try:
-            claimant = holding.Claimant(lane.name, outbox.start, source, self.store, self.queue)
+            broker = broker_identity(self.config.brokers[outbox.broker])
+            claimant = holding.Claimant(
+                lane.name, outbox.start, source, self.store, self.queue, broker
+            )
             claimed = await holding.claim(lease, claimant)
+            holding.warn_if_broker_changed(log, self.outbox, claimed.claim)
             log.info(
                 "no holder: carrying out the command under the lease",
                 kind=kind,

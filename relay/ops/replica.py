@@ -30,6 +30,7 @@ import asyncpg
 import structlog
 
 from relay.config import RetryConfig
+from relay.config.broker_identity import broker_identity
 from relay.core.lanes import balance
 from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless, wait_any
@@ -91,14 +92,16 @@ class LaneHolder:
 
     async def _claim(self) -> Session:
         ctx = self.ctx
+        broker = broker_identity(ctx.relay_config.brokers[ctx.config.broker])
         claimant = holding.Claimant(
-            self.name, ctx.config.start, ctx.source, ctx.store, ctx.commands
+            self.name, ctx.config.start, ctx.source, ctx.store, ctx.commands, broker
         )
         claimed = await holding.claim(self.lease, claimant)
         reader = await self.db.connect("reader")
         claim = claimed.claim
         ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
+        holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
         self._transition("acquired")
         ctx.metrics.parked.labels(*ctx.lane.labels).set(await claimed.parked_count())
         return Session(reader=reader, claimed=claimed)

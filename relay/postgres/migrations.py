@@ -104,6 +104,11 @@ STEPS: tuple[str, ...] = (
       seen_at     timestamptz NOT NULL DEFAULT now()
     );
     """,
+    # The broker each checkpoint was last written for (type and hosts, no credentials), so
+    # that an outbox pointed at another broker says so at start-up.
+    """
+    ALTER TABLE {schema}.checkpoints ADD COLUMN broker text;
+    """,
 )
 
 LATEST = len(STEPS)

@@ -34,6 +34,8 @@ class Claim:
     halted: str | None = None  # why the outbox must not move until an operator acts
     retry: RetryCount | None = None
     start_xmin: int | None = None  # `start: end` not settled yet: see EventSource.start_point
+    broker: str | None = None  # the broker's identity, written with each checkpoint
+    recorded_broker: str | None = None  # the one the checkpoint was last written for
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,24 +98,29 @@ class Store:
         key: int,
         *,
         start_xmin: int | None = None,
+        broker: str | None = None,
     ) -> Claim:
         """Take the next epoch, on the connection holding lock `key`; create the row if new.
 
         `start` (and `start_xmin`) only matter for a new row; an existing row keeps its own.
+        `broker` is recorded with each checkpoint written under this claim; the claim says
+        which broker the row was last written for.
         """
         await conn.execute(
-            f"INSERT INTO {self._checkpoints} (outbox, position, start_xmin) VALUES ($1, $2, $3)"
-            " ON CONFLICT (outbox) DO NOTHING",
+            f"INSERT INTO {self._checkpoints} (outbox, position, start_xmin, broker)"
+            " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO NOTHING",
             outbox,
             start,
             start_xmin,
+            broker,
         )
         row = await conn.fetchrow(
             f"UPDATE {self._checkpoints} SET epoch = epoch + 1, holder = $2, held_since = now(),"
             " heartbeat = now(), state = CASE WHEN halted IS NULL THEN 'relaying' ELSE 'halted'"
             " END, blocking = NULL, updated_at = now()"
             f" WHERE outbox = $1 AND {holds_lock('$3')}"
-            " RETURNING epoch, position, halted, retry_position, attempts, rejections, start_xmin",
+            " RETURNING epoch, position, halted, retry_position, attempts, rejections, start_xmin,"
+            " broker",
             outbox,
             holder,
             key,
@@ -124,19 +131,29 @@ class Store:
         if row["retry_position"] is not None:
             retry = RetryCount(row["retry_position"], row["attempts"], row["rejections"])
         return Claim(
-            outbox, row["epoch"], row["position"], key, row["halted"], retry, row["start_xmin"]
+            outbox,
+            row["epoch"],
+            row["position"],
+            key,
+            row["halted"],
+            retry,
+            row["start_xmin"],
+            broker,
+            row["broker"],
         )
 
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """Move the checkpoint forwards and mark the outbox healthy."""
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET position = $3, state = 'relaying', attempts = 0,"
-            " last_error = NULL, retry_position = NULL, rejections = 0, updated_at = now()"
+            " last_error = NULL, retry_position = NULL, rejections = 0, updated_at = now(),"
+            " broker = coalesce($5, broker)"
             f" WHERE outbox = $1 AND epoch = $2 AND position <= $3 AND {holds_lock('$4')}",
             claim.outbox,
             claim.epoch,
             position,
             claim.key,
+            claim.broker,
         )
         _fenced_unless_updated(status, claim, f"moving the checkpoint to {position}")
 
@@ -145,7 +162,8 @@ class Store:
         previous = await conn.fetchval(
             f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL,"
             " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
-            " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now()"
+            " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now(),"
+            " broker = coalesce($5, c.broker)"
             f" FROM {self._checkpoints} old"
             " WHERE c.outbox = $1 AND old.outbox = c.outbox AND c.epoch = $2"
             f" AND c.position >= $3 AND {holds_lock('$4')} RETURNING old.position",
@@ -153,6 +171,7 @@ class Store:
             claim.epoch,
             position,
             claim.key,
+            claim.broker,
         )
         if previous is None:
             raise FencedError(

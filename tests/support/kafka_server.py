@@ -173,6 +173,49 @@ def headers(record: Any) -> dict[str, str]:
     return {name: value.decode() for name, value in record.headers}
 
 
+def relay_config(
+    dsn: str,
+    bootstrap: str | list[str],
+    topic: str,
+    *,
+    payload: Any = "data",
+    level: str = "info",
+    **broker: Any,
+) -> dict[str, Any]:
+    """A relay config with one outbox, `loans`, sending BookLent events to `topic`, with
+    short timeouts and retries (and idempotence off: tansu lacks it); `broker` adds or
+    replaces Kafka options."""
+    return {
+        "database": {"url": dsn, "retry": {"initial": "20ms", "max": "200ms"}},
+        "source": {"poll_interval": "100ms"},
+        "brokers": {
+            "kafka": {
+                "type": "kafka",
+                "bootstrap_servers": bootstrap,
+                "enable_idempotence": False,
+                "ack_timeout": "2s",
+                "connect_timeout": "1s",
+                **broker,
+            }
+        },
+        "outboxes": {
+            "loans": {
+                "broker": "kafka",
+                "messages": {
+                    "BookLent": {
+                        "type": "library.book-lent.v1",
+                        "destination": topic,
+                        "payload": payload,
+                    }
+                },
+                "retry": {"initial": "50ms", "max": "300ms"},
+            }
+        },
+        "http": {"enabled": False},
+        "logging": {"level": level, "format": "json"},
+    }
+
+
 # -- fixtures ---------------------------------------------------------------------------------
 
 

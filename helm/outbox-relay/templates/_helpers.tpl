@@ -48,8 +48,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/*
+The image: pulled by digest when image.digest is set (the tag is then ignored).
+*/}}
 {{- define "outbox-relay.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether `relay migrate` runs in the hook Job (else in each pod's init container).
+*/}}
+{{- define "outbox-relay.migrationJob" -}}
+{{- if and .Values.migrations.enabled .Values.migrations.job.enabled }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -211,7 +225,8 @@ those that extraEnv or the chart itself sets.
 
 {{/*
 The containers' environment. Called with (dict "ctx" $ "extra" LIST): entries of LIST come
-last and replace the chart's variables of the same name.
+last and replace the chart's variables of the same name. "secretName" overrides the Secret
+the variables come from (the migration hook's copy).
 */}}
 {{- define "outbox-relay.env" -}}
 {{- $ctx := .ctx }}
@@ -235,7 +250,7 @@ last and replace the chart's variables of the same name.
 {{- end }}
 - name: RELAY_CONFIG
   value: /etc/relay/relay.yaml
-{{- $secretName := include "outbox-relay.secretName" $ctx }}
+{{- $secretName := .secretName | default (include "outbox-relay.secretName" $ctx) }}
 {{- range $var, $key := include "outbox-relay.secretEnv" $ctx | fromJson }}
 {{- if not (has $var $replaced) }}
 - name: {{ $var }}
@@ -266,16 +281,22 @@ last and replace the chart's variables of the same name.
 {{- end }}
 {{- end }}
 
+{{/*
+The pods' volumes. Called with $, or with (dict "ctx" $ "configMap" NAME) for the
+migration hook, whose config is a copy of its own.
+*/}}
 {{- define "outbox-relay.volumes" -}}
+{{- $ctx := .ctx | default . }}
+{{- $configMap := .configMap | default (include "outbox-relay.fullname" $ctx) -}}
 - name: config
   configMap:
-    name: {{ include "outbox-relay.fullname" . }}
+    name: {{ $configMap }}
 - name: tmp
   emptyDir:
-    {{- with .Values.tmpDir.sizeLimit }}
+    {{- with $ctx.Values.tmpDir.sizeLimit }}
     sizeLimit: {{ . }}
     {{- end }}
-{{- with .Values.volumes }}
+{{- with $ctx.Values.volumes }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
