@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.db import NewEvent, append_many, connect
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
-from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import config_dict, eventually, migrate_cli, save, write_config
+from tests.support.jetstream import delete_stream, fetch_all
+from tests.support.operator_cli import (
+    cli,
+    holds,
+    park_huge_loans,
+    relay_then_stop,
+    relayed_up_to,
+    setup_outbox,
+)
+from tests.support.relay_process import run_cli
+from tests.support.scenario import config_dict, eventually, save
 
 PLAIN_LINE = re.compile(r"^replay loans: (\d+)/(\d+) events \(\d+%\)$")
 
@@ -62,29 +70,6 @@ def on_terminal(args: list[str], answer: bytes = b"", until: bytes = b"") -> tup
             process.kill()
 
 
-def cli(config: Path, *args: str) -> Any:
-    result = run_cli([*args, "--config", str(config), "--json"])
-    assert result.returncode == 0, f"{args}: exit {result.returncode}\n{result.stderr}"
-    return json.loads(result.stdout)
-
-
-async def _stream(nats_url: str) -> str:
-    stream = unique_name("longops")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    return stream
-
-
-def _holds(process: RelayProcess) -> bool:
-    return any(r.get("event") == "lease acquired: relaying" for r in process.logs())
-
-
-async def _relayed_up_to(config: Path, position: int) -> None:
-    async def caught_up() -> bool:
-        return bool(cli(config, "status")[0]["checkpoint"] == position)
-
-    await eventually(caught_up, timeout=30)
-
-
 def _increasing(pairs: list[tuple[int, int]], total: int) -> None:
     """Progress counts never go back, all over the same total, ending at it."""
     assert pairs, "no progress shown"
@@ -96,11 +81,9 @@ def _increasing(pairs: list[tuple[int, int]], total: int) -> None:
 async def test_replay_wait_shows_progress_until_caught_up(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
-    config = write_config(
-        tmp_path, events_table, nats_url, stream, batch={"max_messages": 20, "linger": "0s"}
+    config, stream = await setup_outbox(
+        events_table, nats_url, tmp_path, batch={"max_messages": 20, "linger": "0s"}
     )
-    migrate_cli(config)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(
@@ -108,8 +91,8 @@ async def test_replay_wait_shows_progress_until_caught_up(
                 [NewEvent("book", f"b{i % 7}", i // 7 + 1, "BookLent", {}) for i in range(300)],
             )
         holder = relay_process(["run", "--config", str(config)])
-        await eventually(lambda: _holds(holder), timeout=20)
-        await _relayed_up_to(config, positions[-1])
+        await eventually(lambda: holds(holder), timeout=20)
+        await relayed_up_to(config, positions[-1])
 
         # Off a terminal: plain lines on stderr, the outcome on stdout.
         plain = run_cli(["replay", "loans", "--from-start", "--wait", "--config", str(config)])
@@ -164,11 +147,9 @@ async def test_replay_wait_shows_progress_until_caught_up(
 async def test_replay_wait_sums_the_partitions_of_a_split_outbox(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
-    config = write_config(
-        tmp_path, events_table, nats_url, stream, partitions=3, batch={"max_messages": 10}
+    config, stream = await setup_outbox(
+        events_table, nats_url, tmp_path, partitions=3, batch={"max_messages": 10}
     )
-    migrate_cli(config)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(
@@ -199,16 +180,11 @@ async def _all_caught_up(config: Path, position: int) -> bool:
 async def test_replay_wait_fails_when_no_replica_holds_the_lease(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
-    config = write_config(tmp_path, events_table, nats_url, stream)
-    migrate_cli(config)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, [NewEvent("book", "b1", 1, "BookLent", {})])
-        holder = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        holder.terminate()
-        assert await holder.wait_async(15) == 0
+        await relay_then_stop(relay_process, config, positions[-1])
 
         result = run_cli(
             ["replay", "loans", "--from-start", "--wait", "--timeout", "1", "-c", str(config)]
@@ -233,10 +209,10 @@ FINES = {
 async def test_retry_parked_publishes_in_batches_and_reports_each_message(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
     batch = {"max_messages": 3}
-    config = write_config(tmp_path, events_table, nats_url, stream, messages=FINES, batch=batch)
-    migrate_cli(config)
+    config, stream = await setup_outbox(
+        events_table, nats_url, tmp_path, messages=FINES, batch=batch
+    )
     huge = "x" * (2 * 1024 * 1024)  # above NATS's 1 MB max_payload once it can be mapped
     try:
         async with connect(events_table) as conn:
@@ -249,10 +225,7 @@ async def test_retry_parked_publishes_in_batches_and_reports_each_message(
                     NewEvent("book", "b1", 3, "FineCharged", {"amount": "4"}),
                 ],
             )
-        first = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])  # every one parked: "abs" of a string
-        first.terminate()
-        assert await first.wait_async(15) == 0
+        await relay_then_stop(relay_process, config, positions[-1])  # all parked: "abs" of "1"
         parked = cli(config, "parked", "list", "loans")
         assert [p["position"] for p in parked] == positions
         ids = [p["id"] for p in parked]
@@ -261,7 +234,7 @@ async def test_retry_parked_publishes_in_batches_and_reports_each_message(
         data = config_dict(events_table, nats_url, stream, messages=fixed, batch=batch)
         fixed_config = save(tmp_path, data, "fixed.yaml")
         holder = relay_process(["run", "--config", str(fixed_config)])
-        await eventually(lambda: _holds(holder), timeout=20)
+        await eventually(lambda: holds(holder), timeout=20)
 
         result = run_cli(
             ["retry-parked", "loans", "--all", "--wait", "--json", "--config", str(fixed_config)]
@@ -308,19 +281,9 @@ async def test_retry_parked_publishes_in_batches_and_reports_each_message(
 async def test_parked_drop_all_is_confirmed(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
-    config = write_config(tmp_path, events_table, nats_url, stream)
-    migrate_cli(config)
-    huge = "x" * (2 * 1024 * 1024)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
-        async with connect(events_table) as conn:
-            positions = await append_many(
-                conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": huge}) for i in range(3)]
-            )
-        holder = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
-        holder.terminate()
-        assert await holder.wait_async(15) == 0
+        positions = await park_huge_loans(events_table, relay_process, config, 3)
         ids = [row["id"] for row in cli(config, "parked", "list", "loans")]
         assert len(ids) == 3
 
@@ -358,16 +321,14 @@ async def test_parked_drop_all_is_confirmed(
 async def test_status_shows_a_long_error_whole_on_demand_and_watches(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = await _stream(nats_url)
-    config = write_config(tmp_path, events_table, nats_url, stream)
-    migrate_cli(config)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(
                 conn, [NewEvent("book", "b1", v, "BookLent", {}) for v in range(1, 6)]
             )
             holder = relay_process(["run", "--config", str(config)])
-            await _relayed_up_to(config, positions[-1])
+            await relayed_up_to(config, positions[-1])
             # The head goes below the checkpoint: the outbox halts with a long explanation.
             await conn.execute("TRUNCATE events RESTART IDENTITY")
             await append_many(conn, [NewEvent("book", "b2", 1, "BookLent", {})])
