@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
-from relay.core.publishing import Message
+from relay.config import load_config
+from relay.core.publishing import Message, to_structured
 from relay.ops.contract import render
+from relay.ops.contract.view import outbox_views
 from tests.support.asyncapi import NodeMissing, diagnostics, install_parser, problems
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, document, outbox, rule
 from tests.support.relay_process import run_cli
@@ -297,9 +299,11 @@ def _message(**fields: Any) -> Message:
     return Message(**{**defaults, **fields})
 
 
-def sent_headers(broker: str) -> set[str]:
+def sent_headers(
+    broker: str, message: Message | None = None, prefix: str = "cloudEvents:"
+) -> set[str]:
     """The header names each adapter really writes (SQS: message attribute names)."""
-    message = _message()
+    message = message or _message()
     if broker == "nats":
         from relay.brokers.nats import _headers as nats_headers
 
@@ -311,7 +315,7 @@ def sent_headers(broker: str) -> set[str]:
     if broker == "rabbit":
         from relay.brokers.rabbitmq import _properties
 
-        return set(_properties(message).headers or {})
+        return set(_properties(message, prefix).headers or {})
     from relay.brokers.sqs import _attributes
 
     return set(_attributes(message))
@@ -322,3 +326,42 @@ def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str)
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
+
+
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
+    """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""
+    prefix = "ce-" if broker == "rabbit" else "cloudEvents:"
+    view = outbox(
+        [("BookLent", rule("library.book-lent.v1"))],
+        broker,
+        cloudevents=mode,
+        trace_context=True,
+        amqp_prefix=prefix,
+    )
+    (message,) = document(view)["components"]["messages"].values()
+    sent = _message(traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    sent.tracestate = "congo=t61rcWkgMzE"
+    if mode == "structured":
+        to_structured(sent)
+    assert set(message["headers"]["properties"]) == sent_headers(broker, sent, prefix)
+
+
+def test_the_config_reaches_the_contract_view(tmp_path: Path) -> None:
+    """`cloudevents`, `trace_context` and RabbitMQ's `cloudevents_headers` shape the document."""
+    path = tmp_path / "relay.yaml"
+    path.write_text(
+        "database: {url: 'postgresql://localhost/db'}\n"
+        "brokers:\n"
+        "  rabbit: {type: rabbitmq, url: 'amqp://guest:guest@rabbit.invalid/',"
+        " cloudevents_headers: ce}\n"
+        "outboxes:\n"
+        "  loans:\n"
+        "    broker: rabbit\n"
+        "    cloudevents: structured\n"
+        "    trace_context: true\n"
+        "    messages: {BookLent: {type: library.book-lent.v1, destination: library}}\n"
+    )
+    (view,) = outbox_views(load_config(path))
+    assert (view.cloudevents, view.trace_context, view.amqp_prefix) == ("structured", True, "ce-")

@@ -110,6 +110,7 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
         "aggregates": ["dvd"],
         "partitions": 2,
         "retry": {"initial": "20ms", "max": "200ms"},
+        "trace_context": True,  # its relay_trace_context_invalid_total series exists
         "messages": {
             "BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": f"{nowhere}.dvds"}
         },

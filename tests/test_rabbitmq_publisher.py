@@ -11,10 +11,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from cloudevents.core.bindings import amqp, rabbitmq
+from cloudevents.core.exceptions import CloudEventValidationError
+from cloudevents.core.formats.json import JSONFormat
 
 from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
-from relay.core.publishing import Message
+from relay.core.publishing import Message, to_structured
 from relay.errors import PermanentPublishError, TransientPublishError
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
@@ -412,3 +415,57 @@ async def test_cancelled_publish_and_close_return_at_once_while_the_broker_is_si
             await pub.close()
             assert time.monotonic() - started < 0.5
     assert len(asyncio.all_tasks()) == 1  # this test's: nothing left behind
+
+
+@pytest.mark.parametrize("style", ["amqp", "ce"])
+async def test_header_style_is_the_one_the_consumers_binding_reads(
+    rabbitmq_url: str, exchange: str, style: str
+) -> None:
+    """`amqp` is read by the SDK's AMQP binding, `ce` by its RabbitMQ binding; each binding
+    misses the other style's attributes, so the style must match the consumers."""
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sent = message(
+        exchange,
+        1,
+        dataschema="https://schemas.example.com/book-lent.json",
+        traceparent=traceparent,
+        tracestate="congo=t61rcWkgMzE",
+    )
+    structured = message(exchange, 2, traceparent=traceparent)
+    to_structured(structured)
+    pub = publisher(rabbitmq_url, cloudevents_headers=style)
+    try:
+        assert await pub.publish([sent, structured]) == [None, None]
+        received = await QueueReader(rabbitmq_url, exchange).fetch(expected=2)
+    finally:
+        await pub.close()
+    binary_in, structured_in = received
+    prefix = "cloudEvents:" if style == "amqp" else "ce-"
+    assert binary_in.headers[prefix + "id"] == "book/b1@1"
+    assert binary_in.headers["x-deduplication-header"] == "book/b1@1"
+    assert not any(name.startswith(("ce-", "cloudEvents:")) for name in structured_in.headers)
+
+    def with_amqp(r: Any) -> Any:
+        raw = amqp.AMQPMessage({"content-type": r.properties.content_type}, r.headers, r.body)
+        return amqp.from_amqp(raw, JSONFormat())
+
+    def with_rabbitmq(r: Any) -> Any:
+        raw = rabbitmq.RabbitMQMessage(r.headers, r.properties.content_type, r.body)
+        return rabbitmq.from_rabbitmq(raw, JSONFormat())
+
+    right, wrong = (with_amqp, with_rabbitmq) if style == "amqp" else (with_rabbitmq, with_amqp)
+    event = right(binary_in)
+    assert (event.get_id(), event.get_type()) == ("book/b1@1", TYPE)
+    assert event.get_source() == "/outbox-relay/loans"
+    assert event.get_time() == sent.time
+    assert event.get_dataschema() == "https://schemas.example.com/book-lent.json"
+    assert event.get_extension("traceparent") == traceparent
+    assert event.get_extension("tracestate") == "congo=t61rcWkgMzE"
+    assert event.get_data() == {"n": 1}
+    with pytest.raises(CloudEventValidationError, match="source"):
+        wrong(binary_in)
+    for read in (with_amqp, with_rabbitmq):  # structured mode needs no header at all
+        event = read(structured_in)
+        assert event.get_id() == "book/b2@1"
+        assert event.get_extension("traceparent") == traceparent
+        assert event.get_data() == {"n": 1}

@@ -7,11 +7,12 @@ clear start-up error naming the extra to install, not an ImportError.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Collection
+from typing import Any, Protocol, cast
 
 from relay.config import BrokerConfig
 from relay.core.publishing import Publisher
-from relay.errors import ConfigError
+from relay.errors import ConfigError, PublishError
 
 _ADAPTERS: dict[str, tuple[str, str, str]] = {
     # type: (module, class, extra)
@@ -35,3 +36,20 @@ def create_publisher(name: str, config: BrokerConfig) -> Publisher:
     factory: Any = getattr(module, class_name)
     publisher: Publisher = factory(name, config)
     return publisher
+
+
+class Probing(Protocol):
+    """What `relay check` asks of every adapter: connect, authenticate, find destinations."""
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """What is wrong, one line each; raises PublishError when it cannot connect."""
+        ...
+
+
+async def probe_broker(name: str, config: BrokerConfig, destinations: Collection[str]) -> list[str]:
+    """Connect to broker `name`, log in and look for `destinations`; publishes nothing."""
+    try:
+        publisher = cast(Probing, create_publisher(name, config))
+        return await publisher.probe(destinations)
+    except (ConfigError, PublishError) as exc:
+        return [str(exc)]

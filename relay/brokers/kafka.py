@@ -31,13 +31,12 @@ import contextlib
 import functools
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.codec import has_gzip, has_lz4, has_snappy, has_zstd
 from aiokafka.errors import (
     BrokerResponseError,
     InvalidTopicError,
@@ -56,7 +55,7 @@ from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import ConfigError, PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 log = structlog.get_logger("relay.brokers.kafka")
 
@@ -83,14 +82,6 @@ def _key_hash(key: bytes) -> int:
     into it. An aggregate's key comes back with each of its events, so it is hashed once.
     """
     return int(murmur2(key)) & 0x7FFFFFFF
-
-
-_CODECS = {
-    "gzip": (has_gzip, "the standard library's gzip"),
-    "snappy": (has_snappy, "the `cramjam` package"),
-    "lz4": (has_lz4, "the `cramjam` package"),
-    "zstd": (has_zstd, "the `cramjam` package"),
-}
 
 
 @dataclass
@@ -150,7 +141,7 @@ class KafkaPublisher:
         self._log = log.bind(broker=name)
         self._stage = "connecting"  # what publish was waiting for, should ack_timeout expire
         self.duplicates = 0  # Kafka does not say when it dropped a duplicate
-        self._ssl = _check(name, config)
+        self._ssl = _check(config)
         if config.transactional_id is not None and not config.enable_idempotence:
             self._log.warning(
                 "transactional_id implies the idempotent producer; enable_idempotence: "
@@ -176,14 +167,50 @@ class KafkaPublisher:
             raise
         self._producer = producer
 
-    def _new_producer(self) -> AIOKafkaProducer:
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: connect and authenticate as a producer (never with the
+        transactional id, which would fence a running relay's producer), and find each topic
+        in the cluster's metadata, which creates none. Nothing is published; what is wrong,
+        one line each."""
         c = self._config
+        producer = AIOKafkaProducer(**self._options(transactional=False))
+        try:
+            async with asyncio.timeout(c.connect_timeout):
+                await producer.start()
+            async with asyncio.timeout(c.ack_timeout):
+                metadata = await producer.client.fetch_all_metadata()
+        except (OSError, TimeoutError, KafkaError) as exc:
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {self._connect_error(exc)}"
+            ) from exc
+        finally:
+            await _stop(producer)
+        topics = metadata.topics()
+        problems = []
+        for topic in sorted(destinations):
+            if not _TOPIC.match(topic) or topic in (".", ".."):
+                problems.append(f"broker {self.name!r}: {topic!r} is not a valid Kafka topic name")
+            elif topic not in topics:
+                problems.append(
+                    f"broker {self.name!r}: topic {topic!r} does not exist: every message to it"
+                    " would be retried for ever; create it"
+                )
+        return problems
+
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(**self._options())
+
+    def _options(self, *, transactional: bool = True) -> dict[str, Any]:
+        """The producer's settings; `transactional=False` leaves out the transactional id."""
+        c = self._config
+        # Without its transactional id, a producer that has one is still idempotent.
+        idempotent = c.enable_idempotence or (not transactional and c.transactional_id is not None)
         options: dict[str, Any] = {
             "bootstrap_servers": c.bootstrap_servers,
             "client_id": c.client_id,
             "acks": "all",
-            "enable_idempotence": c.enable_idempotence,
-            "transactional_id": c.transactional_id,
+            "enable_idempotence": idempotent,
+            "transactional_id": c.transactional_id if transactional else None,
             "compression_type": None if c.compression_type == "none" else c.compression_type,
             "max_request_size": c.max_request_size,
             # Explicit record batches are filled up to this (see _plan).
@@ -201,7 +228,7 @@ class KafkaPublisher:
             options["sasl_plain_username"] = c.sasl_username
             if c.sasl_password is not None:
                 options["sasl_plain_password"] = c.sasl_password.get_secret_value()
-        return AIOKafkaProducer(**options)
+        return options
 
     def _connect_error(self, exc: BaseException) -> str:
         if isinstance(exc, TimeoutError):
@@ -461,9 +488,9 @@ class KafkaPublisher:
 
 
 def _headers(message: Message) -> list[tuple[str, bytes]]:
-    """CloudEvents Kafka binding, binary mode."""
+    """CloudEvents Kafka binding: binary mode, or only the content type in structured mode."""
     attributes = cloudevent_attributes(message)
-    del attributes["partitionkey"]  # the record's key is the partition key here
+    attributes.pop("partitionkey", None)  # the record's key is the partition key here
     headers = [(f"ce_{name}", value.encode()) for name, value in attributes.items()]
     return [*headers, ("content-type", message.content_type.encode())]
 
@@ -516,21 +543,11 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _check(name: str, config: KafkaBrokerConfig) -> ssl.SSLContext | None:
-    """What the producer cannot be built without; the TLS context when TLS is used."""
-    if config.compression_type != "none":
-        available, needs = _CODECS[config.compression_type]
-        if not available():
-            raise ConfigError(
-                f"brokers.{name}.compression_type: {config.compression_type} needs {needs}"
-            )
+def _check(config: KafkaBrokerConfig) -> ssl.SSLContext | None:
+    """The TLS context when TLS is used (the config model checked that its files load)."""
     if config.security_protocol not in ("SSL", "SASL_SSL"):
         return None  # the config model refuses tls without them
-    try:
-        context = (config.tls or TlsConfig()).context()
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"brokers.{name}.tls: {exc}") from exc
-    return context
+    return (config.tls or TlsConfig()).context()
 
 
 def _text(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +74,30 @@ class NatsPublisher:
             return
         await self.close()
         c = self._config
+        nc = await self._open()
+        self._nc, self._js = nc, nc.jetstream(timeout=c.ack_timeout)
+        if not c.jetstream:
+            log.warning(
+                "core NATS has no acknowledgements: a message nobody is subscribed to is lost",
+                broker=self.name,
+            )
+            return
+        try:
+            # One API round trip: proves JetStream is on, and sets up reply
+            # subscriptions before the first batch so its order is kept.
+            await self._js.account_info()
+            self._replies = await _Replies.subscribe(nc)
+            if c.stream is not None:
+                await self._provision_stream(c.stream)
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            await self.close()
+            raise TransientPublishError(
+                f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"
+            ) from exc
+
+    async def _open(self) -> Client:
+        """A connection, authenticated; TransientPublishError when refused or unreachable."""
+        c = self._config
         options: dict[str, Any] = {
             "servers": c.servers,
             "connect_timeout": c.connect_timeout,
@@ -106,25 +130,62 @@ class NatsPublisher:
             raise TransientPublishError(
                 f"broker {self.name!r}: cannot connect: {_text(exc)}"
             ) from exc
-        self._nc, self._js = nc, nc.jetstream(timeout=c.ack_timeout)
-        if not c.jetstream:
-            log.warning(
-                "core NATS has no acknowledgements: a message nobody is subscribed to is lost",
-                broker=self.name,
-            )
-            return
+        return nc
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: connect and authenticate, and find the stream that captures each
+        subject. Creates nothing and publishes nothing; what is wrong, one line each."""
+        c = self._config
+        nc = await self._open()
         try:
-            # One API round trip: proves JetStream is on, and sets up reply
-            # subscriptions before the first batch so its order is kept.
-            await self._js.account_info()
-            self._replies = await _Replies.subscribe(nc)
-            if c.stream is not None:
-                await self._provision_stream(c.stream)
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
-            await self.close()
-            raise TransientPublishError(
-                f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"
-            ) from exc
+            if not c.jetstream:
+                return []
+            js = nc.jetstream(timeout=c.ack_timeout)
+            try:
+                await js.account_info()
+            except (OSError, TimeoutError, nats.errors.Error) as exc:
+                return [f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"]
+            return [p for p in [await self._probe_stream(js)] if p] + [
+                problem
+                for subject in sorted(destinations)
+                if (problem := await self._probe_subject(js, subject))
+            ]
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _probe_stream(self, js: JetStreamContext) -> str | None:
+        wanted = self._config.stream
+        if wanted is None or wanted.create:
+            return None  # created at start when missing
+        try:
+            await js.stream_info(wanted.name)
+        except nats.js.errors.NotFoundError:
+            return (
+                f"broker {self.name!r}: stream {wanted.name!r} does not exist and stream.create"
+                " is false"
+            )
+        return None
+
+    async def _probe_subject(self, js: JetStreamContext, subject: str) -> str | None:
+        if not _VALID_SUBJECT.fullmatch(subject):
+            return f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
+        wanted = self._config.stream
+        if (
+            wanted is not None
+            and wanted.create
+            and any(captures(pattern, subject) for pattern in wanted.subjects)
+        ):
+            return None  # the configured stream captures it, and is created at start
+        try:
+            await js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return (
+                f"broker {self.name!r}: no JetStream stream captures subject {subject!r}:"
+                " every message to it would be retried for ever; create a stream for it"
+                " (or configure brokers.<name>.stream)"
+            )
+        return None
 
     async def _provision_stream(self, wanted: NatsStreamConfig) -> None:
         """Create the configured stream if missing; say so if it differs from the config."""
@@ -391,6 +452,17 @@ def _broken_rule(subject: str) -> str:
     if "*" in subject or ">" in subject:
         return "'*' and '>' are wildcards, for subscribing only"
     return "it contains whitespace or a control character"
+
+
+def captures(pattern: str, subject: str) -> bool:
+    """Whether a stream subject (`*` one token, `>` the rest) captures a publish subject."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(want) == len(got)
 
 
 def _headers(message: Message) -> dict[str, str]:

@@ -14,8 +14,13 @@ is a thin wrapper over aiormq's, and only aiormq lets the relay keep hold of
 the socket, to abort a connection that went silent instead of waiting on it.
 
 RabbitMQ has no deduplication of its own. The message id is sent as the
-`message_id` property, as `cloudEvents:id`, and as `x-deduplication-header`
-for the message-deduplication plugin; `duplicates` stays 0.
+`message_id` property, as `cloudEvents:id` (or `ce-id`), and as
+`x-deduplication-header` for the message-deduplication plugin; `duplicates`
+stays 0.
+
+CloudEvents headers come in two styles (`cloudevents_headers`): `amqp`, the
+AMQP binding's `cloudEvents:` prefix (the default), or `ce`, the `ce-` prefix
+that the RabbitMQ bindings of the CloudEvents SDKs read.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class RabbitMqPublisher:
         # max_message_size once it has refused a message for its size.
         self._alone_above = _LARGE
         self._probe = False  # the last batch failed
+        self._prefix = "cloudEvents:" if config.cloudevents_headers == "amqp" else "ce-"
         self.duplicates = 0
 
     async def connect(self) -> None:
@@ -83,12 +89,7 @@ class RabbitMqPublisher:
         await self.close()
         c = self._config
         socket = _Socket()
-        connection = aiormq.Connection(
-            URL(self._url),
-            context=c.tls.context() if c.tls else None,
-            transport_factory=socket,
-            client_properties={"connection_name": f"outbox-relay {self.name}"},
-        )
+        connection = self._new_connection(socket)
         step = "cannot connect"
         try:
             async with asyncio.timeout(c.connect_timeout):
@@ -103,15 +104,66 @@ class RabbitMqPublisher:
                     )
         except _CONNECTION_ERRORS as exc:
             await _close(connection, socket, graceful=False)
-            why = _text(exc) if str(exc) else f"no answer within {c.connect_timeout:g}s"
-            if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in why:
-                # aiormq reports the server's Connection.Close here without its reply text.
-                why = "refused at Connection.Open: does the vhost exist, may this user use it?"
-            raise TransientPublishError(f"broker {self.name!r}: {step}: {why}") from exc
+            raise TransientPublishError(
+                f"broker {self.name!r}: {step}: {_refusal(exc, c.connect_timeout)}"
+            ) from exc
         except BaseException:  # cancelled half-way
             await _close(connection, socket, graceful=False)
             raise
         self._connection, self._socket, self._channel = connection, socket, channel
+
+    def _new_connection(self, socket: _Socket) -> aiormq.Connection:
+        c = self._config
+        return aiormq.Connection(
+            URL(self._url),
+            context=c.tls.context() if c.tls else None,
+            transport_factory=socket,
+            client_properties={"connection_name": f"outbox-relay {self.name}"},
+        )
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: connect and log in, and find each exchange (a passive declare,
+        which creates nothing); exchanges in declare_exchanges are declared at start. Nothing
+        is published; what is wrong, one line each."""
+        c = self._config
+        socket = _Socket()
+        connection = self._new_connection(socket)
+        try:
+            async with asyncio.timeout(c.connect_timeout):
+                await connection.connect()
+        except _CONNECTION_ERRORS as exc:
+            await _close(connection, socket, graceful=False)
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {_refusal(exc, c.connect_timeout)}"
+            ) from exc
+        declared = {exchange.name for exchange in c.declare_exchanges}
+        problems = []
+        try:
+            for exchange in sorted(set(destinations) - declared):
+                if len(exchange.encode()) > _SHORT_STRING:
+                    problems.append(
+                        f"broker {self.name!r}: exchange name longer than {_SHORT_STRING}"
+                        f" bytes: {exchange[:40]!r}..."
+                    )
+                    continue
+                channel = await connection.channel()
+                try:
+                    await channel.exchange_declare(exchange, passive=True)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    problems.append(
+                        f"broker {self.name!r}: exchange {exchange!r} does not exist: every"
+                        " message to it would be retried for ever; declare it (or list it in"
+                        " declare_exchanges)"
+                    )
+                else:
+                    await channel.close()
+        except _CONNECTION_ERRORS as exc:
+            raise TransientPublishError(
+                f"broker {self.name!r}: {_refusal(exc, c.connect_timeout)}"
+            ) from exc
+        finally:
+            await _close(connection, socket, graceful=True)
+        return problems
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
@@ -153,7 +205,7 @@ class RabbitMqPublisher:
                     message.body,
                     exchange=message.destination,
                     routing_key=_routing_key(message),
-                    properties=_properties(message),
+                    properties=_properties(message, self._prefix),
                     mandatory=mandatory,
                     wait=False,
                 )
@@ -338,10 +390,10 @@ def _routing_key(message: Message) -> str:
     return message.routing_key if message.routing_key is not None else message.type
 
 
-def _properties(message: Message) -> Basic.Properties:
-    """Message properties plus the CloudEvents AMQP binding (binary mode) in headers."""
+def _properties(message: Message, prefix: str) -> Basic.Properties:
+    """Message properties plus the CloudEvents attributes (binary mode) in headers."""
     headers: dict[str, Any] = {
-        **{f"cloudEvents:{name}": value for name, value in cloudevent_attributes(message).items()},
+        **{prefix + name: value for name, value in cloudevent_attributes(message).items()},
         "x-deduplication-header": message.id,
     }
     return Basic.Properties(
@@ -405,6 +457,15 @@ _CONNECTION_ERRORS = (
     TimeoutError,
     RuntimeError,  # aiormq's "connection closed" on a channel being opened
 )
+
+
+def _refusal(exc: BaseException, timeout: float) -> str:
+    """Why connecting failed, in words."""
+    why = _text(exc) if str(exc) else f"no answer within {timeout:g}s"
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in why:
+        # aiormq reports the server's Connection.Close here without its reply text.
+        why = "refused at Connection.Open: does the vhost exist, may this user use it?"
+    return why
 
 
 def _text(exc: BaseException) -> str:

@@ -39,7 +39,7 @@ import hashlib
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,6 +54,7 @@ from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
+MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit)
 MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
 CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
@@ -156,6 +157,54 @@ class SqsPublisher:
             ) from exc
         self._stack = stack
         self._slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: ask SQS for each queue (GetQueueUrl, or GetQueueAttributes for a
+        URL), which proves the credentials too; with no queue known in advance, ListQueues
+        does (an AccessDenied answer also proves them). Nothing is sent; what is wrong, one
+        line each."""
+        await self.connect()
+        try:
+            if not destinations:
+                problem = await self._probe_call(
+                    "(any)", self._client.list_queues(MaxResults=1), denied_is_fine=True
+                )
+                return [problem] if problem else []
+            problems = []
+            for destination in sorted(destinations):
+                if destination.startswith(("https://", "http://")):
+                    call = self._client.get_queue_attributes(
+                        QueueUrl=destination, AttributeNames=["QueueArn"]
+                    )
+                elif _QUEUE_NAME.fullmatch(destination):
+                    call = self._client.get_queue_url(QueueName=destination)
+                else:
+                    problems.append(
+                        f"broker {self.name!r}: {destination!r} is neither a queue URL nor a"
+                        " queue name"
+                    )
+                    continue
+                if problem := await self._probe_call(destination, call):
+                    problems.append(problem)
+            return problems
+        finally:
+            await self.close()
+
+    async def _probe_call(
+        self, queue: str, call: Awaitable[Any], *, denied_is_fine: bool = False
+    ) -> str | None:
+        try:
+            await call
+        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
+            if isinstance(exc, ClientError) and _code(exc) in _QUEUE_GONE:
+                return (
+                    f"broker {self.name!r}: queue {queue!r} does not exist: every message to"
+                    " it would be retried for ever; create it"
+                )
+            if denied_is_fine and isinstance(exc, ClientError) and "AccessDenied" in _code(exc):
+                return None  # authenticated, just not allowed to list
+            return str(self._call_error(exc, queue))
+        return None
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if not messages:
@@ -411,11 +460,41 @@ def _chunks(entries: list[_Entry]) -> Iterator[list[_Entry]]:
 
 
 def _attributes(message: Message) -> dict[str, dict[str, str]]:
-    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix)."""
+    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix).
+
+    At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
+    today, and should one more ever be added, the least useful ones go first (_KEEP).
+    """
     values = {f"ce_{name}": value for name, value in cloudevent_attributes(message).items()}
     values["content-type"] = message.content_type
+    if len(values) > MAX_ATTRIBUTES:
+        values = _within_limit(values)
     # SQS refuses empty attribute values; an absent attribute says the same.
     return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
+
+
+# Which attributes SQS gets first when there are more than it takes: what the CloudEvents
+# SDKs require, the data's content type, then the optional ones. The partition key comes
+# last: a FIFO queue's MessageGroupId already orders by it, and a standard queue has no order.
+_KEEP = (
+    "ce_specversion",
+    "ce_id",
+    "ce_type",
+    "ce_source",
+    "content-type",
+    "ce_time",
+    "ce_traceparent",
+    "ce_tracestate",
+    "ce_dataschema",
+    "ce_partitionkey",
+)
+
+
+def _within_limit(values: dict[str, str]) -> dict[str, str]:
+    """The first MAX_ATTRIBUTES in _KEEP order; an attribute not listed there goes first."""
+    rank = {name: i for i, name in enumerate(_KEEP)}
+    kept = sorted(values, key=lambda name: rank.get(name, len(_KEEP)))[:MAX_ATTRIBUTES]
+    return {name: values[name] for name in values if name in kept}
 
 
 def _group_id(key: str) -> str:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -50,6 +51,7 @@ __all__ = [
     "RabbitMqBrokerConfig",
     "RelayConfig",
     "SqsBrokerConfig",
+    "TraceContextConfig",
     "load_config",
 ]
 
@@ -184,6 +186,30 @@ class MessageConfig(Model):
         return value
 
 
+class TraceContextConfig(Model):
+    """Where an event holds its W3C trace context: JMESPath expressions over the envelope."""
+
+    traceparent: Annotated[str, Field(min_length=1)] = "metadata.traceparent"
+    tracestate: Annotated[str, Field(min_length=1)] | None = "metadata.tracestate"
+
+    @field_validator("traceparent", "tracestate")
+    @classmethod
+    def _expressions_compile(cls, value: str | None) -> str | None:
+        return None if value is None else _check_expression(value)
+
+    def expressions(self) -> list[str]:
+        return [self.traceparent, *([self.tracestate] if self.tracestate else [])]
+
+
+def _trace_context_switch(value: Any) -> Any:
+    """`trace_context: true` reads the defaults (metadata.traceparent, metadata.tracestate)."""
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    return value
+
+
 class OutboxConfig(Model):
     broker: str
     aggregates: list[str] | None = Field(
@@ -193,6 +219,14 @@ class OutboxConfig(Model):
     id: TemplateStr = "{aggregate_type}/{aggregate_id}@{version}"
     key: TemplateStr = "{aggregate_id}"
     cloudevents_source: str | None = None
+    cloudevents: Literal["binary", "structured"] = Field(
+        "binary",
+        description="binary: attributes in headers, the payload as the body; structured: the"
+        " whole event as the body (application/cloudevents+json).",
+    )
+    trace_context: Annotated[TraceContextConfig | None, BeforeValidator(_trace_context_switch)] = (
+        Field(None, description="Carry each event's W3C traceparent/tracestate (or `true`).")
+    )
     batch: BatchConfig = BatchConfig()
     retry: RetryConfig = RetryConfig()
     park_after: Annotated[int, Field(ge=1)] = 10

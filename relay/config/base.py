@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     SecretStr,
     WithJsonSchema,
+    model_validator,
 )
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -104,6 +105,15 @@ class TlsConfig(Model):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _files_load(self) -> TlsConfig:
+        """A file that is missing or unreadable fails at load, not at every connect."""
+        try:
+            self.context()
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        return self
 
     def context(self) -> ssl.SSLContext:
         """A client context: verify the server, and present a certificate if one is set."""

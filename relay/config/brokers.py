@@ -6,7 +6,11 @@ that they come from the environment, not the file.
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -14,10 +18,19 @@ from pydantic import (
     Field,
     SecretStr,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
 from relay.config.base import AmqpUrl, Model, PositiveDuration, TlsConfig
+
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+_HTTP = re.compile(r"^https?://", re.IGNORECASE)
+
+
+def codec_available(codec: str) -> bool:
+    """Whether Kafka's `codec` can be used here: all but gzip need cramjam (as aiokafka)."""
+    return codec in ("none", "gzip") or importlib.util.find_spec("cramjam") is not None
 
 
 class NatsStreamConfig(Model):
@@ -49,6 +62,26 @@ class NatsBrokerConfig(TlsCapable):
     creds_file: str | None = Field(None, description="A .creds file (NKey and JWT).")
     connect_timeout: PositiveDuration = Field(2.0, description="Per connection attempt.")
     ack_timeout: PositiveDuration = Field(5.0, description="How long a batch waits for PubAcks.")
+
+    @field_validator("servers")
+    @classmethod
+    def _servers_are_nats_urls(cls, servers: list[str]) -> list[str]:
+        for server in servers:
+            # Only the scheme is read (and quoted): the rest may hold a password.
+            scheme = server.partition("://")[0].lower() if "://" in server else "nats"
+            if scheme not in _NATS_SCHEMES:
+                raise ValueError(
+                    f"{scheme}:// is not a NATS URL scheme; use"
+                    f" {', '.join(s + '://' for s in _NATS_SCHEMES)}"
+                )
+        return servers
+
+    @field_validator("creds_file")
+    @classmethod
+    def _creds_file_exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
 
     @model_validator(mode="after")
     def _stream_needs_jetstream(self) -> NatsBrokerConfig:
@@ -105,6 +138,13 @@ class KafkaBrokerConfig(TlsCapable):
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 30.0
 
+    @field_validator("compression_type")
+    @classmethod
+    def _codec_is_installed(cls, codec: str) -> str:
+        if codec in ("snappy", "lz4", "zstd") and not codec_available(codec):
+            raise ValueError(f"{codec} needs the `cramjam` package (pip install cramjam)")
+        return codec
+
     @model_validator(mode="after")
     def _security_is_complete(self) -> KafkaBrokerConfig:
         if self.security_protocol.startswith("SASL") and not (
@@ -132,6 +172,11 @@ class RabbitMqBrokerConfig(TlsCapable):
     # a piece of it, and a config error at load beats a traceback at the first publish.
     url: AmqpUrl = Field(description="amqp:// or amqps:// URL, credentials included.")
     mandatory: bool = True
+    cloudevents_headers: Literal["amqp", "ce"] = Field(
+        "amqp",
+        description="amqp: `cloudEvents:` headers (AMQP binding); ce: `ce-` headers (the"
+        " RabbitMQ binding of the CloudEvents SDKs).",
+    )
     declare_exchanges: list[RabbitMqExchange] = []
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 10.0
@@ -148,8 +193,17 @@ class SqsBrokerConfig(Model):
     """Credentials come from the standard AWS chain (environment, profile, role)."""
 
     type: Literal["sqs"]
-    region: Annotated[str, Field(min_length=1)]
+    # botocore's own rule for region names; it refuses others when the client is made.
+    region: Annotated[str, Field(pattern=r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")]
     endpoint_url: str | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_http(cls, url: str | None) -> str | None:
+        if url is not None and not (_HTTP.match(url) and urlsplit(url).hostname):
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return url
+
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 30.0
 

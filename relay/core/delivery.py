@@ -26,6 +26,7 @@ from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher
 from relay.core.retry import Backoff
 from relay.core.state import OutboxState
+from relay.core.tracing import traced
 from relay.core.waiting import wait_any
 from relay.errors import MappingError, PublishError, TransientPublishError
 
@@ -83,6 +84,7 @@ class Delivery:
         stop: asyncio.Event,
         interrupt: asyncio.Event,
         clock_offset: Callable[[], float] = lambda: 0.0,
+        broker_type: str = "",
     ) -> None:
         self.name = name
         self.labels = metric_labels(name)
@@ -93,6 +95,10 @@ class Delivery:
         self.stop = stop
         self.interrupt = interrupt  # an operator's command: stop retrying, come back later
         self.clock_offset = clock_offset  # database clock minus this host's
+        # The publisher's own method, or it inside an OpenTelemetry span (the otel extra).
+        self._send = traced(
+            publisher.publish, outbox=name, broker=config.broker, broker_type=broker_type
+        )
         self.retry: RetryCount | None = None  # the head message's failures so far
         self.log = structlog.get_logger("relay.delivery").bind(outbox=name)
         self._duplicates_seen = 0
@@ -155,7 +161,7 @@ class Delivery:
         if not messages:
             return []
         started = time.monotonic()
-        outcomes = await self.publisher.publish(messages)
+        outcomes = await self._send(messages)
         if len(outcomes) != len(messages):  # an adapter bug must not lose or stall messages
             missing = TransientPublishError(
                 f"broker {self.publisher.name!r} returned {len(outcomes)} outcomes"

@@ -27,7 +27,8 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
-from relay.core.publishing import Message
+from relay.core.publishing import Message, to_structured
+from relay.core.trace_context import TraceContext
 from relay.errors import MalformedEventError, MappingError
 
 
@@ -106,7 +107,13 @@ class _Compiled:
 class Mapper:
     """Maps one outbox's events; `map` returns None for events it skips."""
 
-    def __init__(self, outbox: str, config: OutboxConfig) -> None:
+    def __init__(
+        self,
+        outbox: str,
+        config: OutboxConfig,
+        *,
+        count_invalid_trace: Callable[[], None] | None = None,
+    ) -> None:
         self.outbox = outbox
         self._aggregates = frozenset(config.aggregates) if config.aggregates is not None else None
         self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
@@ -127,8 +134,15 @@ class Mapper:
         for m in config.messages.values():
             sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
             sources += _payload_expressions(m.payload)
+        # Metadata that is not JSON fails the event only if the message itself reads it.
+        self._needs_metadata = any("metadata" in text for text in sources)
+        trace = config.trace_context
+        self._trace = TraceContext(outbox, trace, count_invalid_trace) if trace else None
+        self._structured = config.cloudevents == "structured"
         # Decoding metadata is skipped when no expression could read it.
-        self.reads_metadata = any("metadata" in text for text in sources)
+        self.reads_metadata = self._needs_metadata or (
+            self._trace is not None and self._trace.reads_metadata
+        )
 
     def wants(self, event: Event) -> bool:
         """False for unmapped types and filtered-out aggregates: skipped, not published."""
@@ -140,7 +154,7 @@ class Mapper:
         if not self.wants(event):
             return None
         rule = self._by_type[event.type]
-        problem = event.problem or (event.metadata_problem if self.reads_metadata else None)
+        problem = event.problem or (event.metadata_problem if self._needs_metadata else None)
         if problem:
             raise MalformedEventError(
                 f"outboxes.{self.outbox}: event at position {event.position} ({_where(event)})"
@@ -150,7 +164,7 @@ class Mapper:
         time_text = self._times(event.created_at)
         envelope = event.envelope(time_text)
         try:
-            return Message(
+            message = Message(
                 id=rule.id(envelope),
                 type=rule.type,
                 destination=rule.destination(envelope),
@@ -167,6 +181,11 @@ class Mapper:
                 f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
+        if self._trace is not None:
+            self._trace.apply(envelope, message, event.metadata_problem)
+        if self._structured:
+            to_structured(message)
+        return message
 
 
 def _where(event: Event) -> str:

@@ -88,6 +88,11 @@ class Metrics:
             _LATENCY_BUCKETS,
             self._series,
         )
+        self.trace_context_invalid = self._counter(
+            "relay_trace_context_invalid",
+            "Trace contexts (traceparent, tracestate) dropped as invalid; the message went"
+            " out without them.",
+        )
         # -- how far behind, and what is stuck
         self.lag_events = self._gauge(
             "relay_lag_events", "Positions between the checkpoint and the log's head."

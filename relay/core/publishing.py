@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+import orjson
+
 from relay.errors import PublishError
+
+STRUCTURED = "application/cloudevents+json"
+"""The content type of a message in CloudEvents structured mode: the body is the whole event."""
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -35,6 +40,9 @@ class Message:
     content_type: str = "application/json"
     routing_key: str | None = None  # brokers that route by key (RabbitMQ); else unused
     time_text: str | None = None  # `time` in ISO 8601, when the mapper already wrote it
+    dataschema: str | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 def cloudevent_attributes(message: Message) -> dict[str, str]:
@@ -43,7 +51,10 @@ def cloudevent_attributes(message: Message) -> dict[str, str]:
     Each broker's binding writes them under its own prefix: `ce-` (NATS, HTTP), `ce_`
     (Kafka, and SQS, which allows neither `-` nor `:` to start a name), `cloudEvents:`
     (AMQP). The data's content type goes in each protocol's own content-type field.
+    A message in structured mode has none: its body holds them.
     """
+    if message.content_type == STRUCTURED:
+        return {}
     attributes = {
         "specversion": "1.0",
         "id": message.id,
@@ -53,7 +64,27 @@ def cloudevent_attributes(message: Message) -> dict[str, str]:
     }
     if message.time is not None:
         attributes["time"] = message.time_text or message.time.isoformat()
+    if message.dataschema is not None:
+        attributes["dataschema"] = message.dataschema
+    if message.traceparent is not None:  # the distributed-tracing extension
+        attributes["traceparent"] = message.traceparent
+        if message.tracestate is not None:
+            attributes["tracestate"] = message.tracestate
     return attributes
+
+
+def to_structured(message: Message) -> None:
+    """Turn a message being mapped into CloudEvents structured mode (JSON event format).
+
+    The attributes become top-level members of the body and the JSON payload its `data`;
+    the content type says so, and the brokers' bindings then write no `ce` headers.
+    Called by the mapper before the message leaves it: a mapped message never changes.
+    """
+    attributes: dict[str, str] = cloudevent_attributes(message)
+    attributes["datacontenttype"] = message.content_type
+    head = orjson.dumps(attributes)
+    message.body = b"".join((head[:-1], b',"data":', message.body, b"}"))
+    message.content_type = STRUCTURED
 
 
 Outcome = PublishError | None

@@ -1,32 +1,143 @@
-"""`relay check`: the event table checked, and the last events mapped as each outbox would.
+"""`relay check`: everything `relay run` would trip on, found before it runs; and the last
+events mapped as each outbox would.
 
-Nothing is published. Warnings name settings that are legal but costly, or that the
-server's own settings make risky.
+It checks the database rights of the role the relay connects as, the event table, the
+relay's own tables, and, unless `--offline`, every broker: it connects, logs in, and
+looks for each destination it can know in advance. Nothing is published, created or
+written. Warnings name settings that are legal but costly, or rights whose absence
+only costs a feature.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 
+from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
 from relay.core.mapping import Event, Mapper
-from relay.errors import MalformedEventError, MappingError
+from relay.errors import ConfigError, DatabaseError, MalformedEventError, MappingError, SourceError
 from relay.ops.identity import identity
 from relay.postgres.database import Database
+from relay.postgres.migrations import LATEST, schema_version
+from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 
 
-async def preview(config: RelayConfig, last: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """Map the table's last events as each outbox would, publishing nothing; and warnings."""
+@dataclass
+class Report:
+    """What `relay check` found: problems fail it (exit 1); warnings and notes do not."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+async def run_check(config: RelayConfig, last: int, *, offline: bool = False) -> Report:
+    """The database and (unless `offline`) the brokers, side by side."""
+    report = Report(warnings=config.warnings())
+    brokers = None if offline else asyncio.gather(*_probes(config))
+    try:
+        await _database(config, last, report)
+    except BaseException:
+        if brokers is not None:
+            brokers.cancel()
+            await asyncio.gather(brokers, return_exceptions=True)
+        raise
+    if brokers is None:
+        report.problems += _adapters(config)
+        report.notes.append("brokers not checked (--offline)")
+        return report
+    for name, problems in zip(config.brokers, await brokers, strict=True):
+        report.problems += problems
+        if not problems:
+            report.notes.append(f"broker {name!r}: connected and authenticated")
+    report.notes += _run_time_destinations(config)
+    return report
+
+
+async def _database(config: RelayConfig, last: int, report: Report) -> None:
     source = EventSource(config.source)
-    async with Database(config.database, identity()).session("check") as conn:
-        await source.check(conn)
-        events = await source.latest(conn, last) if last else []
-        warnings = [*config.warnings(), *await _server_warnings(conn, config)]
+    try:
+        async with Database(config.database, identity()).session("check") as conn:
+            rights = await check_rights(conn, config)
+            report.problems += [f"database: {m.describe()}" for m in rights.required]
+            report.warnings += [f"database: {m.describe()}" for m in rights.degraded]
+            if rights.required:
+                return  # the reads below would only fail on the same rights
+            try:
+                await source.check(conn)
+            except SourceError as exc:
+                report.problems.append(str(exc))
+                return
+            report.warnings += await _migration_state(conn, config)
+            events = await source.latest(conn, last) if last else []
+            report.warnings += await _server_warnings(conn, config)
+    except DatabaseError as exc:
+        report.problems.append(str(exc))
+        return
     mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
-    return [_preview(event, mapper) for event in events for mapper in mappers], warnings
+    report.rows = [_preview(event, mapper) for event in events for mapper in mappers]
+
+
+async def _migration_state(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:
+    """Not migrated yet is no error here (migrate may come next); `relay run` refuses it."""
+    schema = config.database.schema_
+    version = await schema_version(conn, schema)
+    if version < LATEST:
+        return [
+            f"the relay's tables in schema {schema!r} are at version {version} of {LATEST}:"
+            " `relay run` refuses to start until `relay migrate` has run"
+        ]
+    return []
+
+
+def _adapters(config: RelayConfig) -> list[str]:
+    """What stops an adapter from being built at all (its client library missing)."""
+    problems = []
+    for name, broker in config.brokers.items():
+        try:
+            create_publisher(name, broker)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _probes(config: RelayConfig) -> Iterator[Any]:
+    """One probe per configured broker, with the destinations known in advance."""
+    for name, broker in config.brokers.items():
+        yield probe_broker(name, broker, sorted(set(_fixed_destinations(config, name))))
+
+
+def _fixed_destinations(config: RelayConfig, broker: str) -> Iterator[str]:
+    for outbox in config.outboxes.values():
+        if outbox.broker == broker:
+            for message in outbox.messages.values():
+                if (fixed := static_text(message.destination)) is not None:
+                    yield fixed
+
+
+def _run_time_destinations(config: RelayConfig) -> list[str]:
+    return [
+        f"outboxes.{name}.messages.{event_type}.destination {message.destination!r} depends on"
+        " the event: checked at run time"
+        for name, outbox in config.outboxes.items()
+        for event_type, message in outbox.messages.items()
+        if static_text(message.destination) is None
+    ]
+
+
+def static_text(template: str) -> str | None:
+    """The text of a template without placeholders (`{{` and `}}` are braces), else None."""
+    bare = template.replace("{{", "").replace("}}", "")
+    if "{" in bare or "}" in bare:
+        return None
+    return template.replace("{{", "{").replace("}}", "}")
 
 
 def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:

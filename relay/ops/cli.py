@@ -12,6 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import structlog
 import typer
 
 from relay import __version__
@@ -59,6 +60,27 @@ def _run(work: Callable[[], Awaitable[T]]) -> T:
     except RelayError as exc:
         typer.echo(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(1) from None
+    except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
+        typer.echo(f"error: {redact(_cause(exc))}", err=True)
+        structlog.get_logger("relay.cli").debug("the error's traceback", exc_info=exc)
+        raise typer.Exit(1) from None
+
+
+def _cause(exc: BaseException) -> str:
+    """A driver's or a library's error in one line that names it."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, RelayError):
+        return str(exc)
+    library = type(exc).__module__.partition(".")[0]
+    if library == "asyncpg":
+        from relay.postgres.database import describe
+
+        return describe(exc)
+    if isinstance(exc, OSError | TimeoutError):
+        return f"cannot connect: {exc or type(exc).__name__}"
+    origin = "" if library == "builtins" else f"{library} "
+    return f"{origin}{type(exc).__name__}: {exc} (set logging.level to debug for the traceback)"
 
 
 @app.command()
@@ -75,7 +97,7 @@ def run(
     cfg = _load(config)
 
     async def main() -> int:
-        relay = Relay(cfg, http_port=http_port)
+        relay = Relay(cfg, http_port=http_port, config_file=str(config_path(config)))
         install_signal_handlers(relay, asyncio.get_running_loop())
         return await relay.run()
 
@@ -105,19 +127,34 @@ def migrate(config: ConfigOption = None) -> None:
 def check(
     config: ConfigOption = None,
     last: Annotated[int, typer.Option("--last", "-n", min=0, help="Events to preview.")] = 10,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Do not connect to the brokers.")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Validate the config and the event table; show what the last events would become."""
-    from relay.ops.check import preview
+    """Check the config, the database rights, the event table and the brokers; show what
+    the last events would become. Publishes nothing."""
+    from relay.ops.check import run_check
 
     cfg = _load(config)
-    rows, warnings = _run(lambda: preview(cfg, last))
-    for warning in warnings:
-        typer.echo(f"warning: {warning}", err=True)
+    report = _run(lambda: run_check(cfg, last, offline=offline))
+    for warning in report.warnings:
+        typer.echo(f"warning: {redact(warning)}", err=True)
+    for problem in report.problems:
+        typer.echo(f"error: {redact(problem)}", err=True)
     if as_json:
-        typer.echo(json.dumps(rows, indent=2, default=str))
-        return
-    typer.echo(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
+        typer.echo(json.dumps(report.rows, indent=2, default=str))
+    else:
+        for note in report.notes:
+            typer.echo(f"note: {note}", err=True)
+        if not report.problems:
+            typer.echo(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
+        _preview(report.rows)
+    if report.problems:
+        raise typer.Exit(1)
+
+
+def _preview(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         head = f"#{row['position']} {row['event']} [{row['outbox']}]"
         if row.get("skipped"):

@@ -60,7 +60,10 @@ class OutboxContext:
     ) -> OutboxContext:
         config = relay_config.outboxes[lane.outbox]
         schema = relay_config.database.schema_
-        mapper = Mapper(lane.outbox, config)
+        invalid_trace = (  # a series (from 0) only for outboxes that read trace context
+            metrics.trace_context_invalid.labels(*lane.labels).inc if config.trace_context else None
+        )
+        mapper = Mapper(lane.outbox, config, count_invalid_trace=invalid_trace)
         source = EventSource(relay_config.source, lane, metadata=mapper.reads_metadata)
         store = Store(schema)
         metrics.register_lane(lane.labels)

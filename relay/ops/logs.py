@@ -14,6 +14,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
+import structlog.tracebacks
 
 from relay.ops.log_noise import RepeatFilter
 from relay.redaction import redact
@@ -54,6 +55,15 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # A traceback in a JSON line is structured (exc_type, exc_value, frames), never the
+    # frames' local variables (they may hold a secret); on a console it stays text.
+    exceptions: Any = (
+        structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False, use_rich=False)
+        )
+        if use_json
+        else structlog.processors.format_exc_info
+    )
     # Client libraries (aiokafka, aio-pika, botocore) log through the standard library:
     # their lines get the same format, level filter and redaction as ours.
     handler = logging.StreamHandler(sys.stderr)
@@ -82,7 +92,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         processors=[
             structlog.contextvars.merge_contextvars,
             *shared,
-            structlog.processors.format_exc_info,
+            exceptions,
             _redact_event,
             renderer,
         ],

@@ -61,6 +61,7 @@ class OutboxRelay:
             stop=context.stop,
             interrupt=context.wakes.commands,
             clock_offset=lambda: context.source.clock_offset,
+            broker_type=context.relay_config.brokers[context.config.broker].type,
         )
         self._types = list(context.config.messages)
         self._horizon = 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import asyncpg
 import structlog
 
+from relay import __version__
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
@@ -38,6 +39,7 @@ from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseSession
 from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import Partitions
+from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 
 log = structlog.get_logger("relay.runner")
@@ -51,6 +53,7 @@ class Relay:
     states: dict[str, OutboxState] = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
     http_port: int | None = None  # `relay run --http-port` beats `http.port`
+    config_file: str | None = None  # for the start-up line
 
     def __post_init__(self) -> None:
         self._budget = LeaseBudget(self.config.lease.max_per_replica)
@@ -60,6 +63,13 @@ class Relay:
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
         db = Database(self.config.database, self.identity)
+        log.info(
+            "relay starting",
+            version=__version__,
+            replica=self.identity,
+            config_file=self.config_file,
+            outboxes=list(self.config.outboxes),
+        )
         for warning in self.config.warnings():
             log.warning("a costly setting", detail=warning)
         http = self._http()
@@ -160,37 +170,46 @@ class Relay:
                     conn.terminate()
 
     async def _preflight(self, db: Database) -> bool:
-        """Refuse to start on what no retry can fix: a missing migration, a bad table.
+        """Refuse to start on what no retry can fix: a missing right or migration, a bad table.
 
-        An unreachable database is waited for (False if stopped meanwhile).
+        An unreachable database is waited for, also when it goes away during the checks
+        (False if stopped meanwhile).
         """
         backoff, attempt = Backoff(self.config.database.retry), 0
         while True:
             try:
                 conn = await db.connect("preflight")
                 self._db_seen = time.monotonic()
-                break
-            except DatabaseUnavailable as exc:
+                try:
+                    await self._checks(conn)
+                finally:
+                    conn.terminate()  # each statement committed on its own: nothing to finish
+                return True
+            except (DatabaseUnavailable, *CONNECTION_LOST) as exc:
                 if self.stop.is_set():
                     return False
                 attempt += 1
                 log.warning("database unreachable, retrying", error=str(exc), attempt=attempt)
                 await sleep_unless(self.stop, backoff.delay(attempt))
-        try:
-            version = conn.get_server_version()
-            if version.major < 14:
-                raise DatabaseError(
-                    f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
-                    " (client_connection_check_interval frees a dead holder's lease)"
-                )
-            await ensure_migrated(conn, self.config.database.schema_)
-            await EventSource(self.config.source).check(conn)
-            partitions = Partitions(self.config.database.schema_)
-            for name, outbox in self.config.outboxes.items():
-                await partitions.agree(conn, name, outbox.partitions)
-        finally:
-            await conn.close()
-        return True
+
+    async def _checks(self, conn: asyncpg.Connection) -> None:
+        version = conn.get_server_version()
+        if version.major < 14:
+            raise DatabaseError(
+                f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
+                " (client_connection_check_interval frees a dead holder's lease)"
+            )
+        rights = await check_rights(conn, self.config)
+        for missing in rights.degraded:
+            log.warning(
+                "database right missing", right=missing.what, why=missing.why, fix=missing.fix
+            )
+        rights.raise_if_required_missing()
+        await ensure_migrated(conn, self.config.database.schema_)
+        await EventSource(self.config.source).check(conn)
+        partitions = Partitions(self.config.database.schema_)
+        for name, outbox in self.config.outboxes.items():
+            await partitions.agree(conn, name, outbox.partitions)
 
     async def _supervise(
         self,
@@ -210,8 +229,13 @@ class Relay:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done - {stopper}:
                 if task.cancelled() or task.exception() is not None:
-                    error = "cancelled" if task.cancelled() else repr(task.exception())
-                    log.error("task died, stopping the relay", task=task.get_name(), error=error)
+                    exc = None if task.cancelled() else task.exception()
+                    log.error(
+                        "task died, stopping the relay",
+                        task=task.get_name(),
+                        error="cancelled" if exc is None else f"{type(exc).__name__}: {exc}",
+                        exc_info=exc,
+                    )
                     code = 1
                     self.stop.set()
             if not self.stop.is_set() and all(t.done() for t in tasks):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -77,9 +78,18 @@ class Database:
                 "user or password are percent-encoded"
             ) from None
         except CONNECTION_LOST as exc:
-            raise DatabaseUnavailable(f"cannot reach the database: {redact(str(exc))}") from exc
+            raise DatabaseUnavailable(
+                f"cannot reach the database at {self.address}: {_text(exc)}"
+            ) from exc
         except asyncpg.PostgresError as exc:
-            raise DatabaseError(f"the database refused the connection: {redact(str(exc))}") from exc
+            raise DatabaseError(
+                f"the database at {self.address} refused the connection: {_text(exc)}"
+            ) from exc
+
+    @property
+    def address(self) -> str:
+        """`host:port` (or several) of the URL, for messages: never its user or password."""
+        return address(self.config.url.get_secret_value())
 
     @contextlib.asynccontextmanager
     async def session(self, role: str) -> AsyncIterator[asyncpg.Connection]:
@@ -89,9 +99,37 @@ class Database:
         try:
             yield conn
         except (asyncpg.PostgresError, *CONNECTION_LOST) as exc:
-            raise DatabaseError(f"the database failed the command: {redact(str(exc))}") from exc
+            raise DatabaseError(describe(exc)) from exc
         finally:
             try:
                 await asyncio.wait_for(conn.close(), timeout=2)
             except (OSError, TimeoutError, asyncpg.InterfaceError):
                 conn.terminate()
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a driver error that ended a command: what failed, and where to look."""
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        return (
+            f"the database refused the command: {_text(exc)} (`relay check` lists every right"
+            " the relay needs, with the GRANT that gives it)"
+        )
+    if isinstance(exc, CONNECTION_LOST):
+        return f"lost the connection to the database: {_text(exc)}"
+    return f"the database failed the command: {_text(exc)}"
+
+
+def address(url: str) -> str:
+    """The host:port list of a postgresql:// URL (checked at load), with the default port."""
+    rest = url.strip().partition("://")[2]
+    authority = re.match(r"[^/?]*", rest)
+    hosts = authority.group().rpartition("@")[2] if authority else ""
+    if not hosts:
+        return "the default host (PGHOST or the local socket)"
+    return ",".join(
+        h if re.search(r":\d+$", h) else f"{h.rstrip(':')}:5432" for h in hosts.split(",")
+    )
+
+
+def _text(exc: BaseException) -> str:
+    return redact(str(exc)) or type(exc).__name__

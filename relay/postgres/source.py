@@ -66,6 +66,10 @@ SELECT x::text::int8 FROM (
   UNION ALL SELECT $2::xid
 ) holders ORDER BY age(x) DESC LIMIT 1
 """
+_CAN_READ_SEQUENCE = (
+    "SELECT has_sequence_privilege($1::regclass, 'SELECT')"
+    " OR has_sequence_privilege($1::regclass, 'USAGE')"
+)
 _SESSIONS = """
 SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
        coalesce(a.state, '') AS state,
@@ -214,9 +218,18 @@ class EventSource:
         """The sequence's last value, and `other`, read in one statement."""
         if self._sequence is None:
             await self.check(conn)
-        return await conn.fetchrow(
+        row = await conn.fetchrow(
             f"SELECT pg_sequence_last_value($1::regclass), {other}", self._sequence
         )
+        if row[0] is None and not await conn.fetchval(_CAN_READ_SEQUENCE, self._sequence):
+            # PostgreSQL 18 answers NULL, as for a sequence never used, instead of an error:
+            # the relay would see an empty log for ever and publish nothing, silently.
+            raise SourceError(
+                f"permission denied for sequence {self._sequence}: without SELECT (or USAGE) on"
+                " it the relay cannot see how far the log goes; GRANT SELECT ON SEQUENCE"
+                f" {self._sequence} TO the relay's role (`relay check` lists every right)"
+            )
+        return row
 
     async def head(self, conn: asyncpg.Connection) -> int:
         """The last position handed out (committed or not), 0 for an empty log."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from cloudevents.core.base import BaseCloudEvent
 
 from tests.support.proxy import TcpProxy
 
@@ -25,6 +27,7 @@ class Consumed:
     type: str  # the integration event type, from the broker's metadata
     key: str | None  # the ordering key where the broker has one (Kafka key, SQS group)
     body: bytes
+    raw: Any = field(default=None, compare=False)  # the message as the broker's client read it
 
 
 class BrokerHarness(Protocol):
@@ -41,6 +44,9 @@ class BrokerHarness(Protocol):
 
     async def consume(self, expected: int, timeout: float = 30.0) -> list[Consumed]:  # noqa: ASYNC109
         """Everything published so far, waiting until at least `expected` have arrived."""
+
+    def cloudevent(self, message: Consumed) -> BaseCloudEvent:
+        """The message parsed by the CloudEvents SDK's own binding, as a consumer would."""
 
     def outage(self) -> AbstractAsyncContextManager[None]:
         """Inside the block, the relay cannot reach the broker."""

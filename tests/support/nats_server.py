@@ -31,3 +31,15 @@ def jetstream_reachable(host: str = "127.0.0.1", port: int = 4222, timeout: floa
 
 
 NatsServer = EmbeddedNats
+
+
+class NatsServerWithAuth(EmbeddedNats):
+    """A private server that only lets `user` in with `password`."""
+
+    def __init__(self, store_dir: Path, user: str, password: str) -> None:
+        super().__init__(store_dir)
+        self.user = user
+        self.password = password
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--user", self.user, "--pass", self.password]

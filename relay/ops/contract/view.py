@@ -71,7 +71,14 @@ def outbox_view(name: str, config: RelayConfig) -> OutboxView:
         source=outbox.cloudevents_source or f"/outbox-relay/{name}",
         rules=tuple(rules_of(outbox)),
         aggregates=tuple(outbox.aggregates) if outbox.aggregates is not None else None,
+        cloudevents=outbox.cloudevents,
         has_time=config.source.columns.created_at is not None,
+        trace_context=outbox.trace_context is not None,
+        amqp_prefix=(
+            "ce-"
+            if broker.type == "rabbitmq" and broker.cloudevents_headers == "ce"
+            else "cloudEvents:"
+        ),
     )
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from cloudevents.core.base import BaseCloudEvent
+from cloudevents.core.bindings import http
+from cloudevents.core.formats.json import JSONFormat
+
 from tests.contract.harness import Consumed, network_outage
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.proxy import TcpProxy
@@ -38,12 +42,19 @@ class NatsHarness:
         return [
             Consumed(
                 id=m.headers["Nats-Msg-Id"],
-                type=m.headers["ce-type"],
+                type=m.headers.get("ce-type") or m.json()["type"],  # else structured
                 key=m.headers.get("ce-partitionkey"),
                 body=m.data,
+                raw=m,
             )
             for m in received
         ]
+
+    def cloudevent(self, message: Consumed) -> BaseCloudEvent:
+        """The HTTP binding over the NATS headers: the SDK has no NATS binding of its own,
+        and the NATS binding's `ce-` headers and `content-type` are the HTTP binding's."""
+        raw = message.raw
+        return http.from_http(http.HTTPMessage(dict(raw.headers), raw.data), JSONFormat())
 
     def outage(self) -> AbstractAsyncContextManager[None]:
         return network_outage(self.proxy)

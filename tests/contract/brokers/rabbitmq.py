@@ -12,6 +12,10 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
+from cloudevents.core.base import BaseCloudEvent
+from cloudevents.core.bindings import amqp
+from cloudevents.core.formats.json import JSONFormat
+
 from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (
@@ -55,9 +59,17 @@ class RabbitMqHarness:
                 type=m.properties.message_type,
                 key=m.headers.get("cloudEvents:partitionkey"),
                 body=m.body,
+                raw=m,
             )
             for m in received
         ]
+
+    def cloudevent(self, message: Consumed) -> BaseCloudEvent:
+        """The AMQP binding, which reads the default `cloudevents_headers: amqp` style
+        (tests/test_rabbitmq_publisher.py reads the `ce` style with the RabbitMQ binding)."""
+        raw = message.raw
+        properties = {"content-type": raw.properties.content_type}
+        return amqp.from_amqp(amqp.AMQPMessage(properties, raw.headers, raw.body), JSONFormat())
 
     def outage(self) -> AbstractAsyncContextManager[None]:
         return network_outage(self.proxy)

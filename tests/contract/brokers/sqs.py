@@ -7,8 +7,13 @@ MessageGroupId); the MessageDeduplicationId also drops the batches an outage re-
 from __future__ import annotations
 
 import contextlib
+import json
 from contextlib import AbstractAsyncContextManager
 from typing import Any
+
+from cloudevents.core.base import BaseCloudEvent
+from cloudevents.core.bindings import kafka
+from cloudevents.core.formats.json import JSONFormat
 
 from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
@@ -60,14 +65,28 @@ class SqsHarness:
         )
         self.received += [
             Consumed(
-                id=attribute(m, "ce_id") or "",
-                type=attribute(m, "ce_type") or "",
+                id=attribute(m, "ce_id") or json.loads(m["Body"])["id"],  # else structured
+                type=attribute(m, "ce_type") or json.loads(m["Body"])["type"],
                 key=m["Attributes"].get("MessageGroupId"),
                 body=m["Body"].encode(),
+                raw=m,
             )
             for m in messages
         ]
         return list(self.received)
+
+    def cloudevent(self, message: Consumed) -> BaseCloudEvent:
+        """The SDK has no SQS binding. The relay names the attributes as the Kafka binding
+        names its headers (`ce_` prefix, `content-type`), so the Kafka binding reads them,
+        with the FIFO MessageGroupId as the record key. It takes values as they are; the
+        HTTP binding would percent-decode them, which the relay does not encode."""
+        raw = message.raw
+        headers = {
+            name: value["StringValue"].encode()
+            for name, value in raw.get("MessageAttributes", {}).items()
+        }
+        record = kafka.KafkaMessage(headers, message.key, raw["Body"].encode())
+        return kafka.from_kafka(record, JSONFormat())
 
     def outage(self) -> AbstractAsyncContextManager[None]:
         return network_outage(self.proxy)

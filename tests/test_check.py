@@ -1,0 +1,513 @@
+"""`relay check` finds, before `relay run` does, what would stop the relay: each missing database
+right with the GRANT that gives it, a broker that refuses the login, and a destination that does
+not exist; and the CLI's errors are one line, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+from nats.js.errors import NotFoundError
+
+from relay.postgres.lease import lock_key
+from tests.support import postgres
+from tests.support.db import connect
+from tests.support.jetstream import connect as nats_connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
+from tests.support.nats_server import NatsServerWithAuth
+from tests.support.rabbitmq_server import QueueReader, create_topology, delete_topology
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.scenario import config_dict, save
+from tests.support.sqs_server import REGION, create_queue, receive_all, sqs_client, unique_queue
+
+OUTBOX = "loans"
+FULL_GRANTS = """
+GRANT SELECT ON events TO {role};
+GRANT SELECT ON SEQUENCE events_position_seq TO {role};
+GRANT USAGE ON SCHEMA relay TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA relay TO {role};
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA relay TO {role};
+GRANT pg_read_all_stats, pg_signal_backend TO {role};
+"""
+
+
+def as_role(dsn: str, role: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+
+
+async def admin(dsn: str, sql: str) -> None:
+    async with connect(dsn) as conn:
+        await conn.execute(sql)
+
+
+@pytest.fixture
+async def migrated(events_table: str, tmp_path: Path) -> str:
+    """The example event table, and the relay's tables migrated by the superuser."""
+    result = await asyncio.to_thread(
+        run_cli,
+        [
+            "migrate",
+            "--config",
+            str(save(tmp_path, config_dict(events_table, "nats://127.0.0.1:1", "s"))),
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    return events_table
+
+
+@pytest.fixture
+async def roles(migrated: str, pg_admin_dsn: str) -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """`await roles(revoke=SQL)`: a login role with every right the relay needs, less `revoke`
+    (`{role}` in it is the role); the DSN that logs in as it. Dropped afterwards."""
+    made: list[str] = []
+
+    async def make(revoke: str = "") -> str:
+        role = f"relay_check_{uuid.uuid4().hex[:10]}"
+        made.append(role)
+        await admin(pg_admin_dsn, f"CREATE ROLE {role} LOGIN")
+        await admin(migrated, FULL_GRANTS.format(role=role) + revoke.format(role=role))
+        return as_role(migrated, role)
+
+    yield make
+    for role in made:
+        await admin(migrated, f"DROP OWNED BY {role}")
+        await admin(pg_admin_dsn, f"DROP ROLE {role}")
+
+
+def check(dsn: str, tmp_path: Path, *extra: str, nats_url: str = "nats://127.0.0.1:1") -> Any:
+    path = save(tmp_path, config_dict(dsn, nats_url, "library"), f"{uuid.uuid4().hex}.yaml")
+    return run_cli(["check", "--config", str(path), "--offline", *extra])
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+# What each missing right makes `relay check` and `relay run` say, and the GRANT in it.
+MISSING = {
+    "SELECT on the event table": (
+        "REVOKE SELECT ON events FROM {role}",
+        "SELECT on table public.events: the relay reads the events from it;"
+        " fix: GRANT SELECT ON public.events TO {role};",
+    ),
+    "SELECT on the position sequence": (
+        "REVOKE SELECT ON SEQUENCE events_position_seq FROM {role}",
+        "SELECT on sequence public.events_position_seq: the drain barrier reads the last"
+        " position handed out (pg_sequence_last_value) before each read; USAGE would also do,"
+        " but would let the role take positions;"
+        " fix: GRANT SELECT ON SEQUENCE public.events_position_seq TO {role};",
+    ),
+    "USAGE on the relay's schema": (
+        "REVOKE USAGE ON SCHEMA relay FROM {role}",
+        "USAGE on schema relay: the relay's checkpoints, parked messages and commands are"
+        " there; fix: GRANT USAGE ON SCHEMA relay TO {role};",
+    ),
+    "writing the checkpoints": (
+        "REVOKE INSERT, UPDATE ON relay.checkpoints FROM {role}",
+        "INSERT, UPDATE on table relay.checkpoints: the relay keeps its own state there;"
+        " fix: GRANT INSERT, UPDATE ON relay.checkpoints TO {role};",
+    ),
+    "numbering parked messages": (
+        "REVOKE USAGE ON SEQUENCE relay.parked_id_seq FROM {role}",
+        "USAGE on sequence relay.parked_id_seq: the relay numbers its parked messages and"
+        " commands with it; fix: GRANT USAGE ON SEQUENCE relay.parked_id_seq TO {role};",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING))
+async def test_each_missing_right_is_named_with_its_grant_by_check_and_by_run(
+    case: str, roles: Callable[..., Awaitable[str]], migrated: str, tmp_path: Path
+) -> None:
+    revoke, said = MISSING[case]
+    dsn = await roles(revoke)
+    role = urlsplit(dsn).username
+    expected = f"error: database: {said.format(role=role)}"
+
+    result = await asyncio.to_thread(check, dsn, tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert errors(result.stderr) == [expected]
+    assert "config OK" not in result.stdout
+    assert "Traceback" not in result.stderr
+
+    # `relay run` refuses at its preflight with the same list, not with a task dying later.
+    path = save(tmp_path, config_dict(dsn, "nats://127.0.0.1:1", "library"), "run.yaml")
+    run = await asyncio.to_thread(run_cli, ["run", "--config", str(path), "--http-port", "0"])
+    assert run.returncode == 1, run.stderr
+    assert f"lacks 1 right(s) the relay needs:\n  - {said.format(role=role)}" in run.stderr
+    assert "task died" not in run.stderr
+    assert "Traceback" not in run.stderr
+
+    # The GRANT printed is the fix.
+    await admin(migrated, expected.rpartition("fix: ")[2])
+    fixed = await asyncio.to_thread(check, dsn, tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "config OK" in fixed.stdout
+
+
+async def test_rights_that_only_cost_a_feature_are_warnings(
+    roles: Callable[..., Awaitable[str]], tmp_path: Path
+) -> None:
+    dsn = await roles("REVOKE pg_read_all_stats, pg_signal_backend FROM {role}")
+    role = urlsplit(dsn).username
+    result = await asyncio.to_thread(check, dsn, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert errors(result.stderr) == []
+    assert (
+        "warning: database: membership in pg_read_all_stats (seeing other roles' sessions):"
+        " pg_stat_activity hides the state and transaction start of sessions of other roles"
+    ) in result.stderr
+    assert f"fix: GRANT pg_read_all_stats TO {role};" in result.stderr
+    assert (
+        "warning: database: membership in pg_signal_backend (ending a silent holder's session):"
+        f" this role may end only sessions of its own role {role!r}: heartbeat takeover"
+    ) in result.stderr
+    assert f"fix: GRANT pg_signal_backend TO {role};" in result.stderr
+
+
+async def test_a_holder_this_role_may_not_end_is_named(
+    roles: Callable[..., Awaitable[str]], tmp_path: Path
+) -> None:
+    """Replicas under two roles: a standby could not end the silent holder's session."""
+    checker = await roles("REVOKE pg_signal_backend FROM {role}")
+    holder_dsn = await roles()
+    holder_role = urlsplit(holder_dsn).username
+    holder = await asyncpg.connect(
+        holder_dsn, server_settings={"application_name": "relay:other-pod:7:lease"}
+    )
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", lock_key("relay", OUTBOX))
+        result = await asyncio.to_thread(check, checker, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (
+            f"warning: database: ending the sessions of role {holder_role!r}: a lease of this"
+            f" config is held now by the session relay:other-pod:7:lease of role {holder_role!r},"
+            " which this role may not end: if that holder goes silent, heartbeat takeover cannot"
+            " work"
+        ) in result.stderr
+        # What the warning is about, for real.
+        async with connect(checker) as standby:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await standby.fetchval("SELECT pg_terminate_backend($1)", holder.get_server_pid())
+    finally:
+        await holder.close()
+
+
+# -- brokers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nats_with_auth(tmp_path: Path) -> Iterator[NatsServerWithAuth]:
+    server = NatsServerWithAuth(tmp_path / "nats-auth", "relay", "right-password").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def broker_config(
+    dsn: str, brokers: dict[str, Any], destinations: dict[str, str]
+) -> dict[str, Any]:
+    """One outbox per broker, each with one message per destination (fixed names)."""
+    data = config_dict(dsn, "nats://127.0.0.1:1", "library")
+    data["brokers"] = brokers
+    data["outboxes"] = {
+        f"o-{i}": {
+            "broker": broker,
+            "messages": {"BookLent": {"type": "t.v1", "destination": destination}},
+        }
+        for i, (destination, broker) in enumerate(destinations.items())
+    }
+    return data
+
+
+async def test_wrong_broker_passwords_are_named(
+    migrated: str, nats_with_auth: NatsServerWithAuth, rabbitmq_url: str, tmp_path: Path
+) -> None:
+    port = nats_with_auth.port
+    rabbit = urlsplit(rabbitmq_url)
+    wrong_rabbit = urlunsplit(
+        rabbit._replace(netloc=f"guest:wr0ng-pw@{rabbit.hostname}:{rabbit.port}")
+    )
+    brokers = {
+        "good-nats": {
+            "type": "nats",
+            "servers": [f"nats://127.0.0.1:{port}"],
+            "user": "relay",
+            "password": "right-password",
+            "jetstream": False,
+        },
+        "bad-nats": {
+            "type": "nats",
+            "servers": [f"nats://127.0.0.1:{port}"],
+            "user": "relay",
+            "password": "wr0ng-pw",
+        },
+        "bad-rabbit": {"type": "rabbitmq", "url": wrong_rabbit},
+    }
+    data = broker_config(
+        migrated, brokers, {"a.b": "good-nats", "c.d": "bad-nats", "amq.topic": "bad-rabbit"}
+    )
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 1, result.stderr
+    found = errors(result.stderr)
+    assert len(found) == 2, result.stderr
+    assert found[0].startswith("error: broker 'bad-nats': cannot connect: ")
+    assert "authorization violation" in found[0].lower()
+    assert found[1].startswith("error: broker 'bad-rabbit': cannot connect: ")
+    assert "ACCESS_REFUSED" in found[1] or "authentication" in found[1].lower(), found[1]
+    assert "note: broker 'good-nats': connected and authenticated" in result.stderr
+    assert "wr0ng-pw" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+    offline = await asyncio.to_thread(
+        run_cli, ["check", "--config", str(save(tmp_path, data)), "--offline"]
+    )
+    assert offline.returncode == 0, offline.stderr
+    assert "note: brokers not checked (--offline)" in offline.stderr
+
+
+async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa: PLR0917 - one broker each
+    migrated: str,
+    nats_url: str,
+    rabbitmq_url: str,
+    tansu_factory: Callable[..., TansuServer],
+    sqs_endpoint: str,
+    tmp_path: Path,
+) -> None:
+    tansu = tansu_factory()
+    stream, exchange, topic = unique_name("chk"), unique_name("chk-x"), unique_topic("chk")
+    queue = unique_name("chk-q")
+    missing = {
+        "stream": f"{unique_name('nostream')}.x",
+        "exchange": unique_name("no-exchange"),
+        "topic": unique_topic("no-topic"),
+        "queue": unique_queue("no-queue", fifo=False),
+    }
+    sqs_queue = unique_queue("chk", fifo=False)
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    await create_topology(rabbitmq_url, exchange, queue)
+    await create_topic(tansu.bootstrap, topic, partitions=1)
+    async with sqs_client(sqs_endpoint) as sqs:
+        sqs_url = await create_queue(sqs, sqs_queue)
+        brokers = {
+            "nats": {"type": "nats", "servers": [nats_url]},
+            "rabbit": {"type": "rabbitmq", "url": rabbitmq_url},
+            "kafka": {
+                "type": "kafka",
+                "bootstrap_servers": [tansu.bootstrap],
+                "enable_idempotence": False,
+            },
+            "sqs": {"type": "sqs", "region": REGION, "endpoint_url": sqs_endpoint},
+        }
+        destinations = {
+            f"{stream}.x": "nats",
+            missing["stream"]: "nats",
+            exchange: "rabbit",
+            missing["exchange"]: "rabbit",
+            topic: "kafka",
+            missing["topic"]: "kafka",
+            sqs_url: "sqs",
+            missing["queue"]: "sqs",
+            "library.{aggregate_type}": "nats",
+        }
+        data = broker_config(migrated, brokers, destinations)
+        try:
+            result = await asyncio.to_thread(
+                run_cli, ["check", "--config", str(save(tmp_path, data))]
+            )
+            assert result.returncode == 1, result.stderr
+            said = "\n".join(errors(result.stderr))
+            assert len(errors(result.stderr)) == 4, result.stderr
+            assert (
+                f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
+            )
+            assert f"broker 'rabbit': exchange {missing['exchange']!r} does not exist" in said
+            assert f"broker 'kafka': topic {missing['topic']!r} does not exist" in said
+            assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
+            assert (
+                "destination 'library.{aggregate_type}' depends on the event: checked at run time"
+                in result.stderr
+            )
+            # Nothing was published on the destinations that exist, nor created on the others.
+            assert await fetch_all(nats_url, stream) == []
+            assert await QueueReader(rabbitmq_url, queue).fetch() == []
+            assert await consume(tansu.bootstrap, topic, timeout=1) == []
+            assert await receive_all(sqs, sqs_url) == []
+            again = await asyncio.to_thread(
+                run_cli, ["check", "--config", str(save(tmp_path, data))]
+            )
+            assert errors(again.stderr) == errors(result.stderr)
+        finally:
+            await delete_stream(nats_url, stream)
+            await delete_topology(rabbitmq_url, exchange, queue)
+
+
+# -- no tracebacks ----------------------------------------------------------------------------
+
+COMMANDS = [
+    ["status"],
+    ["parked", "list", OUTBOX],
+    ["parked", "drop", "--all"],
+    ["replay", OUTBOX, "--from-start", "--timeout", "1"],
+    ["retry-parked", OUTBOX, "--all", "--timeout", "1"],
+    ["repartition", OUTBOX, "--partitions", "2"],
+    ["migrate"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:2]))
+async def test_a_database_error_is_one_line_in_every_command(
+    command: list[str], roles: Callable[..., Awaitable[str]], tmp_path: Path
+) -> None:
+    dsn = await roles("REVOKE USAGE ON SCHEMA relay FROM {role}")
+    data = config_dict(dsn, "nats://127.0.0.1:1", "library")
+    data["logging"]["level"] = "info"  # at debug, the traceback is logged too, on purpose
+    path = save(tmp_path, data)
+    result = await asyncio.to_thread(run_cli, [*command, "--config", str(path)])
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines
+    assert "permission denied for " in lines[0], lines  # migrate: CREATE on the database
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("where", ["refusing", "unreachable"])
+async def test_status_names_the_database_address_without_the_password(
+    where: str, pg_admin_dsn: str, tmp_path: Path
+) -> None:
+    host, port = postgres.address(pg_admin_dsn)
+    if where == "unreachable":
+        host, port = "127.0.0.1", 1
+    dsn = f"postgresql://someone:pa55-secret@{host}:{port}/no_such_database_{uuid.uuid4().hex}"
+    path = save(tmp_path, config_dict(dsn, "nats://127.0.0.1:1", "library"))
+    result = await asyncio.to_thread(run_cli, ["status", "--config", str(path)])
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    if where == "unreachable":
+        assert lines[0].startswith(f"error: cannot reach the database at {host}:{port}: ")
+    else:
+        assert lines[0].startswith(f"error: the database at {host}:{port} refused the connection")
+    assert "pa55-secret" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- relay run's log ------------------------------------------------------------------------
+
+
+async def test_run_logs_a_start_up_line_and_a_dying_task_once_as_fields(
+    roles: Callable[..., Awaitable[str]],
+    migrated: str,
+    nats_url: str,
+    relay_process: Callable[..., RelayProcess],
+    tmp_path: Path,
+) -> None:
+    dsn = await roles()
+    path = save(tmp_path, config_dict(dsn, nats_url, unique_name("startup")))
+    relay = relay_process(["run", "--config", str(path)])
+    start = await relay.wait_for_log("relay starting")
+    assert start["version"]
+    assert start["replica"] == f"relay:{start['replica'].split(':')[1]}:{relay.pid}"
+    assert start["config_file"] == str(path)
+    assert start["outboxes"] == [OUTBOX]
+    await relay.wait_for_log("lease acquired: relaying")
+
+    # A right taken away while it runs: the outbox's task dies, and says why once.
+    role = urlsplit(dsn).username
+    await admin(migrated, f"REVOKE SELECT ON SEQUENCE events_position_seq FROM {role}")
+    died = await relay.wait_for_log("task died, stopping the relay")
+    assert await relay.wait_async() == 1
+    # PostgreSQL refuses the read up to 17; from 18 on it reads NULL, which the relay refuses.
+    error_type, _, message = died["error"].partition(": ")
+    assert error_type in {"InsufficientPrivilegeError", "SourceError"}, died
+    assert message.startswith("permission denied for sequence"), died
+    (trace,) = died["exception"]
+    assert trace["exc_type"] == error_type
+    assert trace["frames"], trace
+    assert all("locals" not in frame for frame in trace["frames"])
+    assert sum("exception" in record for record in relay.logs()) == 1
+    assert "Traceback" not in relay.output()
+
+
+# -- config rules that used to wait for the adapter ------------------------------------------
+
+BROKER_RULES = {
+    "rabbitmq url not amqp": (
+        {"type": "rabbitmq", "url": "http://guest:guest@rabbit.invalid/"},
+        "brokers.b.url: must start with amqp:// or amqps://",
+    ),
+    "nats server not a nats url": (
+        {"type": "nats", "servers": ["http://nats.invalid:4222"]},
+        "brokers.b.servers: http:// is not a NATS URL scheme; use nats://, tls://, ws://, wss://",
+    ),
+    "nats creds file missing": (
+        {"type": "nats", "servers": ["nats://nats.invalid:4222"], "creds_file": "/nope/x.creds"},
+        "brokers.b.creds_file: no such file: /nope/x.creds",
+    ),
+    "tls file missing": (
+        {
+            "type": "kafka",
+            "bootstrap_servers": ["k:9092"],
+            "security_protocol": "SSL",
+            "tls": {"ca_file": "/nope/ca.pem"},
+        },
+        "brokers.b.tls: cannot load the TLS files: [Errno 2] No such file or directory",
+    ),
+    "sqs endpoint not a url": (
+        {"type": "sqs", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
+        "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "sqs region malformed": (
+        {"type": "sqs", "region": "eu west 1"},
+        "brokers.b.region: String should match pattern",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKER_RULES))
+def test_broker_rules_are_config_errors_that_check_offline_reports(
+    case: str, tmp_path: Path
+) -> None:
+    broker, message = BROKER_RULES[case]
+    data = config_dict("postgresql://127.0.0.1:1/app", "nats://127.0.0.1:1", "library")
+    data["brokers"] = {"b": broker}
+    data["outboxes"]["loans"]["broker"] = "b"
+    path = save(tmp_path, data)
+    result = run_cli(["check", "--config", str(path), "--offline"])
+    assert result.returncode == 2, result.stderr
+    assert "relay.yaml:" in result.stderr and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_a_configured_stream_is_created_at_start_not_by_check(
+    migrated: str, nats_url: str, tmp_path: Path
+) -> None:
+    name = unique_name("chk-own")
+    stream = {"name": name, "subjects": [f"{name}.>"]}
+    brokers = {"nats": {"type": "nats", "servers": [nats_url], "stream": stream}}
+    data = broker_config(migrated, brokers, {f"{name}.loans": "nats"})
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 0, result.stderr  # `relay run` will create it
+    async with nats_connect(nats_url) as nc:
+        with pytest.raises(NotFoundError):
+            await nc.jetstream().stream_info(name)  # check created nothing
+
+    data["brokers"]["nats"]["stream"]["create"] = False
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+    assert result.returncode == 1
+    assert errors(result.stderr) == [
+        f"error: broker 'nats': stream {name!r} does not exist and stream.create is false",
+        f"error: broker 'nats': no JetStream stream captures subject '{name}.loans': every"
+        " message to it would be retried for ever; create a stream for it (or configure"
+        " brokers.<name>.stream)",
+    ]
