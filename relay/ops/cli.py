@@ -18,7 +18,7 @@ import typer
 from relay import __version__
 from relay.config import RelayConfig, config_path, load_config
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.ops.console import ProgressView, progress_mode, table
+from relay.ops.console import progress_view, table
 from relay.ops.logs import configure
 from relay.redaction import redact
 
@@ -299,7 +299,7 @@ def replay(
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
     from relay.ops.identity import identity
     from relay.ops.operator import Operator, ReplayFrom
-    from relay.ops.progress import WaitFailed, follow_replay, lane_checkpoints
+    from relay.ops.progress import follow_replay
     from relay.postgres.command_queue import CommandKind
 
     chosen = [from_position is not None, from_start, from_time is not None]
@@ -311,7 +311,7 @@ def replay(
     cfg = _load(config)
     spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
     follow = follow and not dry_run
-    view = _progress_view(f"replay {outbox}", "events", as_json)
+    view = progress_view(f"replay {outbox}", "events", as_json)
 
     async def work() -> dict[str, Any]:
         controller = Operator(cfg, outbox, identity())
@@ -336,16 +336,8 @@ def replay(
                 detail=outcome.detail,
             )
             if follow and outcome.ok:
-                starts = lane_checkpoints(outbox, len(controller.lanes), outcome.detail)
-                result.update(head=head, caught_up=False)
-                try:
-                    done = await follow_replay(cfg, outbox, head, starts, view=view, unheld=timeout)
-                except WaitFailed as exc:
-                    result["wait_error"] = str(exc)
-                else:
-                    result.update(caught_up=True, progress=done.as_json())
-                finally:
-                    view.close()
+                wait = follow_replay(cfg, outbox, head, outcome.detail, view=view, unheld=timeout)
+                result.update(await wait)
         return result
 
     result = _run(work)
@@ -392,7 +384,7 @@ def retry_parked(
 
     _ids_or_all(ids, all_, "--id ID (repeatable)")
     cfg = _load(config)
-    view = _progress_view(f"retry-parked {outbox}", "messages", as_json)
+    view = progress_view(f"retry-parked {outbox}", "messages", as_json)
 
     async def work() -> dict[str, Any]:
         command = Operator(cfg, outbox, identity()).run(
@@ -400,10 +392,7 @@ def retry_parked(
         )
         extra: dict[str, Any] = {}
         if follow:
-            try:
-                outcome, done = await follow_retry(cfg, outbox, ids or None, view, command)
-            finally:
-                view.close()
+            outcome, done = await follow_retry(cfg, outbox, ids or None, view, command)
             extra["progress"] = done.as_json()
         else:
             outcome = await command
@@ -434,12 +423,6 @@ def retry_parked(
         typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)
     if not result["ok"] or detail.get("still_parked") or detail.get("not_found"):
         raise typer.Exit(1)
-
-
-def _progress_view(label: str, unit: str, as_json: bool) -> ProgressView:
-    """Progress for a terminal (a bar on stderr), for a log (lines), or JSON lines."""
-    mode = progress_mode(as_json, sys.stderr.isatty())
-    return ProgressView(label, unit, mode, sys.stdout if as_json else sys.stderr)
 
 
 def _pretty(value: Any) -> str:

@@ -8,6 +8,7 @@ No dependency: this is all it takes.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,7 +101,8 @@ class ProgressView:
         self.out.flush()
 
 
-def progress_mode(as_json: bool, terminal: bool) -> Mode:
+def progress_view(label: str, unit: str, as_json: bool) -> ProgressView:
+    """JSON lines on stdout with --json; else a bar on a terminal's stderr, or lines."""
     if as_json:
-        return "json"
-    return "bar" if terminal else "lines"
+        return ProgressView(label, unit, "json", sys.stdout)
+    return ProgressView(label, unit, "bar" if sys.stderr.isatty() else "lines", sys.stderr)

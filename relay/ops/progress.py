@@ -146,21 +146,31 @@ async def follow_replay(
     config: RelayConfig,
     outbox: str,
     head: int,
-    starts: dict[str, int],
+    detail: dict[str, Any],
     *,
     view: ProgressView,
     unheld: float,
-) -> Progress:
-    """Show the replay's progress until every lane has caught up with `head`."""
+) -> dict[str, Any]:
+    """Show the replay's progress until every lane has caught up with `head`.
+
+    Returns the result's fields about the wait: `head`, `caught_up`, and `progress`,
+    or `wait_error` when the outbox will not catch up by itself.
+    """
+    starts = lane_checkpoints(outbox, config.outbox(outbox).partitions, detail)
     watch = CatchUp(config, outbox, head, starts, unheld)
-    async with Database(config.database, identity()).session("cli") as conn:
-        await watch.start(conn)
-        while True:
-            progress, caught_up = await watch.poll(conn)
-            view.show(progress.done, progress.total)
-            if caught_up:
-                return progress
-            await asyncio.sleep(POLL_INTERVAL)
+    try:
+        async with Database(config.database, identity()).session("cli") as conn:
+            await watch.start(conn)
+            while True:
+                progress, caught_up = await watch.poll(conn)
+                view.show(progress.done, progress.total)
+                if caught_up:
+                    return {"head": head, "caught_up": True, "progress": progress.as_json()}
+                await asyncio.sleep(POLL_INTERVAL)
+    except WaitFailed as exc:
+        return {"head": head, "caught_up": False, "wait_error": str(exc)}
+    finally:
+        view.close()
 
 
 async def follow_retry(
@@ -180,12 +190,13 @@ async def follow_retry(
                 progress = await watch.poll(conn)
                 view.show(progress.done, progress.total)
                 await asyncio.wait({task}, timeout=POLL_INTERVAL)
+            result = task.result()
+            progress = await watch.poll(conn)
+            view.show(progress.done, progress.total)
         finally:
             if not task.done():
                 task.cancel()
-        result = task.result()
-        progress = await watch.poll(conn)
-        view.show(progress.done, progress.total)
+            view.close()
     return result, progress
 
 
