@@ -122,6 +122,32 @@ def read_events_sql() -> str:
     return EVENTS_SQL.read_text(encoding="utf-8")
 
 
+# The message the bench relays, as a consumer's contract would describe it (`--schema`).
+BOOK_LENT_SCHEMA: dict[str, Any] = {
+    "$id": "https://schemas.example.com/library/book-lent.v1.json",
+    "type": "object",
+    "required": ["bookId", "loanId", "memberId", "version"],
+    "additionalProperties": False,
+    "properties": {
+        "bookId": {"type": "string", "minLength": 1},
+        "loanId": {"type": "string", "pattern": "^[0-9a-f-]{36}$"},
+        "memberId": {"type": "string", "minLength": 1},
+        "version": {"type": "integer", "minimum": 1},
+        "note": {"type": "string"},
+    },
+}
+SCHEMAS = ("none", "draft7", "2020-12")
+
+
+def schema_for(kind: str) -> dict[str, Any] | None:
+    """`none`, `draft7` (no `$schema`: run by fastjsonschema) or `2020-12` (by jsonschema)."""
+    if kind == "none":
+        return None
+    if kind == "draft7":
+        return BOOK_LENT_SCHEMA
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **BOOK_LENT_SCHEMA}
+
+
 def relay_config(
     dsn: str,
     nats_url: str,
@@ -134,6 +160,7 @@ def relay_config(
     destination: str | None = None,
     note: bool = False,
     max_bytes: int | None = None,
+    schema: dict[str, Any] | None = None,
 ) -> RelayConfig:
     """Like tests/support/scenario.config_dict, with default retry, batch and park settings.
 
@@ -159,6 +186,13 @@ def relay_config(
     }
     if note:
         payload["note"] = "data.note"
+    rule: dict[str, Any] = {
+        "type": "library.book-lent.v1",
+        "destination": destination,
+        "payload": payload,
+    }
+    if schema is not None:  # left out otherwise: a relay without schemas takes the config
+        rule["schema"] = schema
     data: dict[str, Any] = {
         "database": {"url": dsn, "schema": "relay"},
         "source": {
@@ -174,13 +208,7 @@ def relay_config(
             OUTBOX: {
                 "broker": broker["type"],
                 "batch": batch_config,
-                "messages": {
-                    EVENT_TYPE: {
-                        "type": "library.book-lent.v1",
-                        "destination": destination,
-                        "payload": payload,
-                    }
-                },
+                "messages": {EVENT_TYPE: rule},
             }
         },
         "logging": {"level": "warning", "format": "json"},
@@ -675,6 +703,7 @@ def bench_config(args: argparse.Namespace, dsn: str, name: str, **options: Any) 
         batch=args.batch,
         note=args.payload_bytes > 0,
         max_bytes=args.max_bytes,
+        schema=schema_for(args.schema),
         **options,
     )
 
@@ -825,6 +854,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         metavar="N",
         help="set the relay's batch.max_bytes to N (default: not set, the relay's default)",
+    )
+    parser.add_argument(
+        "--schema",
+        choices=SCHEMAS,
+        default="none",
+        help="validate each message against a JSON Schema: draft7 (fastjsonschema) or 2020-12"
+        " (jsonschema); default none",
     )
     parser.add_argument("--rate", type=float, default=1000.0, help="latency: events/s")
     parser.add_argument(

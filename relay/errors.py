@@ -67,5 +67,15 @@ class MalformedEventError(MappingError):
         self.problem = problem  # the column at fault, as `relay check` shows it
 
 
+class SchemaViolation(MappingError):
+    """A message body that does not match its rule's JSON Schema."""
+
+    reason = "schema"
+
+    def __init__(self, message: str, violations: list[str]) -> None:
+        super().__init__(message)
+        self.violations = violations  # each `$.path: message`, as `relay check` lists them
+
+
 class FencedError(RelayError):
     """This replica no longer holds the outbox's lease; it must stop relaying."""

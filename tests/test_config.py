@@ -58,7 +58,8 @@ def test_example_config_loads_as_written(monkeypatch: pytest.MonkeyPatch) -> Non
     config = load_config(EXAMPLE)
     outbox = config.outboxes["loans-outbox"]
     assert outbox.aggregates == ["book"]
-    assert outbox.messages["BookLent"].payload == {
+    (rule,) = outbox.rules("loans-outbox")["BookLent"]
+    assert rule.config.payload == {
         "bookId": "aggregate_id",
         "loanId": "data.loanId",
         "memberId": "data.memberId",

@@ -112,7 +112,13 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
         "retry": {"initial": "20ms", "max": "200ms"},
         "trace_context": True,  # its relay_trace_context_invalid_total series exists
         "messages": {
-            "BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": f"{nowhere}.dvds"}
+            "BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": f"{nowhere}.dvds"},
+            # A condition: its skipped-messages series exists from the start, at zero.
+            "BookReturned": {
+                **LIBRARY_MESSAGES["BookReturned"],
+                "destination": f"{nowhere}.returns",
+                "when": "data.late",
+            },
         },
     }
     config = save(tmp_path, data)

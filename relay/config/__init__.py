@@ -8,7 +8,6 @@ written here. Every error names the file, the line and the dotted key.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -38,7 +37,17 @@ from relay.config.brokers import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
-from relay.config.expressions import ExpressionError, compile_expression, compile_template
+from relay.config.rules import (
+    MessageConfig,
+    Messages,
+    Rule,
+    TemplateStr,
+    absolute_schema_paths,
+    check_expression,
+    check_template,
+    duplicate_ids,
+    rules_of,
+)
 from relay.config.yaml_file import YamlDocument, load_yaml
 from relay.errors import ConfigError
 
@@ -46,10 +55,12 @@ __all__ = [
     "BrokerConfig",
     "ColumnsConfig",
     "KafkaBrokerConfig",
+    "MessageConfig",
     "NatsBrokerConfig",
     "OutboxConfig",
     "RabbitMqBrokerConfig",
     "RelayConfig",
+    "Rule",
     "SqsBrokerConfig",
     "TraceContextConfig",
     "load_config",
@@ -135,57 +146,6 @@ class BatchConfig(Model):
     linger: Duration = 0.010
 
 
-def _compiles(compile_: Callable[[str], object]) -> Callable[[str], str]:
-    """A validator: the value must compile, else its compiler's message is the error."""
-
-    def check(value: str) -> str:
-        try:
-            compile_(value)
-        except ExpressionError as exc:
-            raise ValueError(str(exc)) from None
-        return value
-
-    return check
-
-
-_check_expression = _compiles(compile_expression)
-_check_template = _compiles(compile_template)
-
-
-TemplateStr = Annotated[str, Field(min_length=1)]
-
-
-class MessageConfig(Model):
-    """How one event type becomes one integration event."""
-
-    type: Annotated[str, Field(min_length=1)]
-    destination: TemplateStr
-    key: TemplateStr | None = None
-    id: TemplateStr | None = None
-    routing_key: TemplateStr | None = None  # RabbitMQ only; the message type when absent
-    payload: str | dict[str, str] = "data"
-
-    @field_validator("destination", "key", "id", "routing_key")
-    @classmethod
-    def _templates_compile(cls, value: str | None) -> str | None:
-        return None if value is None else _check_template(value)
-
-    @field_validator("payload", mode="after")
-    @classmethod
-    def _payload_compiles(cls, value: str | dict[str, str]) -> str | dict[str, str]:
-        if isinstance(value, str):
-            return _check_expression(value)
-        errors = []
-        for field, expr in value.items():
-            try:
-                _check_expression(expr)
-            except ValueError as exc:
-                errors.append(f"{field}: {exc}")
-        if errors:
-            raise ValueError("; ".join(errors))
-        return value
-
-
 class TraceContextConfig(Model):
     """Where an event holds its W3C trace context: JMESPath expressions over the envelope."""
 
@@ -195,7 +155,7 @@ class TraceContextConfig(Model):
     @field_validator("traceparent", "tracestate")
     @classmethod
     def _expressions_compile(cls, value: str | None) -> str | None:
-        return None if value is None else _check_expression(value)
+        return None if value is None else check_expression(value)
 
     def expressions(self) -> list[str]:
         return [self.traceparent, *([self.tracestate] if self.tracestate else [])]
@@ -215,7 +175,7 @@ class OutboxConfig(Model):
     aggregates: list[str] | None = Field(
         None, description="Aggregate types to relay; all if absent."
     )
-    messages: dict[str, MessageConfig] = Field(min_length=1)
+    messages: Messages = Field(min_length=1)
     id: TemplateStr = "{aggregate_type}/{aggregate_id}@{version}"
     key: TemplateStr = "{aggregate_id}"
     cloudevents_source: str | None = None
@@ -241,7 +201,11 @@ class OutboxConfig(Model):
     @field_validator("id", "key")
     @classmethod
     def _templates_compile(cls, value: str) -> str:
-        return _check_template(value)
+        return check_template(value)
+
+    def rules(self, name: str) -> dict[str, tuple[Rule, ...]]:
+        """Each event type's rules, named; `name` is this outbox's, for their dotted keys."""
+        return rules_of(name, self.messages, self.id)
 
 
 def _whole_seconds(value: float) -> float:
@@ -378,6 +342,9 @@ class RelayConfig(BaseSettings):
         Nats-Msg-Id, an SQS FIFO queue) or the consumers drop the second as a duplicate, and
         one outbox silently delivers nothing.
         """
+        for name, outbox in self.outboxes.items():
+            if clash := duplicate_ids(outbox.rules(name)):
+                raise ValueError(clash)
         names = list(self.outboxes)
         for i, first in enumerate(names):
             for second in names[i + 1 :]:
@@ -431,26 +398,26 @@ def _clash(first: str, a: OutboxConfig, second: str, b: OutboxConfig) -> str | N
         return None
     if not _may_share_events(a.aggregates, b.aggregates):
         return None
-    for event_type, mb in b.messages.items():
-        ma = a.messages.get(event_type)
-        if ma is None or ma.destination != mb.destination:
-            continue
-        id_a, id_b = ma.id or a.id, mb.id or b.id  # a message's own id overrides its outbox's
-        if id_a != id_b:
-            continue
-        if mb.id is not None:
-            where = f"outboxes.{second}.messages.{event_type}.id"
-        elif "id" in b.model_fields_set:
-            where = f"outboxes.{second}.id"
-        else:
-            where = f"outboxes.{second}.messages.{event_type}"
-        return (
-            f"{where}: outboxes {first!r} and {second!r} both publish event type "
-            f"{event_type!r} to destination {ma.destination!r} on broker {a.broker!r} with the "
-            f"id template {id_a!r}: the broker or the consumers would drop one outbox's "
-            "messages as duplicates of the other's; give one of them a different `id` "
-            f"template, for example {id_a + '/' + second!r}"
-        )
+    rules_a, rules_b = a.rules(first), b.rules(second)
+    for event_type, siblings in rules_b.items():
+        for rb in siblings:
+            for ra in rules_a.get(event_type, ()):
+                if ra.config.destination != rb.config.destination or ra.id_text != rb.id_text:
+                    continue
+                if rb.config.id is not None:
+                    where = f"{rb.where}.id"
+                elif "id" in b.model_fields_set:
+                    where = f"outboxes.{second}.id"
+                else:
+                    where = rb.where
+                return (
+                    f"{where}: outboxes {first!r} and {second!r} both publish event type "
+                    f"{event_type!r} to destination {ra.config.destination!r} on broker "
+                    f"{a.broker!r} with the id template {ra.id_text!r}: the broker or the "
+                    "consumers would drop one outbox's messages as duplicates of the other's; "
+                    "give one of them a different `id` template, for example "
+                    f"{ra.id + '/' + second!r}"
+                )
     return None
 
 
@@ -465,6 +432,7 @@ def config_path(path: str | Path | None) -> Path:
 def load_config(path: str | Path | None = None) -> RelayConfig:
     """Load, expand and validate; raise ConfigError naming file, line and key."""
     doc = load_yaml(config_path(path))
+    absolute_schema_paths(doc.data, doc.path.parent)
     try:
         return RelayConfig(**doc.data)
     except ValidationError as exc:
@@ -512,8 +480,19 @@ def _point_at_field(
     return loc, msg
 
 
-def _dotted(node: Any, key: str) -> tuple[str, ...] | None:
-    """The path of `key` (`outboxes.loans.v2.id`) in `node`; names may contain dots."""
+def _dotted(node: Any, key: str) -> tuple[str | int, ...] | None:
+    """The path of `key` (`outboxes.loans.v2.id`) in `node`; names may contain dots.
+
+    A list's items are numbered (`messages.BookLent.1.id`).
+    """
+    if isinstance(node, list):
+        head, _, rest_key = key.partition(".")
+        if not head.isdigit() or int(head) >= len(node):
+            return None
+        if not rest_key:
+            return (int(head),)
+        rest = _dotted(node[int(head)], rest_key)
+        return (int(head), *rest) if rest else None
     if not isinstance(node, dict):
         return None
     for name in sorted(node, key=len, reverse=True):

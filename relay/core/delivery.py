@@ -21,7 +21,7 @@ import structlog
 
 from relay.config import OutboxConfig
 from relay.core.lanes import metric_labels
-from relay.core.mapping import Event
+from relay.core.mapping import CompiledRule, Event, Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher
 from relay.core.retry import Backoff
@@ -38,6 +38,51 @@ class Item:
     event: Event
     message: Message | None
     error: MappingError | None
+    rule: str = ""  # which of the event type's rules made it ("" for the single-rule form)
+
+
+def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], None]) -> list[Item]:
+    """The event's messages, one per rule whose `when` takes it; a failure as its item.
+
+    `skipped` is told of each rule whose condition rejected the event.
+    """
+    rules = mapper.rules_for(event)
+    if len(rules) == 1:  # the common case, kept as lean as one rule was before lists
+        rule = rules[0]
+        try:
+            message = mapper.message(event, rule)
+        except MappingError as exc:
+            return [Item(event, None, exc, rule.name)]
+        if message is None:
+            skipped(rule)
+            return []
+        return [Item(event, message, None, rule.name)]
+    envelope = mapper.envelope(event) if rules else None  # shared by the rules
+    items = []
+    for rule in rules:
+        try:
+            message = mapper.message(event, rule, envelope)
+        except MappingError as exc:
+            items.append(Item(event, None, exc, rule.name))
+            continue
+        if message is None:
+            skipped(rule)
+        else:
+            items.append(Item(event, message, None, rule.name))
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class Parking:
+    """A message set aside: what the parked table keeps, and where the checkpoint goes."""
+
+    event: Event
+    message: Message | None  # None when it could not be mapped
+    rule: str
+    reason: str
+    error: str
+    attempts: int
+    upto: int  # its event; just before it while another of the event's messages is pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +92,7 @@ class RetryCount:
     position: int
     attempts: int
     rejections: int  # the permanent failures among them: parking counts these
+    rule: str = ""  # which of the event's messages: each rule's message counts on its own
 
 
 class CheckpointWriter(Protocol):
@@ -64,10 +110,8 @@ class CheckpointWriter(Protocol):
     ) -> None:
         """The outbox's state and retry count, for `relay status` and the next holder."""
 
-    async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
-    ) -> None:
-        """Set the message aside and move the checkpoint past it, at once."""
+    async def park(self, parking: Parking) -> None:
+        """Set the message aside and move the checkpoint to `parking.upto`, at once."""
 
 
 class Delivery:
@@ -104,8 +148,9 @@ class Delivery:
         self._duplicates_seen = 0
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
-            event_type: metrics.published.labels(*self.labels, rule.destination)
-            for event_type, rule in config.messages.items()
+            (event_type, rule.name): metrics.published.labels(*self.labels, rule.config.destination)
+            for event_type, rules in config.rules(name).items()
+            for rule in rules
         }
 
     async def deliver(
@@ -128,14 +173,16 @@ class Delivery:
             if acked:
                 done, pending = pending[:acked], pending[acked:]
                 self._acknowledged(done)
-                if pending:
-                    await checkpoint.advance(done[-1].event.position)
+                if pending and (upto := _handled(done, pending)) > checkpoint.position:
+                    await checkpoint.advance(upto)
             if not pending:
                 break
             failure = _failure(outcomes, acked, pending[0])
             count = self._failed(pending[0], failure)
             if failure.permanent and count.rejections >= self.config.park_after:
-                await self._park(checkpoint, pending.pop(0), failure, count.rejections)
+                parked = pending.pop(0)
+                upto = _handled([parked], pending) if pending else parked.event.position
+                await self._park(checkpoint, parked, failure, count.rejections, upto)
                 continue
             await self._retrying(checkpoint, pending[0], failure, count)
             if on_retry is not None:
@@ -148,12 +195,12 @@ class Delivery:
     def _failed(self, head: Item, failure: PublishError) -> RetryCount:
         """Count one more failure of the head message (a new message starts at zero)."""
         self.metrics.failures.labels(*self.labels, failure.reason).inc()
-        position = head.event.position
+        position, rule = head.event.position, head.rule
         before = self.retry
-        if before is None or before.position != position:
-            before = RetryCount(position, 0, 0)
+        if before is None or before.position != position or before.rule != rule:
+            before = RetryCount(position, 0, 0, rule)
         self.retry = RetryCount(
-            position, before.attempts + 1, before.rejections + failure.permanent
+            position, before.attempts + 1, before.rejections + failure.permanent, rule
         )
         return self.retry
 
@@ -180,8 +227,8 @@ class Delivery:
         self.state.published += len(done)
         self.metrics.retrying.labels(*self.labels).set(0)
         db_now = time.time() + self.clock_offset()
-        for event_type, count in Counter(item.event.type for item in done).items():
-            self._published_to[event_type].inc(count)
+        for rule, count in Counter((item.event.type, item.rule) for item in done).items():
+            self._published_to[rule].inc(count)
         self.metrics.end_to_end.labels(*self.labels).observe_many(
             [
                 max(db_now - item.event.created_at.timestamp(), 0.0)
@@ -213,10 +260,17 @@ class Delivery:
         await checkpoint.report("retrying", str(failure), count)
 
     async def _park(
-        self, checkpoint: CheckpointWriter, item: Item, failure: PublishError, attempts: int
+        self,
+        checkpoint: CheckpointWriter,
+        item: Item,
+        failure: PublishError,
+        attempts: int,
+        upto: int,
     ) -> None:
         e = item.event
-        await checkpoint.park(e, item.message, failure.reason, str(failure), attempts)
+        await checkpoint.park(
+            Parking(e, item.message, item.rule, failure.reason, str(failure), attempts, upto)
+        )
         self.retry = None
         self.state.parked += 1
         self.metrics.parked_total.labels(*self.labels, failure.reason).inc()
@@ -228,7 +282,18 @@ class Delivery:
             reason=failure.reason,
             error=str(failure),
             attempts=attempts,
+            rule=item.rule or None,
         )
+
+
+def _handled(done: list[Item], pending: list[Item]) -> int:
+    """Where the checkpoint may move once `done` is: not past an event with messages pending.
+
+    An event with several messages is handled only when the last of them is; until then the
+    checkpoint stays just before it (a restart sends its acknowledged messages again).
+    """
+    last = done[-1].event.position
+    return last - 1 if last == pending[0].event.position else last
 
 
 def _sendable(pending: list[Item]) -> list[Message]:

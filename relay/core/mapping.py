@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from jmespath.exceptions import JMESPathError
 
-from relay.config import OutboxConfig
+from relay.config import OutboxConfig, Rule
 from relay.config.expressions import (
     ExpressionError,
     Getter,
@@ -27,9 +27,10 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
+from relay.config.message_schemas import CompiledSchema, compile_schema
 from relay.core.publishing import Message, to_structured
 from relay.core.trace_context import TraceContext
-from relay.errors import MalformedEventError, MappingError
+from relay.errors import MalformedEventError, MappingError, SchemaViolation
 
 
 @dataclass(slots=True)
@@ -94,18 +95,52 @@ class _IsoTimes:
 
 
 @dataclass(frozen=True, slots=True)
-class _Compiled:
+class CompiledRule:
+    """One rule, compiled: what turns an event into one message."""
+
+    name: str  # "" for the single-rule form; see relay/config/rules.py
+    where: str  # its dotted key in the config, for errors
     type: str
+    destination_template: str  # labels the published metric: bounded
     destination: Template
     key: Template
     id: Template
+    id_suffix: str
     routing_key: Template | None
     payload: Getter
     encode: Callable[[Any], bytes]
+    when: Getter | None
+    when_text: str | None  # as written, for `relay check`
+    schema: CompiledSchema | None
+    dataschema: str | None  # the schema's `$id`
+    plain: bool  # no `when`, no schema, no id suffix: nothing to do but map
+
+
+def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
+    m = rule.config
+    schema = compile_schema(m.schema_) if m.schema_ is not None else None
+    return CompiledRule(
+        name=rule.name,
+        where=rule.where,
+        type=m.type,
+        destination_template=m.destination,
+        destination=compile_template(m.destination),
+        key=compile_template(m.key or config.key),
+        id=compile_template(rule.id),
+        id_suffix=rule.id_suffix,
+        routing_key=compile_template(m.routing_key) if m.routing_key else None,
+        payload=_compile_payload(m.payload),
+        encode=_encoder(m.payload),
+        when=compile_expression(m.when) if m.when else None,
+        when_text=m.when,
+        schema=schema,
+        dataschema=schema.id if schema is not None else None,
+        plain=m.when is None and schema is None and not rule.id_suffix,
+    )
 
 
 class Mapper:
-    """Maps one outbox's events; `map` returns None for events it skips."""
+    """Maps one outbox's events: each event type has one rule or several."""
 
     def __init__(
         self,
@@ -119,21 +154,15 @@ class Mapper:
         self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
         self._times = _IsoTimes()
         self._by_type = {
-            event_type: _Compiled(
-                type=m.type,
-                destination=compile_template(m.destination),
-                key=compile_template(m.key or config.key),
-                id=compile_template(m.id or config.id),
-                routing_key=compile_template(m.routing_key) if m.routing_key else None,
-                payload=_compile_payload(m.payload),
-                encode=_encoder(m.payload),
-            )
-            for event_type, m in config.messages.items()
+            event_type: tuple(_compile(rule, config) for rule in rules)
+            for event_type, rules in config.rules(outbox).items()
         }
         sources = [config.key, config.id]
-        for m in config.messages.values():
-            sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
-            sources += _payload_expressions(m.payload)
+        for rules in config.rules(outbox).values():
+            for rule in rules:
+                m = rule.config
+                sources += [m.destination, m.key or "", m.id or "", m.routing_key or ""]
+                sources += [*_payload_expressions(m.payload), m.when or ""]
         # Metadata that is not JSON fails the event only if the message itself reads it.
         self._needs_metadata = any("metadata" in text for text in sources)
         trace = config.trace_context
@@ -150,10 +179,34 @@ class Mapper:
             return False
         return event.type in self._by_type
 
+    def rules_for(self, event: Event) -> tuple[CompiledRule, ...]:
+        """The rules that map this event, in the config's order; none if it is skipped."""
+        if self._aggregates is not None and event.aggregate_type not in self._aggregates:
+            return ()
+        return self._by_type.get(event.type, ())
+
     def map(self, event: Event) -> Message | None:
-        if not self.wants(event):
-            return None
-        rule = self._by_type[event.type]
+        """The message of the event's first rule (its only one, in the single-rule form)."""
+        rules = self.rules_for(event)
+        return self.message(event, rules[0]) if rules else None
+
+    def messages(self, event: Event) -> list[Message]:
+        """Every rule's message, in order; the first failure raises."""
+        out = []
+        for rule in self.rules_for(event):
+            message = self.message(event, rule)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def envelope(self, event: Event) -> dict[str, Any]:
+        """What the rules' expressions read; one per event, shared by its rules."""
+        return event.envelope(self._times(event.created_at))
+
+    def message(
+        self, event: Event, rule: CompiledRule, envelope: dict[str, Any] | None = None
+    ) -> Message | None:
+        """This rule's message for the event; None when its `when` rejects the event."""
         problem = event.problem or (event.metadata_problem if self._needs_metadata else None)
         if problem:
             raise MalformedEventError(
@@ -161,24 +214,34 @@ class Mapper:
                 f" is malformed: {problem}",
                 problem,
             )
-        time_text = self._times(event.created_at)
-        envelope = event.envelope(time_text)
+        if envelope is None:
+            envelope = self.envelope(event)
         try:
+            if rule.plain:  # one flag for the common case: it costs what one rule did
+                body, id_ = rule.payload(envelope), rule.id(envelope)
+            else:
+                if rule.when is not None and not _truthy(rule.when(envelope)):
+                    return None
+                body = rule.payload(envelope)
+                if rule.schema is not None and not rule.schema.is_valid(body):
+                    raise self._violation(event, rule, rule.schema.violations(body))
+                id_ = rule.id(envelope) + rule.id_suffix
             message = Message(
-                id=rule.id(envelope),
+                id=id_,
                 type=rule.type,
                 destination=rule.destination(envelope),
                 key=rule.key(envelope),
-                body=rule.encode(rule.payload(envelope)),
+                body=rule.encode(body),
                 source=self._source,
                 time=event.created_at,
                 position=event.position,
                 routing_key=rule.routing_key(envelope) if rule.routing_key else None,
-                time_text=time_text,
+                time_text=envelope["created_at"],
+                dataschema=rule.dataschema,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             raise MappingError(
-                f"outboxes.{self.outbox}.messages.{event.type}: cannot map event at position "
+                f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
         if self._trace is not None:
@@ -186,6 +249,19 @@ class Mapper:
         if self._structured:
             to_structured(message)
         return message
+
+    def _violation(self, event: Event, rule: CompiledRule, found: list[str]) -> SchemaViolation:
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        return SchemaViolation(
+            f"{rule.where}: the body of event at position {event.position} ({_where(event)})"
+            f" does not match its schema: {shown}",
+            found,
+        )
+
+
+def _truthy(value: Any) -> bool:
+    """JMESPath's truth: false, null, empty strings, lists and objects are false; 0 is true."""
+    return value is not None and value is not False and value not in ("", [], {})
 
 
 def _where(event: Event) -> str:

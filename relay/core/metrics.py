@@ -70,6 +70,11 @@ class Metrics:
             "Messages acknowledged by the broker.",
             [*OUTBOX, "destination"],
         )
+        self.skipped = self._counter(
+            "relay_messages_skipped",
+            "Messages not built because their rule's condition rejected the event, by type.",
+            [*OUTBOX, "type", "reason"],
+        )
         self.failures = self._counter(
             "relay_publish_failures",
             "Failed publish attempts (the batch's first unacknowledged message), by reason.",

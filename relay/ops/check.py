@@ -19,8 +19,15 @@ import asyncpg
 
 from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
-from relay.core.mapping import Event, Mapper
-from relay.errors import ConfigError, DatabaseError, MalformedEventError, MappingError, SourceError
+from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.errors import (
+    ConfigError,
+    DatabaseError,
+    MalformedEventError,
+    MappingError,
+    SchemaViolation,
+    SourceError,
+)
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.migrations import LATEST, schema_version
@@ -82,7 +89,7 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
         report.problems.append(str(exc))
         return
     mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
-    report.rows = [_preview(event, mapper) for event in events for mapper in mappers]
+    report.rows = [row for event in events for mapper in mappers for row in _preview(event, mapper)]
 
 
 async def _migration_state(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:
@@ -115,20 +122,22 @@ def _probes(config: RelayConfig) -> Iterator[Any]:
 
 
 def _fixed_destinations(config: RelayConfig, broker: str) -> Iterator[str]:
-    for outbox in config.outboxes.values():
+    for name, outbox in config.outboxes.items():
         if outbox.broker == broker:
-            for message in outbox.messages.values():
-                if (fixed := static_text(message.destination)) is not None:
-                    yield fixed
+            for rules in outbox.rules(name).values():
+                for rule in rules:
+                    if (fixed := static_text(rule.config.destination)) is not None:
+                        yield fixed
 
 
 def _run_time_destinations(config: RelayConfig) -> list[str]:
     return [
-        f"outboxes.{name}.messages.{event_type}.destination {message.destination!r} depends on"
+        f"{rule.where}.destination {rule.config.destination!r} depends on"
         " the event: checked at run time"
         for name, outbox in config.outboxes.items()
-        for event_type, message in outbox.messages.items()
-        if static_text(message.destination) is None
+        for rules in outbox.rules(name).values()
+        for rule in rules
+        if static_text(rule.config.destination) is None
     ]
 
 
@@ -140,29 +149,42 @@ def static_text(template: str) -> str | None:
     return template.replace("{{", "{").replace("}}", "}")
 
 
-def _preview(event: Event, mapper: Mapper) -> dict[str, Any]:
-    row: dict[str, Any] = {
+def _preview(event: Event, mapper: Mapper) -> list[dict[str, Any]]:
+    """One row per rule of the event's type (one row when the outbox skips the event)."""
+    head: dict[str, Any] = {
         "position": event.position,
         "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
         "outbox": mapper.outbox,
     }
-    if not mapper.wants(event):
-        row["skipped"] = "type not mapped or aggregate filtered out"
-        return row
+    rules = mapper.rules_for(event)
+    if not rules:
+        return [{**head, "skipped": "type not mapped or aggregate filtered out"}]
+    return [_preview_rule(event, mapper, rule, dict(head)) for rule in rules]
+
+
+def _preview_rule(
+    event: Event, mapper: Mapper, rule: CompiledRule, row: dict[str, Any]
+) -> dict[str, Any]:
+    if rule.name:
+        row["rule"] = rule.name
     try:
-        message = mapper.map(event)
+        message = mapper.message(event, rule)
     except MappingError as exc:
         row["parked"] = exc.reason
         row["error"] = exc.problem if isinstance(exc, MalformedEventError) else str(exc)
+        if isinstance(exc, SchemaViolation):
+            row["violations"] = exc.violations
         return row
-    if message is not None:  # wants() said it maps
-        row.update(
-            id=message.id,
-            type=message.type,
-            destination=message.destination,
-            key=message.key,
-            body=message.body.decode(),
-        )
+    if message is None:
+        row["skipped"] = f"its condition is false: when: {rule.when_text}"
+        return row
+    row.update(
+        id=message.id,
+        type=message.type,
+        destination=message.destination,
+        key=message.key,
+        body=message.body.decode(),
+    )
     return row
 
 

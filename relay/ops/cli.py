@@ -157,8 +157,14 @@ def check(
 def _preview(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         head = f"#{row['position']} {row['event']} [{row['outbox']}]"
+        if row.get("rule"):
+            head += f" ({row['rule']})"
         if row.get("skipped"):
             typer.echo(f"{head}: skipped ({row['skipped']})")
+        elif row.get("violations"):
+            typer.echo(f"{head}: would be parked (schema), {len(row['violations'])} violation(s):")
+            for violation in row["violations"]:
+                typer.echo(f"    {violation}")
         elif row.get("error"):
             typer.echo(f"{head}: would be parked ({row['parked']}): {row['error']}")
         else:
@@ -417,7 +423,8 @@ def retry_parked(
         )
         for item in detail.get("outcomes", []):
             said = item["outcome"] + (f": {item['error']}" if item["error"] else "")
-            typer.echo(f"  #{item['id']} position {item['position']} {item['event']}: {said}")
+            rule = f" ({item['rule']})" if item.get("rule") else ""
+            typer.echo(f"  #{item['id']} position {item['position']} {item['event']}{rule}: {said}")
     if detail.get("not_found"):
         ids_text = ", ".join(map(str, detail["not_found"]))
         typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)

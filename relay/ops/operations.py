@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from relay.core.mapping import Event, Mapper
+from relay.core.mapping import CompiledRule, Event, Mapper
 from relay.core.publishing import Message, Outcome, Publisher
 from relay.errors import PublishError, RelayError, TransientPublishError
 from relay.postgres.claimed import ClaimedOutbox
@@ -152,16 +152,26 @@ class Operations:
         return errors
 
     def _mapped(self, parked: ParkedMessage, event: Event | None) -> list[Message] | PublishError:
-        """The messages to send again for a parked one, or why there are none."""
+        """The messages to send again for a parked one, or why there are none.
+
+        Only the parked rule's message: its siblings of the same event went out already.
+        """
         if event is None:
             return PublishError(f"event at position {parked.position} is no longer in the table")
+        rules = _parked_rules(self.mapper.rules_for(event), parked)
+        if not rules:
+            return PublishError(
+                "the current config no longer maps this event"
+                + (f" with rule {parked.rule!r}" if parked.rule else "")
+            )
         try:
-            message: Message | None = self.mapper.map(event)
+            messages = [self.mapper.message(event, rule) for rule in rules]
         except PublishError as exc:
             return exc
-        if message is None:
-            return PublishError("the current config no longer maps this event")
-        return [message]
+        sendable = [m for m in messages if m is not None]
+        if not sendable:
+            return PublishError("the rule's `when` now rejects this event: nothing to publish")
+        return sendable
 
 
 async def publish_each(publisher: Publisher, messages: list[Message]) -> list[Outcome]:
@@ -201,6 +211,24 @@ def _outcome(parked: ParkedMessage, error: PublishError | None) -> dict[str, Any
         "position": parked.position,
         "event": parked.event,
         "event_type": parked.event_type,
+        "rule": parked.rule,
         "outcome": "published" if error is None else "still parked",
         "error": None if error is None else str(error),
     }
+
+
+def _parked_rules(rules: tuple[CompiledRule, ...], parked: ParkedMessage) -> list[CompiledRule]:
+    """The current rules that made the parked message.
+
+    By name; a message parked under the single-rule form (name "") is its event type's
+    only message, so every current rule makes it now; a rule renamed since (another rule
+    of the same type was added) is found by its type when that is unambiguous.
+    """
+    if not parked.rule:
+        return list(rules)
+    named = [rule for rule in rules if rule.name == parked.rule]
+    if named:
+        return named
+    type_ = parked.message_type or parked.rule.split(" ")[0]
+    typed = [rule for rule in rules if rule.type == type_]
+    return typed if len(typed) == 1 else []

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
-from relay.core.delivery import Delivery, Item
-from relay.core.mapping import Event
+from relay.core.delivery import Delivery, Item, items_of
+from relay.core.mapping import CompiledRule
 from relay.core.waiting import sleep_unless, wait_any
-from relay.errors import DatabaseError, MappingError
+from relay.errors import DatabaseError
 from relay.ops.context import OutboxContext
 from relay.ops.overlap import CheckpointBehind, ReadAhead
 from relay.postgres.claimed import ClaimedOutbox
@@ -64,6 +64,10 @@ class OutboxRelay:
             broker_type=context.relay_config.brokers[context.config.broker].type,
         )
         self._types = list(context.config.messages)
+        for rules in context.config.rules(context.name).values():
+            for rule in rules:  # at zero from the start, so alerts see the series
+                if rule.config.when is not None:
+                    context.metrics.skipped.labels(*self.labels, rule.config.type, "when")
         self._horizon = 0
         self._commands_checked = 0.0
         self._lag_measured = 0.0
@@ -223,10 +227,12 @@ class OutboxRelay:
             types=self._types,
             max_bytes=self.config.batch.max_bytes,
         )
-        items = _within(self.config.batch.max_bytes, [self._item(e) for e in events])
-        metrics.events_read.labels(*self.labels).inc(len(items))  # the rest is read again
-        full = len(events) == limit or cut or len(items) < len(events)
-        upto = items[-1].event.position if full else self._horizon
+        mapper, skipped = self.ctx.mapper, self._skipped
+        per_event = [items_of(mapper, event, skipped) for event in events]
+        items, taken = _within(self.config.batch.max_bytes, per_event)
+        metrics.events_read.labels(*self.labels).inc(taken)  # the rest is read again
+        full = len(events) == limit or cut or taken < len(events)
+        upto = events[taken - 1].position if full and taken else self._horizon
         return Batch(items, position, upto, full=full or upto < self._horizon)
 
     async def _halt(self, s: Session, head: int, position: int) -> None:
@@ -280,11 +286,8 @@ class OutboxRelay:
         metrics.lag_seconds.labels(*self.labels).set(age)
         metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
 
-    def _item(self, event: Event) -> Item:
-        try:
-            return Item(event, self.ctx.mapper.map(event), None)
-        except MappingError as exc:
-            return Item(event, None, exc)
+    def _skipped(self, rule: CompiledRule) -> None:
+        self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()
 
     def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
         state = self.ctx.state
@@ -347,11 +350,18 @@ class OutboxRelay:
             await sleep_unless(ctx.stop, linger)
 
 
-def _within(max_bytes: int, items: list[Item]) -> list[Item]:
-    """The items whose bodies fit in `max_bytes`; the first always (larger, it goes alone)."""
+def _within(max_bytes: int, per_event: list[list[Item]]) -> tuple[list[Item], int]:
+    """The items of the first events whose bodies fit in `max_bytes`, and how many events.
+
+    The first event always goes (larger, it goes alone); an event's messages are never
+    split between batches, so the checkpoint never moves past one half sent.
+    """
     total = 0
-    for i, item in enumerate(items):
-        total += len(item.message.body) if item.message is not None else 0
+    items: list[Item] = []
+    for i, event_items in enumerate(per_event):
+        for item in event_items:
+            total += len(item.message.body) if item.message is not None else 0
         if i and total > max_bytes:
-            return items[:i]
-    return items
+            return items, i
+        items += event_items
+    return items, len(per_event)

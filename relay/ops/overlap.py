@@ -25,9 +25,7 @@ import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-from relay.core.delivery import RetryCount
-from relay.core.mapping import Event
-from relay.core.publishing import Message
+from relay.core.delivery import Parking, RetryCount
 from relay.postgres.claimed import ClaimedOutbox
 
 T = TypeVar("T")
@@ -120,8 +118,6 @@ class CheckpointBehind:
         await self.settled()
         await self.claimed.report(state, last_error, retry)
 
-    async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
-    ) -> None:
+    async def park(self, parking: Parking) -> None:
         await self.settled()
-        await self.claimed.park(event, message, reason, error, attempts)
+        await self.claimed.park(parking)

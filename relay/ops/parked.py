@@ -61,6 +61,7 @@ def summary(parked: ParkedMessage) -> dict[str, Any]:
         "event": parked.event,
         "event_type": parked.event_type,
         "message_id": parked.message_id,
+        "rule": parked.rule,
         "reason": parked.reason,
         "attempts": parked.attempts,
         "parked_at": parked.parked_at,

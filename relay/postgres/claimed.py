@@ -11,9 +11,7 @@ from typing import Protocol
 
 import asyncpg
 
-from relay.core.delivery import RetryCount
-from relay.core.mapping import Event
-from relay.core.publishing import Message
+from relay.core.delivery import Parking, RetryCount
 from relay.postgres.source import Blocker
 from relay.postgres.store import Claim, Store
 
@@ -70,20 +68,10 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             await self.store.report_blocking(conn, self.claim, blocker)
 
-    async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
-    ) -> None:
+    async def park(self, parking: Parking) -> None:
         async with self.writer.statement() as conn:
-            await self.store.park(
-                conn=conn,
-                claim=self.claim,
-                event=event,
-                message=message,
-                reason=reason,
-                error=error,
-                attempts=attempts,
-            )
-        self._position = event.position
+            await self.store.park(conn, self.claim, parking)
+        self._position = parking.upto
 
     async def parked_count(self) -> int:
         async with self.writer.statement() as conn:

@@ -109,6 +109,15 @@ STEPS: tuple[str, ...] = (
     """
     ALTER TABLE {schema}.checkpoints ADD COLUMN broker text;
     """,
+    # Several messages per event (a list of rules): each is parked, and its failures
+    # counted, on its own; `rule` names it ('' for an event type's single rule).
+    """
+    ALTER TABLE {schema}.parked ADD COLUMN rule text NOT NULL DEFAULT '';
+    ALTER TABLE {schema}.parked DROP CONSTRAINT parked_outbox_position_key;
+    ALTER TABLE {schema}.parked ADD CONSTRAINT parked_outbox_position_rule_key
+      UNIQUE (outbox, position, rule);
+    ALTER TABLE {schema}.checkpoints ADD COLUMN retry_rule text NOT NULL DEFAULT '';
+    """,
 )
 
 LATEST = len(STEPS)

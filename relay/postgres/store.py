@@ -15,8 +15,7 @@ from typing import Any
 
 import asyncpg
 
-from relay.core.delivery import RetryCount
-from relay.core.mapping import Event
+from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
 from relay.postgres.source import Blocker
@@ -70,6 +69,7 @@ class ParkedMessage:
     destination: str | None
     message_key: str | None
     body: bytes | None
+    rule: str  # which of the event type's rules ("" for the single-rule form)
     reason: str
     error: str
     attempts: int
@@ -119,8 +119,8 @@ class Store:
             " heartbeat = now(), state = CASE WHEN halted IS NULL THEN 'relaying' ELSE 'halted'"
             " END, blocking = NULL, updated_at = now()"
             f" WHERE outbox = $1 AND {holds_lock('$3')}"
-            " RETURNING epoch, position, halted, retry_position, attempts, rejections, start_xmin,"
-            " broker",
+            " RETURNING epoch, position, halted, retry_position, retry_rule, attempts, rejections,"
+            " start_xmin, broker",
             outbox,
             holder,
             key,
@@ -129,7 +129,9 @@ class Store:
             raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
         retry = None
         if row["retry_position"] is not None:
-            retry = RetryCount(row["retry_position"], row["attempts"], row["rejections"])
+            retry = RetryCount(
+                row["retry_position"], row["attempts"], row["rejections"], row["retry_rule"]
+            )
         return Claim(
             outbox,
             row["epoch"],
@@ -193,7 +195,7 @@ class Store:
         """Record the outbox's state (relaying, retrying, stopped) for `relay status`."""
         status = await conn.execute(
             f"UPDATE {self._checkpoints} SET state = $3, attempts = $4, last_error = $5,"
-            " retry_position = $6, rejections = $7, updated_at = now()"
+            " retry_position = $6, rejections = $7, retry_rule = $9, updated_at = now()"
             f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$8')}",
             claim.outbox,
             claim.epoch,
@@ -203,6 +205,7 @@ class Store:
             retry.position if retry else None,
             retry.rejections if retry else 0,
             claim.key,
+            retry.rule if retry else "",
         )
         _fenced_unless_updated(status, claim, f"reporting state {state}")
 
@@ -253,24 +256,19 @@ class Store:
         )
         _fenced_unless_updated(status, claim, "reporting a blocking transaction")
 
-    async def park(
-        self,
-        *,
-        conn: asyncpg.Connection,
-        claim: Claim,
-        event: Event,
-        message: Message | None,
-        reason: str,
-        error: str,
-        attempts: int,
-    ) -> None:
-        """Keep the message aside and move past it, in one transaction."""
+    async def park(self, conn: asyncpg.Connection, claim: Claim, parking: Parking) -> None:
+        """Keep the message aside and move to `parking.upto`, in one transaction.
+
+        `upto` stays before the event while another of its messages is still to be sent.
+        """
+        event = parking.event
         async with conn.transaction():
             await conn.execute(
                 f"INSERT INTO {self._parked} (outbox, position, event_type, aggregate_type,"
                 " aggregate_id, version, message_id, message_type, destination, message_key, body,"
-                " reason, error, attempts) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14)"
-                " ON CONFLICT (outbox, position) DO UPDATE SET attempts = excluded.attempts,"
+                " reason, error, attempts, rule)"
+                " VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)"
+                " ON CONFLICT (outbox, position, rule) DO UPDATE SET attempts = excluded.attempts,"
                 " error = excluded.error, reason = excluded.reason, parked_at = now()",
                 claim.outbox,
                 event.position,
@@ -278,12 +276,13 @@ class Store:
                 event.aggregate_type,
                 event.aggregate_id,
                 event.version,
-                *_message_columns(message),
-                reason,
-                error,
-                attempts,
+                *_message_columns(parking.message),
+                parking.reason,
+                parking.error,
+                parking.attempts,
+                parking.rule,
             )
-            await self.advance(conn, claim, event.position)
+            await self.advance(conn, claim, parking.upto)
 
     async def checkpoints(self, conn: asyncpg.Connection) -> list[CheckpointRow]:
         rows = await conn.fetch(
@@ -312,7 +311,7 @@ class Store:
         """Parked messages of these lanes in position order; only `ids` when given."""
         rows = await conn.fetch(
             f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE outbox = ANY($1::text[])"
-            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position",
+            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position, id",
             [lanes] if isinstance(lanes, str) else lanes,
             ids,
         )

@@ -65,8 +65,12 @@ def config_dict(
     logic is the same as with the defaults.
     """
     rules = messages if messages is not None else LIBRARY_MESSAGES
+
+    def render(rule: dict[str, Any]) -> dict[str, Any]:
+        return {**rule, "destination": rule["destination"].replace("{subject}", subject)}
+
     rendered = {
-        event_type: {**rule, "destination": rule["destination"].replace("{subject}", subject)}
+        event_type: [render(r) for r in rule] if isinstance(rule, list) else render(rule)
         for event_type, rule in rules.items()
     }
     options: dict[str, Any] = {

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import pytest
 
 from relay.config import OutboxConfig
-from relay.core.delivery import Delivery, Item, RetryCount
+from relay.core.delivery import Delivery, Item, Parking, RetryCount
 from relay.core.mapping import Event
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Outcome
@@ -67,6 +67,7 @@ class MemoryCheckpoint:
     advances: list[int] = field(default_factory=list)
     reports: list[tuple[str, RetryCount | None]] = field(default_factory=list)
     parked: list[tuple[int, str, int]] = field(default_factory=list)  # position, reason, attempts
+    parked_rules: list[str] = field(default_factory=list)
 
     async def advance(self, position: int) -> None:
         assert position >= self.position, "the checkpoint never moves back"
@@ -78,11 +79,10 @@ class MemoryCheckpoint:
     ) -> None:
         self.reports.append((state, retry))
 
-    async def park(
-        self, event: Event, message: Message | None, reason: str, error: str, attempts: int
-    ) -> None:
-        self.parked.append((event.position, reason, attempts))
-        await self.advance(event.position)
+    async def park(self, parking: Parking) -> None:
+        self.parked.append((parking.event.position, parking.reason, parking.attempts))
+        self.parked_rules.append(parking.rule)
+        await self.advance(parking.upto)
 
 
 def event(position: int) -> Event:
@@ -98,11 +98,11 @@ def event(position: int) -> Event:
     )
 
 
-def item(position: int) -> Item:
+def item(position: int, rule: str = "") -> Item:
     e = event(position)
     message = Message(
-        id=f"m{position}",
-        type="library.book-lent.v1",
+        id=f"m{position}{rule}",
+        type=f"library.book-lent.{rule or 'v1'}",
         destination="library.loans",
         key=e.aggregate_id,
         body=b"{}",
@@ -110,7 +110,7 @@ def item(position: int) -> Item:
         time=e.created_at,
         position=position,
     )
-    return Item(e, message, None)
+    return Item(e, message, None, rule)
 
 
 def unmappable(position: int) -> Item:
@@ -125,12 +125,28 @@ CONFIG = OutboxConfig.model_validate(
         "park_after": 3,
     }
 )
+# BookLent as v1 and v2 side by side: two messages per event.
+TWO_RULES = OutboxConfig.model_validate(
+    {
+        "broker": "fake",
+        "messages": {
+            "BookLent": [
+                {"type": "library.book-lent.v1", "destination": "library.loans"},
+                {"type": "library.book-lent.v2", "destination": "library.loans.v2"},
+            ]
+        },
+        "retry": {"initial": "1ms", "max": "1ms", "jitter": 0},
+        "park_after": 3,
+    }
+)
 
 
-def delivery(publisher: ScriptedPublisher, **events: asyncio.Event) -> Delivery:
+def delivery(
+    publisher: ScriptedPublisher, config: OutboxConfig = CONFIG, **events: asyncio.Event
+) -> Delivery:
     return Delivery(
         "loans",
-        CONFIG,
+        config,
         publisher=publisher,
         metrics=Metrics(),
         state=OutboxState("loans"),
@@ -290,3 +306,51 @@ async def test_parking_takes_exactly_park_after_rejections(park_after: int) -> N
     assert await relay.deliver(checkpoint, [item(1)])
     assert publisher.attempts["m1"] == park_after
     assert checkpoint.parked == [(1, "rejected", park_after)]
+
+
+def both(position: int) -> list[Item]:
+    """The v1 and the v2 message of one event."""
+    return [item(position, "library.book-lent.v1"), item(position, "library.book-lent.v2")]
+
+
+async def test_an_event_half_sent_keeps_the_checkpoint_before_it() -> None:
+    """v2 of event 2 fails: events 1 is done, 2 is not, whatever its v1 did."""
+    v2 = "m2library.book-lent.v2"
+    publisher = ScriptedPublisher(fails(v2, 1, TRANSIENT))
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher, TWO_RULES).deliver(checkpoint, [*both(1), *both(2)])
+    assert checkpoint.advances == [1]  # not 2: its v2 was not acknowledged then
+    assert publisher.batches[1] == [v2]  # its v1 is not sent again
+    assert publisher.attempts["m2library.book-lent.v1"] == 1
+
+
+async def test_a_rejected_rule_is_parked_alone_and_its_sibling_sent_once() -> None:
+    v1, v2 = "m1library.book-lent.v1", "m1library.book-lent.v2"
+    publisher = ScriptedPublisher(fails(v1, 99, REJECTED))
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher, TWO_RULES).deliver(checkpoint, [*both(1), *both(2)])
+    assert checkpoint.parked == [(1, "rejected", 3)]
+    assert checkpoint.parked_rules == ["library.book-lent.v1"]
+    assert checkpoint.advances == [0]  # parked, but the event's v2 is still to go
+    assert publisher.attempts[v2] == 1
+    assert publisher.attempts["m2library.book-lent.v1"] == 1
+
+
+async def test_each_rule_of_an_event_has_its_own_count() -> None:
+    """Both messages of one event rejected: each is tried park_after times, not fewer."""
+    publisher = ScriptedPublisher(lambda mid, n: REJECTED if mid.startswith("m1") else None)
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher, TWO_RULES).deliver(checkpoint, both(1))
+    assert checkpoint.parked == [(1, "rejected", 3), (1, "rejected", 3)]
+    assert checkpoint.parked_rules == ["library.book-lent.v1", "library.book-lent.v2"]
+    assert checkpoint.position == 1
+
+
+async def test_published_counts_each_rules_destination() -> None:
+    publisher = ScriptedPublisher(always_ok)
+    relay = delivery(publisher, TWO_RULES)
+    assert await relay.deliver(MemoryCheckpoint(), [*both(1), *both(2)])
+    sample = relay.metrics.registry.get_sample_value
+    for destination in ("library.loans", "library.loans.v2"):
+        labels = {"outbox": "loans", "destination": destination}
+        assert sample("relay_messages_published_total", labels) == 2

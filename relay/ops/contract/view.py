@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from relay.config import BrokerConfig, OutboxConfig, RelayConfig
+from relay.config.message_schemas import load_schema
 
 Protocol = Literal["nats", "kafka", "rabbitmq", "sqs"]
 CloudEventsMode = Literal["binary", "structured"]
@@ -46,19 +47,23 @@ class OutboxView:
 
 
 def rules_of(outbox: OutboxConfig) -> Iterator[tuple[str, RuleView]]:
-    """(event type, rule) pairs of one outbox; today one rule per event type."""
-    for event_type, message in outbox.messages.items():
-        yield (
-            event_type,
-            RuleView(
-                type=message.type,
-                destination=message.destination,
-                key=message.key or outbox.key,
-                id=message.id or outbox.id,
-                payload=message.payload,
-                routing_key=message.routing_key,
-            ),
-        )
+    """(event type, rule) pairs of one outbox: every rule of each event type, in order."""
+    for event_type, rules in outbox.rules("").items():
+        for rule in rules:
+            message = rule.config
+            yield (
+                event_type,
+                RuleView(
+                    type=message.type,
+                    destination=message.destination,
+                    key=message.key or outbox.key,
+                    id=rule.id_text,  # a rule of a list appends /<type> to the rendered id
+                    payload=message.payload,
+                    routing_key=message.routing_key,
+                    schema=load_schema(message.schema_) if message.schema_ is not None else None,
+                    when=message.when,
+                ),
+            )
 
 
 def outbox_view(name: str, config: RelayConfig) -> OutboxView:

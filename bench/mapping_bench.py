@@ -1,0 +1,145 @@
+"""Mapping cost per event: one rule, a JSON Schema (fast and full), `when`, two rules.
+
+    .venv/bin/python -m bench.mapping_bench [--events 20000] [--compare ../main]
+
+Maps the relay_bench backlog's BookLent events (decoded, in memory: no database, no broker)
+as the outbox loop does (`relay.core.delivery.items_of`: the event's rules, each message
+built, its body validated) and prints the best of `--repeat` runs in µs of CPU per event. With
+`--compare DIR`, the single-rule case also runs on the relay in DIR (for example the main
+branch's worktree), in subprocesses alternated with this tree's, and the ratio is printed:
+what an outbox without `when` or a schema pays for the rules, against before them.
+
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.relay_bench import backlog_rows, schema_for
+from relay.config import OutboxConfig
+from relay.core import delivery
+from relay.core.mapping import Event, Mapper
+
+PAYLOAD = {
+    "bookId": "aggregate_id",
+    "loanId": "data.loanId",
+    "memberId": "data.memberId",
+    "version": "version",
+}
+RULE: dict[str, Any] = {
+    "type": "library.book-lent.v1",
+    "destination": "bench.{aggregate_type}",
+    "payload": PAYLOAD,
+}
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "one rule": {"BookLent": RULE},
+    "one rule, schema (draft 7: fastjsonschema)": {
+        "BookLent": {**RULE, "schema": schema_for("draft7")}
+    },
+    "one rule, schema (2020-12: jsonschema)": {
+        "BookLent": {**RULE, "schema": schema_for("2020-12")}
+    },
+    "one rule, when (true)": {"BookLent": {**RULE, "when": "data.memberId != null"}},
+    "two rules (v1, v2)": {
+        "BookLent": [RULE, {**RULE, "type": "library.book-lent.v2", "destination": "bench.v2"}]
+    },
+}
+
+
+def events(count: int) -> list[Any]:
+    created = datetime(2026, 11, 30, tzinfo=UTC)
+    return [
+        Event(i + 1, kind, key, version, type_, json.loads(payload), None, created)
+        for i, (kind, key, version, type_, payload) in enumerate(backlog_rows(count))
+    ]
+
+
+def mapper_of(messages: dict[str, Any]) -> Callable[[Any], object]:
+    """One event mapped as the outbox loop of the relay imported maps it."""
+    mapper = Mapper("bench", OutboxConfig.model_validate({"broker": "nats", "messages": messages}))
+    items_of = getattr(delivery, "items_of", None)
+    if items_of is None:  # a relay before rules: OutboxRelay._item
+        return lambda event: delivery.Item(event, mapper.map(event), None)
+
+    def skipped(_rule: object) -> None:
+        """Not counted here."""
+
+    return lambda event: items_of(mapper, event, skipped)
+
+
+def per_event(messages: dict[str, Any], sample: list[Any], repeat: int) -> float:
+    """Best of `repeat` passes over `sample`, in µs per event."""
+    map_one = mapper_of(messages)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.process_time()  # CPU time: other processes on the machine cost nothing
+        for event in sample:
+            map_one(event)
+        best = min(best, time.process_time() - started)
+    return best / len(sample) * 1e6
+
+
+def compare(tree: Path, count: int, repeat: int, rounds: int) -> tuple[float, float]:
+    """The single-rule case on `tree` and on this tree, alternated; the best of each."""
+    here = Path(__file__).resolve().parents[1]
+
+    def run(root: Path) -> float:
+        # `relay` (and bench.relay_bench) from `root`, this file's code from here.
+        code = (
+            "import sys, importlib.util as u; sys.path.insert(0, sys.argv[1]);"
+            "s = u.spec_from_file_location('mb', sys.argv[2]); m = u.module_from_spec(s);"
+            "s.loader.exec_module(m); import relay; assert relay.__file__.startswith(sys.argv[1]);"
+            "print(m.per_event(m.CASES['one rule'], m.events(int(sys.argv[3])), int(sys.argv[4])))"
+        )
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(root), __file__, str(count), str(repeat)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return float(out.stdout.strip())
+
+    theirs, ours = [], []
+    for _ in range(rounds):
+        theirs.append(run(tree))
+        ours.append(run(here))
+    return min(theirs), min(ours)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=7, help="passes; the best is kept")
+    parser.add_argument("--compare", type=Path, help="a relay tree to compare one rule with")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated runs with --compare")
+    args = parser.parse_args(argv)
+    sample = events(args.events)
+    print(f"| case ({args.events} events, best of {args.repeat}) | µs/event |")
+    print("|---|---|")
+    for name, messages in CASES.items():
+        print(f"| {name} | {per_event(messages, sample, args.repeat):.2f} |")
+    if args.compare:
+        theirs, ours = compare(args.compare, args.events, args.repeat, args.rounds)
+        print(
+            f"\none rule: {args.compare} {theirs:.2f} µs/event, this tree {ours:.2f} µs/event,"
+            f" ratio {ours / theirs:.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
