@@ -149,7 +149,9 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
         check_partition_label(served)
 
         # `relay parked drop` lowers the gauge on the holder, with no change of lease.
-        dropped = run_cli(["parked", "drop", "--all", "--outbox", "loans", "--config", str(config)])
+        dropped = run_cli(
+            ["parked", "drop", "--all", "--yes", "--outbox", "loans", "--config", str(config)]
+        )
         assert dropped.returncode == 0, dropped.stdout + dropped.stderr
 
         async def parked_gauge_lowered() -> bool:

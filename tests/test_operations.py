@@ -13,25 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.db import NewEvent, append_many, connect
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
-from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import (
-    LIBRARY_MESSAGES,
-    config_dict,
-    eventually,
-    migrate_cli,
-    save,
-    write_config,
+from tests.support.jetstream import delete_stream, fetch_all
+from tests.support.operator_cli import (
+    cli,
+    holds,
+    park_huge_loans,
+    relay_then_stop,
+    relayed_up_to,
+    setup_outbox,
 )
+from tests.support.relay_process import run_cli
+from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, save
 
 LENT = LIBRARY_MESSAGES["BookLent"]
-
-
-def cli(config: Path, *args: str) -> Any:
-    """Run `relay ARGS --config F --json`; return the parsed output (exit code 0 required)."""
-    result = run_cli([*args, "--config", str(config), "--json"])
-    assert result.returncode == 0, f"{args}: exit {result.returncode}\n{result.stderr}"
-    return json.loads(result.stdout)
 
 
 def loans(count: int) -> list[NewEvent]:
@@ -41,47 +35,18 @@ def loans(count: int) -> list[NewEvent]:
     ]
 
 
-async def _setup(
-    events_table: str, nats_url: str, tmp_path: Path, **options: Any
-) -> tuple[Path, str]:
-    stream = unique_name("ops")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    config = write_config(tmp_path, events_table, nats_url, stream, **options)
-    migrate_cli(config)
-    return config, stream
-
-
-def _holds(process: RelayProcess) -> bool:
-    return any(r.get("event") == "lease acquired: relaying" for r in process.logs())
-
-
-async def _relay_then_stop(relay_process: Any, config: Path, position: int) -> None:
-    """Run one replica until it has relayed up to `position`, then stop it gracefully."""
-    relay = relay_process(["run", "--config", str(config)])
-    await _relayed_up_to(config, position)
-    relay.terminate()
-    assert await relay.wait_async(15) == 0
-
-
-async def _relayed_up_to(config: Path, position: int) -> None:
-    async def caught_up() -> bool:
-        return bool(cli(config, "status")[0]["checkpoint"] == position)
-
-    await eventually(caught_up, timeout=20)
-
-
 async def test_replay_is_carried_out_by_the_holder_never_the_standby(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    config, stream = await _setup(events_table, nats_url, tmp_path)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(30))
         first = relay_process(["run", "--config", str(config)])
-        await eventually(lambda: _holds(first), timeout=20)
+        await eventually(lambda: holds(first), timeout=20)
         second = relay_process(["run", "--config", str(config)])
         await second.wait_for_log("standing by")
-        await _relayed_up_to(config, positions[-1])
+        await relayed_up_to(config, positions[-1])
 
         dry = cli(config, "replay", "loans", "--from", str(positions[10]), "--dry-run")
         assert dry["events"] == 20 and dry["dry_run"] is True
@@ -98,7 +63,7 @@ async def test_replay_is_carried_out_by_the_holder_never_the_standby(
         assert len(await fetch_all(nats_url, stream, expected=30)) == 30
         assert any(r.get("event") == "carrying out command" for r in first.logs())
         assert not [r for r in second.logs() if r.get("event") == "carrying out command"]
-        await _relayed_up_to(config, positions[-1])
+        await relayed_up_to(config, positions[-1])
     finally:
         await delete_stream(nats_url, stream)
 
@@ -106,11 +71,11 @@ async def test_replay_is_carried_out_by_the_holder_never_the_standby(
 async def test_cli_replays_under_the_lease_when_no_replica_runs(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    config, stream = await _setup(events_table, nats_url, tmp_path)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(12))
-        await _relay_then_stop(relay_process, config, positions[-1])
+        await relay_then_stop(relay_process, config, positions[-1])
 
         status = cli(config, "status")[0]
         assert status["state"] == "no holder" and status["holder"] is None
@@ -140,7 +105,7 @@ async def test_retry_parked_after_the_config_is_fixed(
             "payload": {"amount": "abs(data.amount)"},  # fails at run time on a string
         },
     }
-    config, stream = await _setup(events_table, nats_url, tmp_path, messages=broken)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path, messages=broken)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(
@@ -150,7 +115,7 @@ async def test_retry_parked_after_the_config_is_fixed(
                     NewEvent("book", "b1", 2, "FineCharged", {"amount": -2}),
                 ],
             )
-        await _relay_then_stop(relay_process, config, positions[-1])
+        await relay_then_stop(relay_process, config, positions[-1])
         (parked,) = cli(config, "parked", "list", "loans")
         assert parked["position"] == positions[0] and parked["reason"] == "mapping"
         shown = cli(config, "parked", "show", str(parked["id"]))
@@ -167,7 +132,7 @@ async def test_retry_parked_after_the_config_is_fixed(
             tmp_path, config_dict(events_table, nats_url, stream, messages=fixed), "fixed.yaml"
         )
         holder = relay_process(["run", "--config", str(fixed_config)])
-        await eventually(lambda: _holds(holder), timeout=20)
+        await eventually(lambda: holds(holder), timeout=20)
         done = cli(fixed_config, "retry-parked", "loans", "--id", str(parked["id"]))
         assert done["ok"] is True and done["executed_by"].endswith(f":{holder.pid}")
         assert done["detail"]["published"] == [parked["id"]]
@@ -182,20 +147,17 @@ async def test_retry_parked_after_the_config_is_fixed(
 async def test_parked_drop(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    config, stream = await _setup(events_table, nats_url, tmp_path)
-    huge = "x" * (2 * 1024 * 1024)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
-        async with connect(events_table) as conn:
-            positions = await append_many(
-                conn, [NewEvent("book", f"b{i}", 1, "BookLent", {"loanId": huge}) for i in range(3)]
-            )
-        await _relay_then_stop(relay_process, config, positions[-1])
+        await park_huge_loans(events_table, relay_process, config, 3)
         ids = [row["id"] for row in cli(config, "parked", "list", "loans")]
         assert len(ids) == 3
         assert cli(config, "parked", "drop", str(ids[0])) == {"dropped": [ids[0]]}
         missing = run_cli(["parked", "drop", str(ids[0]), "--config", str(config)])
         assert missing.returncode == 1 and "no parked message" in missing.stderr
-        assert cli(config, "parked", "drop", "--all", "--outbox", "loans") == {"dropped": ids[1:]}
+        assert cli(config, "parked", "drop", "--all", "--outbox", "loans", "--yes") == {
+            "dropped": ids[1:]
+        }
         assert cli(config, "status")[0]["parked"] == 0
     finally:
         await delete_stream(nats_url, stream)
@@ -204,12 +166,12 @@ async def test_parked_drop(
 async def test_command_is_withdrawn_when_the_holder_does_not_act(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    config, stream = await _setup(events_table, nats_url, tmp_path)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(3))
         holder = relay_process(["run", "--config", str(config)])
-        await _relayed_up_to(config, positions[-1])
+        await relayed_up_to(config, positions[-1])
         holder.pause()  # holds the lease but does nothing
         try:
             result = run_cli(
@@ -225,7 +187,7 @@ async def test_command_is_withdrawn_when_the_holder_does_not_act(
         # checks; it must not have acted on the withdrawn command.
         async with connect(events_table) as conn:
             (later,) = await append_many(conn, [NewEvent("book", "b9", 1, "BookLent", {})])
-        await _relayed_up_to(config, later)
+        await relayed_up_to(config, later)
         async with connect(events_table) as conn:
             assert await conn.fetchval("SELECT state FROM relay.commands") == "expired"
         assert not [r for r in holder.logs() if r.get("event") == "carrying out command"]
@@ -236,11 +198,11 @@ async def test_command_is_withdrawn_when_the_holder_does_not_act(
 async def test_two_operators_at_once_are_serialised_by_the_lease(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    config, stream = await _setup(events_table, nats_url, tmp_path)
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
     try:
         async with connect(events_table) as conn:
             positions = await append_many(conn, loans(9))
-        await _relay_then_stop(relay_process, config, positions[-1])
+        await relay_then_stop(relay_process, config, positions[-1])
 
         def replay(position: int) -> Any:
             args = ["replay", "loans", "--from", str(position), "--config", str(config), "--json"]

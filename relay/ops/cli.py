@@ -18,6 +18,7 @@ import typer
 from relay import __version__
 from relay.config import RelayConfig, config_path, load_config
 from relay.errors import ConfigError, RelayError, UsageError
+from relay.ops.console import progress_view, table
 from relay.ops.logs import configure
 from relay.redaction import redact
 
@@ -212,40 +213,75 @@ def contract(
 
 
 @app.command()
-def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+def status(
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Show long values (last_error) whole.")
+    ] = False,
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="Refresh every second until Ctrl-C."),
+    ] = False,
+) -> None:
     """Who relays each outbox, how far behind it is, and what it waits for."""
     from relay.ops.status import status as read_status
-    from relay.ops.status import summary
 
     cfg = _load(config)
-    lanes = _run(lambda: read_status(cfg))
+    if not watch:
+        _show_status(cfg, _run(lambda: read_status(cfg)), as_json=as_json, wide=wide)
+        return
+    terminal = sys.stdout.isatty()
+
+    async def refresh() -> None:
+        while True:
+            lanes = await read_status(cfg)
+            if terminal:
+                typer.echo("\x1b[H\x1b[2J", nl=False)  # clear, then draw from the top
+            elif not as_json:
+                typer.echo(f"-- {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
+            _show_status(cfg, lanes, as_json=as_json, wide=wide, compact=True)
+            await asyncio.sleep(1.0)
+
+    try:
+        _run(refresh)
+    except KeyboardInterrupt:
+        return  # Ctrl-C is how --watch ends: a success
+
+
+def _show_status(
+    cfg: RelayConfig, lanes: list[Any], *, as_json: bool, wide: bool, compact: bool = False
+) -> None:
+    """The status table (or JSON: every field whole); a hint when a value was cut short."""
+    from relay.ops.console import cut
+    from relay.ops.status import TABLE_COLUMNS, summary
+
     rows = [row.as_json() for row in lanes]
     if as_json:
-        typer.echo(json.dumps(rows, indent=2, default=str))
+        typer.echo(json.dumps(rows, default=str) if compact else _pretty(rows))
         return
-    for line in summary(cfg, lanes):
+    for line in [*summary(cfg, lanes), *table(rows, TABLE_COLUMNS, wide=wide)]:
         typer.echo(line)
-    _table(
-        rows,
-        [
-            "name",
-            "state",
-            "holder",
-            "epoch",
-            "checkpoint",
-            "head",
-            "lag_events",
-            "lag_seconds",
-            "parked",
-            "last_error",
-            "blocking_transaction",
-        ],
-    )
+    if not wide and cut(rows, "last_error"):
+        typer.echo("(last_error cut short: --wide shows it whole, and so does --json)")
 
 
-WaitOption = Annotated[
+TimeoutOption = Annotated[
     float,
-    typer.Option("--timeout", min=0.1, help="Seconds to wait for the lease holder to act."),
+    typer.Option(
+        "--timeout",
+        min=0.1,
+        help="Seconds to wait for the lease holder to act (with --wait: to take the command,"
+        " or to come back when no replica holds the lease).",
+    ),
+]
+FollowOption = Annotated[
+    bool,
+    typer.Option(
+        "--wait",
+        help="Show progress until the work is done; with --json, one JSON object a line,"
+        " the result last.",
+    ),
 ]
 
 
@@ -261,13 +297,15 @@ def replay(
         typer.Option("--from-time", help="From the first event written at or after this time."),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count the events.")] = False,
-    wait: WaitOption = 30.0,
+    timeout: TimeoutOption = 30.0,
+    follow: FollowOption = False,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
     from relay.ops.identity import identity
     from relay.ops.operator import Operator, ReplayFrom
+    from relay.ops.progress import follow_replay
     from relay.postgres.command_queue import CommandKind
 
     chosen = [from_position is not None, from_start, from_time is not None]
@@ -278,6 +316,8 @@ def replay(
         from_time = from_time.replace(tzinfo=UTC)
     cfg = _load(config)
     spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
+    follow = follow and not dry_run
+    view = progress_view(f"replay {outbox}", "events", as_json)
 
     async def work() -> dict[str, Any]:
         controller = Operator(cfg, outbox, identity())
@@ -291,18 +331,24 @@ def replay(
             "dry_run": dry_run,
         }
         if not dry_run:
-            outcome = await controller.run(CommandKind.REPLAY, {"to": target}, wait)
+            head = await controller.head()
+            outcome = await controller.run(
+                CommandKind.REPLAY, {"to": target}, timeout, patient=follow
+            )
             result.update(
                 ok=outcome.ok,
                 executed_by=outcome.executed_by,
                 direct=outcome.direct,
                 detail=outcome.detail,
             )
+            if follow and outcome.ok:
+                wait = follow_replay(cfg, outbox, head, outcome.detail, view=view, unheld=timeout)
+                result.update(await wait)
         return result
 
     result = _run(work)
     if as_json:
-        typer.echo(json.dumps(result, indent=2, default=str))
+        typer.echo(json.dumps(result, default=str) if follow else _pretty(result))
     elif dry_run:
         typer.echo(
             f"dry run: {result['events']} event(s) of {outbox} would be published again "
@@ -314,7 +360,15 @@ def replay(
             f"replay of {outbox} from position {result['from_position']}: "
             f"{result['events']} event(s) will be published again",
         )
+        if result.get("caught_up"):
+            typer.echo(
+                f"{outbox} caught up with position {result['head']}:"
+                f" {result['progress']['done']} event(s) published"
+            )
     if not dry_run and not result["ok"]:
+        raise typer.Exit(1)
+    if result.get("wait_error"):
+        typer.echo(f"error: {result['wait_error']}", err=True)
         raise typer.Exit(1)
 
 
@@ -323,48 +377,63 @@ def retry_parked(
     outbox: Annotated[str, typer.Argument(help="The outbox whose parked messages to retry.")],
     ids: Annotated[list[int] | None, typer.Option("--id", help="A parked message id.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every parked message.")] = False,
-    wait: WaitOption = 30.0,
+    timeout: TimeoutOption = 30.0,
+    follow: FollowOption = False,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Map parked messages again with the current config and publish them."""
+    """Map parked messages again with the current config and publish them, in batches."""
     from relay.ops.identity import identity
     from relay.ops.operator import Operator
+    from relay.ops.progress import follow_retry
     from relay.postgres.command_queue import CommandKind
 
     _ids_or_all(ids, all_, "--id ID (repeatable)")
     cfg = _load(config)
+    view = progress_view(f"retry-parked {outbox}", "messages", as_json)
 
     async def work() -> dict[str, Any]:
-        outcome = await Operator(cfg, outbox, identity()).run(
-            CommandKind.RETRY_PARKED, {"ids": ids or None}, wait
+        command = Operator(cfg, outbox, identity()).run(
+            CommandKind.RETRY_PARKED, {"ids": ids or None}, timeout, patient=follow
         )
+        extra: dict[str, Any] = {}
+        if follow:
+            outcome, done = await follow_retry(cfg, outbox, ids or None, view, command)
+            extra["progress"] = done.as_json()
+        else:
+            outcome = await command
         return {
             "outbox": outbox,
             "ok": outcome.ok,
             "executed_by": outcome.executed_by,
             "direct": outcome.direct,
             "detail": outcome.detail,
+            **extra,
         }
 
     result = _run(work)
+    detail = result["detail"] or {}
     if as_json:
-        typer.echo(json.dumps(result, indent=2, default=str))
+        typer.echo(json.dumps(result, default=str) if follow else _pretty(result))
     else:
-        detail = result["detail"] or {}
         _say_outcome(
             result,
             f"retry-parked {outbox}: {len(detail.get('published', []))} "
             f"published, {len(detail.get('still_parked', {}))} still parked",
         )
-        for id_, error in (detail.get("still_parked") or {}).items():
-            typer.echo(f"  #{id_}: {error}")
-    detail = result["detail"] or {}
+        for item in detail.get("outcomes", []):
+            said = item["outcome"] + (f": {item['error']}" if item["error"] else "")
+            rule = f" ({item['rule']})" if item.get("rule") else ""
+            typer.echo(f"  #{item['id']} position {item['position']} {item['event']}{rule}: {said}")
     if detail.get("not_found"):
         ids_text = ", ".join(map(str, detail["not_found"]))
         typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)
     if not result["ok"] or detail.get("still_parked") or detail.get("not_found"):
         raise typer.Exit(1)
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, default=str)
 
 
 def _say_outcome(result: dict[str, Any], text: str) -> None:
@@ -427,7 +496,10 @@ def parked_list(
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
-    _table(rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"])
+    for line in table(
+        rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"]
+    ):
+        typer.echo(line)
 
 
 @parked_app.command("show")
@@ -454,14 +526,32 @@ def parked_drop(
     ids: Annotated[list[int] | None, typer.Argument(metavar="[ID]...")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Drop every parked message.")] = False,
     outbox: Annotated[str | None, typer.Option("--outbox", help="Only this outbox.")] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Drop --all without asking (needed off a terminal).")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would be dropped; drop nothing.")
+    ] = False,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
     from relay.ops.parked import parked_drop as drop
+    from relay.ops.parked import parked_to_drop, summary
 
     _ids_or_all(ids, all_, "parked message ids,")
     cfg = _load(config)
+    if dry_run or (all_ and not yes):
+        going = [summary(p) for p in _run(lambda: parked_to_drop(cfg, ids or None, outbox))]
+        if dry_run:
+            if as_json:
+                typer.echo(_pretty({"dry_run": True, "would_drop": going}))
+            else:
+                typer.echo(f"dry run: {len(going)} parked message(s) would be dropped")
+                for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
+                    typer.echo(line)
+            return
+        _confirm_drop(going, outbox)
     dropped = _run(lambda: drop(cfg, ids or None, outbox))
     if as_json:
         typer.echo(json.dumps({"dropped": dropped}))
@@ -470,6 +560,23 @@ def parked_drop(
     if ids and len(dropped) < len(ids):
         missing = sorted(set(ids) - set(dropped))
         typer.echo(f"error: no parked message with id {', '.join(map(str, missing))}", err=True)
+        raise typer.Exit(1)
+
+
+def _confirm_drop(going: list[dict[str, Any]], outbox: str | None) -> None:
+    """--all without --yes: ask on a terminal; refuse elsewhere (exit 2, nothing dropped)."""
+    which = f"of {outbox}" if outbox else "of every outbox"
+    if not sys.stdin.isatty():
+        typer.echo(
+            f"error: parked drop --all deletes {len(going)} parked message(s) {which} for good;"
+            " off a terminal add --yes to confirm (--dry-run lists them); nothing was dropped",
+            err=True,
+        )
+        raise typer.Exit(2)
+    for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
+        typer.echo(line)
+    if not typer.confirm(f"Drop these {len(going)} parked message(s) {which} for good?"):
+        typer.echo("nothing was dropped", err=True)
         raise typer.Exit(1)
 
 
@@ -510,25 +617,6 @@ def _ids_or_all(ids: list[int] | None, all_: bool, what: str) -> None:
     if bool(ids) == all_:
         typer.echo(f"error: give {what} or --all", err=True)
         raise typer.Exit(2)
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    typer.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        typer.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def main() -> None:

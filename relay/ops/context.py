@@ -78,7 +78,7 @@ class OutboxContext:
             commands=CommandQueue(schema),
             publisher=publisher,
             mapper=mapper,
-            operations=Operations(store, source, mapper, publisher),
+            operations=Operations(store, source, mapper, publisher, config.batch.max_messages),
             metrics=metrics,
             state=OutboxState(lane.name),
             stop=asyncio.Event(),

@@ -14,8 +14,8 @@ import asyncpg
 import structlog
 
 from relay.core.mapping import CompiledRule, Event, Mapper
-from relay.core.publishing import Publisher
-from relay.errors import PublishError, RelayError
+from relay.core.publishing import Message, Outcome, Publisher
+from relay.errors import PublishError, RelayError, TransientPublishError
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import CommandKind
 from relay.postgres.source import EventSource
@@ -40,9 +40,15 @@ class Operations:
     """Carries out operators' commands for one outbox."""
 
     def __init__(
-        self, store: Store, source: EventSource, mapper: Mapper, publisher: Publisher | None
+        self,
+        store: Store,
+        source: EventSource,
+        mapper: Mapper,
+        publisher: Publisher | None,
+        batch_size: int = 500,
     ) -> None:
         self.store = store
+        self.batch_size = batch_size  # retry-parked publishes this many messages at once
         self.source = source
         self.mapper = mapper
         self.publisher = publisher
@@ -86,8 +92,10 @@ class Operations:
     async def _retry_parked(
         self, claimed: ClaimedOutbox, reader: asyncpg.Connection, args: dict[str, Any]
     ) -> Done:
-        """Map each parked event again with the current config and publish it, in order.
+        """Map each parked event again with the current config and publish them, in order.
 
+        The messages go out in batches through the publisher's batched path, in position
+        order (so each aggregate's in order); each parked message gets its own outcome.
         The lease connection is taken per write, never across a publish, so that the
         lease check is not held up by a slow broker.
         """
@@ -98,28 +106,56 @@ class Operations:
         events = {
             e.position: e for e in await self.source.events_at(reader, [p.position for p in parked])
         }
-        published: list[int] = []
-        failed: dict[int, str] = {}
-        for message in parked:
-            error = await self._retry_one(message, events.get(message.position))
-            if error is None:
-                await claimed.unpark(message.id)
-                published.append(message.id)
-            else:
-                await claimed.still_parked(message.id, str(error), error.reason)
-                failed[message.id] = str(error)
+        outcomes: list[dict[str, Any]] = []
+        for start in range(0, len(parked), self.batch_size):
+            chunk = parked[start : start + self.batch_size]
+            errors = await self._retry_batch([(p, events.get(p.position)) for p in chunk])
+            await claimed.unpark([p.id for p in chunk if p.id not in errors])
+            for message in chunk:
+                error = errors.get(message.id)
+                if error is not None:
+                    await claimed.still_parked(message.id, str(error), error.reason)
+                outcomes.append(_outcome(message, error))
+        published = [o["id"] for o in outcomes if o["outcome"] == "published"]
+        failed = {o["id"]: o["error"] for o in outcomes if o["outcome"] == "still parked"}
         log.info("retry-parked", outbox=outbox, published=len(published), still_parked=len(failed))
         detail: dict[str, Any] = {
             "retried": len(parked),
             "published": published,
             "still_parked": failed,
+            "outcomes": outcomes,
         }
         if unknown:
             detail["not_found"] = unknown
         return Done(ok=True, detail=detail)
 
-    async def _retry_one(self, parked: ParkedMessage, event: Event | None) -> PublishError | None:
-        """Publish again the parked rule's message only: its siblings went out already."""
+    async def _retry_batch(
+        self, batch: list[tuple[ParkedMessage, Event | None]]
+    ) -> dict[int, PublishError]:
+        """Publish a batch of parked messages at once; why each one that failed did."""
+        errors: dict[int, PublishError] = {}
+        sendable: list[tuple[int, Message]] = []
+        for parked, event in batch:
+            mapped = self._mapped(parked, event)
+            if isinstance(mapped, PublishError):
+                errors[parked.id] = mapped
+            else:
+                sendable += [(parked.id, message) for message in mapped]
+        if sendable and self.publisher is None:
+            raise RelayError("retry-parked needs the outbox's broker")  # a caller's bug
+        if self.publisher is not None:
+            outcomes = await publish_each(self.publisher, [m for _, m in sendable])
+            for (id_, _), outcome in zip(sendable, outcomes, strict=True):
+                if outcome is not None:
+                    errors.setdefault(id_, outcome)
+            log.debug("retry-parked: batch sent", messages=len(sendable), failed=len(errors))
+        return errors
+
+    def _mapped(self, parked: ParkedMessage, event: Event | None) -> list[Message] | PublishError:
+        """The messages to send again for a parked one, or why there are none.
+
+        Only the parked rule's message: its siblings of the same event went out already.
+        """
         if event is None:
             return PublishError(f"event at position {parked.position} is no longer in the table")
         rules = _parked_rules(self.mapper.rules_for(event), parked)
@@ -135,10 +171,50 @@ class Operations:
         sendable = [m for m in messages if m is not None]
         if not sendable:
             return PublishError("the rule's `when` now rejects this event: nothing to publish")
-        if self.publisher is None:
-            raise RelayError("retry-parked needs the outbox's broker")  # a caller's bug
-        outcomes = await self.publisher.publish(sendable)
-        return next((o for o in outcomes if o is not None), None)
+        return sendable
+
+
+async def publish_each(publisher: Publisher, messages: list[Message]) -> list[Outcome]:
+    """One final outcome per message, sent in order through the batched path.
+
+    A publisher holds back what follows a failure ("not sent"); those are sent again in
+    the next round, after it. Each round settles at least the first failure, and every
+    message that failed with that same error (a connection that could not be opened),
+    so a broker that is down costs one round, not one per message.
+    """
+    final: list[Outcome] = [None] * len(messages)
+    pending = list(range(len(messages)))
+    while pending:
+        got = list(await publisher.publish([messages[i] for i in pending]))
+        if len(got) != len(pending):  # an adapter's bug must not pass for a success
+            missing = TransientPublishError(
+                f"broker {publisher.name!r} returned {len(got)} outcomes for {len(pending)}"
+            )
+            got = [*got[: len(pending)], *[missing] * (len(pending) - len(got))]
+        first = next((o for o in got if o is not None), None)
+        if first is None:
+            break
+        again = []
+        for index, outcome in zip(pending, got, strict=True):
+            if outcome is first:
+                final[index] = outcome
+            elif outcome is not None:
+                again.append(index)
+        pending = again
+    return final
+
+
+def _outcome(parked: ParkedMessage, error: PublishError | None) -> dict[str, Any]:
+    """One parked message's outcome, as the CLI reports it."""
+    return {
+        "id": parked.id,
+        "position": parked.position,
+        "event": parked.event,
+        "event_type": parked.event_type,
+        "rule": parked.rule,
+        "outcome": "published" if error is None else "still parked",
+        "error": None if error is None else str(error),
+    }
 
 
 def _parked_rules(rules: tuple[CompiledRule, ...], parked: ParkedMessage) -> list[CompiledRule]:

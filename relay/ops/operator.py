@@ -76,8 +76,14 @@ class Operator:
         self.source = EventSource(config.source)
         self.queue = CommandQueue(config.database.schema_)
 
-    async def run(self, kind: CommandKind, args: dict[str, Any], wait: float) -> CommandResult:
-        """The command, carried out on every lane of the outbox (one by one)."""
+    async def run(
+        self, kind: CommandKind, args: dict[str, Any], wait: float, *, patient: bool = False
+    ) -> CommandResult:
+        """The command, carried out on every lane of the outbox (one by one).
+
+        `wait` bounds the whole command; `patient` (`--wait`) bounds only the wait for a
+        holder to take it: once taken, it may run as long as its work takes.
+        """
         kind = CommandKind(kind)
         deadline = time.monotonic() + wait
         session = LeaseSession(
@@ -87,7 +93,7 @@ class Operator:
             per_lane = await self._lane_args(kind, args)
             results = {
                 lane.name: await self._on_lane(
-                    session, lane, kind, lane_args, deadline=deadline, wait=wait
+                    session, lane, kind, lane_args, deadline=deadline, wait=wait, patient=patient
                 )
                 for lane, lane_args in per_lane
             }
@@ -119,6 +125,7 @@ class Operator:
         *,
         deadline: float,
         wait: float,
+        patient: bool,
     ) -> CommandResult:
         """Do it under the lane's lease if free; else ask its holder; take over if it leaves."""
         lease = Lease(session, lane.name)
@@ -126,7 +133,9 @@ class Operator:
             try:
                 if await lease.try_acquire():
                     return await self._directly(lease, lane, kind, args)
-                result = await self._through_holder(lease, kind, args, deadline, wait)
+                result = await self._through_holder(
+                    lease, kind, args, deadline=deadline, wait=wait, patient=patient
+                )
             finally:
                 await lease.release()
             if result is not None:
@@ -137,8 +146,10 @@ class Operator:
         lease: Lease,
         kind: CommandKind,
         args: dict[str, Any],
+        *,
         deadline: float,
         wait: float,
+        patient: bool,
     ) -> CommandResult | None:
         """The holder's outcome; None if the lease fell free first (command withdrawn)."""
         conn = await self.db.connect("cli")
@@ -150,7 +161,11 @@ class Operator:
                 if state.finished:
                     ok = state.state == "done"
                     return CommandResult(ok, state.executed_by, state.outcome or {}, False)
-                if await lease.holder() is None and await self.queue.expire(conn, command_id):
+                holder = await lease.holder()
+                if patient and state.state == "running" and holder is not None:
+                    # Taken, and its holder alive: the work may take as long as it takes.
+                    deadline = time.monotonic() + wait
+                if holder is None and await self.queue.expire(conn, command_id):
                     return None  # nobody holds it now: do the work ourselves
                 await asyncio.sleep(0.1)
             if await self.queue.expire(conn, command_id):
@@ -188,7 +203,13 @@ class Operator:
             )
             if kind is CommandKind.RETRY_PARKED:
                 publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
-            operations = Operations(self.store, source, Mapper(self.outbox, outbox), publisher)
+            operations = Operations(
+                self.store,
+                source,
+                Mapper(self.outbox, outbox),
+                publisher,
+                outbox.batch.max_messages,
+            )
             # Keep proving the lease (and stamping the heartbeat) while the work runs: else
             # a replica starting meanwhile would take this CLI for a silent holder.
             held = await holding.while_held(
@@ -205,6 +226,11 @@ class Operator:
             if publisher is not None:
                 await publisher.close()
             await reader.close()
+
+    async def head(self) -> int:
+        """The event table's head now: where a replay's `--wait` ends."""
+        async with self.db.session("cli") as conn:
+            return await self.source.head(conn)
 
     async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
         """(the position to move back to, the furthest checkpoint of the outbox's lanes)."""
@@ -270,7 +296,11 @@ def merged(
         still = {
             k: v for r in results.values() for k, v in r.detail.get("still_parked", {}).items()
         }
-        detail.update(published=published, still_parked=still)
+        outcomes = sorted(
+            (o for r in results.values() for o in r.detail.get("outcomes", [])),
+            key=lambda o: (o["position"], o["id"]),
+        )
+        detail.update(published=published, still_parked=still, outcomes=outcomes)
         asked = args.get("ids")
         if asked is not None:
             found = set(published) | {int(k) for k in still}

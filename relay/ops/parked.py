@@ -30,18 +30,33 @@ async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
 
 
 async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
-    if outbox is not None:
-        config.outbox(outbox)  # unknown: a ConfigError
-    outboxes = [outbox] if outbox else list(config.outboxes)
+    lanes = _lanes_of(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
-        return await Store(config.database.schema_).drop_parked(conn, ids, outboxes)
+        return await Store(config.database.schema_).drop_parked(conn, ids, lanes)
+
+
+async def parked_to_drop(
+    config: RelayConfig, ids: list[int] | None, outbox: str | None
+) -> list[ParkedMessage]:
+    """What `parked_drop` with the same arguments would delete, in position order."""
+    lanes = _lanes_of(config, outbox)
+    async with Database(config.database, identity()).session("cli") as conn:
+        await ensure_migrated(conn, config.database.schema_)
+        return await Store(config.database.schema_).parked(conn, lanes, ids)
+
+
+def _lanes_of(config: RelayConfig, outbox: str | None) -> list[str]:
+    """The lanes of `outbox` (unknown: a ConfigError), or of every outbox."""
+    names = [outbox] if outbox is not None else list(config.outboxes)
+    return [lane for name in names for lane in lane_names(config, name)]
 
 
 def summary(parked: ParkedMessage) -> dict[str, Any]:
     """The columns `relay parked list` shows."""
     return {
         "id": parked.id,
+        "outbox": parked.outbox,
         "position": parked.position,
         "event": parked.event,
         "event_type": parked.event_type,

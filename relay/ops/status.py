@@ -7,7 +7,7 @@ database. The JSON form is a stable interface: exactly the fields of OutboxStatu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from relay.config import RelayConfig
@@ -39,6 +39,10 @@ class OutboxStatus:
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The table shows every field but the partition (the name ends with it).
+TABLE_COLUMNS = [f.name for f in fields(OutboxStatus) if f.name != "partition"]
 
 
 async def status(config: RelayConfig) -> list[OutboxStatus]:

@@ -77,10 +77,12 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             return await self.store.parked_count(conn, self.claim.outbox)
 
-    async def unpark(self, id_: int) -> None:
-        """A parked message was published: forget it."""
+    async def unpark(self, ids: list[int]) -> None:
+        """These parked messages were published: forget them, in one statement."""
+        if not ids:
+            return
         async with self.writer.statement() as conn:
-            await self.store.unpark(conn, self.claim, id_)
+            await self.store.unpark(conn, self.claim, ids)
 
     async def still_parked(self, id_: int, error: str, reason: str) -> None:
         async with self.writer.statement() as conn:

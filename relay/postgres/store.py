@@ -352,11 +352,12 @@ class Store:
         )
         return sorted(r["id"] for r in rows)
 
-    async def unpark(self, conn: asyncpg.Connection, claim: Claim, id_: int) -> None:
-        """The parked message was published: forget it (holder only)."""
+    async def unpark(self, conn: asyncpg.Connection, claim: Claim, ids: list[int]) -> None:
+        """These parked messages were published: forget them (holder only)."""
         await conn.execute(
-            f"DELETE FROM {self._parked} WHERE id = $1 AND outbox = $2 AND {holds_lock('$3')}",
-            id_,
+            f"DELETE FROM {self._parked} WHERE id = ANY($1::bigint[]) AND outbox = $2"
+            f" AND {holds_lock('$3')}",
+            ids,
             claim.outbox,
             claim.key,
         )

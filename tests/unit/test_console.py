@@ -1,0 +1,71 @@
+"""What the CLI draws for long operations: progress on a terminal, in a log, as JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from relay.ops.console import ProgressView, cut, table
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_bar_is_redrawn_in_place_and_ended_once() -> None:
+    out = io.StringIO()
+    view = ProgressView("replay loans", "events", "bar", out)
+    view.show(0, 200)
+    view.show(100, 200)
+    view.close()
+    view.close()
+    text = out.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "[###############---------------]  50% 100/200 events" in text
+
+
+def test_plain_lines_every_tenth_or_every_few_seconds_and_at_the_end() -> None:
+    out, clock = io.StringIO(), Clock()
+    view = ProgressView("replay loans", "events", "lines", out, clock=clock)
+    for done in (0, 5, 9, 10, 11, 15, 20):  # within one second
+        view.show(done, 100)
+    clock.now = 6.0
+    view.show(21, 100)  # no tenth more, but five seconds later
+    view.show(100, 100)
+    view.show(100, 100)  # the end is said once
+    assert out.getvalue().splitlines() == [
+        "replay loans: 0/100 events (0%)",
+        "replay loans: 10/100 events (10%)",
+        "replay loans: 20/100 events (20%)",
+        "replay loans: 21/100 events (21%)",
+        "replay loans: 100/100 events (100%)",
+    ]
+
+
+def test_json_lines_are_objects_one_a_line() -> None:
+    out = io.StringIO()
+    view = ProgressView("retry-parked loans", "messages", "json", out)
+    view.show(0, 0)  # nothing to do is done at once
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert records == [
+        {"progress": {"label": "retry-parked loans", "done": 0, "total": 0, "unit": "messages"}}
+    ]
+
+
+def test_table_cuts_long_values_unless_wide() -> None:
+    error = "the event table's head (5) is below the checkpoint (10): " + "x" * 100
+    rows: list[dict[str, Any]] = [
+        {"name": "loans", "last_error": error},
+        {"name": "fines", "last_error": None},
+    ]
+    narrow = table(rows, ["name", "last_error"])
+    assert narrow[0].split() == ["NAME", "LAST_ERROR"]
+    assert narrow[1].endswith("...") and len(narrow[1]) < 80 and narrow[2].endswith("-")
+    assert cut(rows, "last_error") and not cut(rows, "name")
+    assert error in table(rows, ["name", "last_error"], wide=True)[1]
+    assert table([{"e": "two\nlines"}], ["e"])[1] == "two lines"  # one row stays one line
