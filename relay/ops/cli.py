@@ -6,18 +6,24 @@ import asyncio
 import dataclasses
 import json
 import sys
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import structlog
 import typer
 
 from relay import __version__
-from relay.config import RelayConfig, config_path, load_config
-from relay.errors import ConfigError, RelayError, UsageError
+from relay.config import RelayConfig, config_path
+from relay.ops.cli_common import (
+    ConfigOption,
+    JsonOption,
+    ids_or_all,
+    load_config_or_exit,
+    pretty,
+    run_or_exit,
+)
+from relay.ops.cli_parked import parked_app
 from relay.ops.console import progress_view, table
 from relay.ops.logs import configure
 from relay.redaction import redact
@@ -29,58 +35,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-ConfigOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--config", "-c", envvar="RELAY_CONFIG", help="YAML config file (or RELAY_CONFIG)."
-    ),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-T = TypeVar("T")
-
-
-def _load(path: Path | None) -> RelayConfig:
-    try:
-        config = load_config(path)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    configure(config.logging.level, config.logging.format)
-    return config
-
-
-def _run(work: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine; a RelayError is a one-line message and exit 1 (2 for config)."""
-    try:
-        return asyncio.run(work())  # type: ignore[arg-type]
-    except (ConfigError, UsageError) as exc:
-        typer.echo(f"error: {redact(str(exc))}", err=True)
-        raise typer.Exit(2) from None
-    except RelayError as exc:
-        typer.echo(f"error: {redact(str(exc))}", err=True)
-        raise typer.Exit(1) from None
-    except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
-        typer.echo(f"error: {redact(_cause(exc))}", err=True)
-        structlog.get_logger("relay.cli").debug("the error's traceback", exc_info=exc)
-        raise typer.Exit(1) from None
-
-
-def _cause(exc: BaseException) -> str:
-    """A driver's or a library's error in one line that names it."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    if isinstance(exc, RelayError):
-        return str(exc)
-    library = type(exc).__module__.partition(".")[0]
-    if library == "asyncpg":
-        from relay.postgres.database import describe
-
-        return describe(exc)
-    if isinstance(exc, OSError | TimeoutError):
-        return f"cannot connect: {exc or type(exc).__name__}"
-    origin = "" if library == "builtins" else f"{library} "
-    return f"{origin}{type(exc).__name__}: {exc} (set logging.level to debug for the traceback)"
 
 
 @app.command()
@@ -94,14 +48,14 @@ def run(
     """Relay every configured outbox until SIGTERM or SIGINT."""
     from relay.ops.runner import Relay, install_signal_handlers
 
-    cfg = _load(config)
+    cfg = load_config_or_exit(config)
 
     async def main() -> int:
         relay = Relay(cfg, http_port=http_port, config_file=str(config_path(config)))
         install_signal_handlers(relay, asyncio.get_running_loop())
         return await relay.run()
 
-    raise typer.Exit(_run(main))
+    raise typer.Exit(run_or_exit(main))
 
 
 @app.command()
@@ -111,9 +65,9 @@ def migrate(config: ConfigOption = None) -> None:
     from relay.postgres.database import Database
     from relay.postgres.migrations import migrate_database
 
-    cfg = _load(config)
+    cfg = load_config_or_exit(config)
     db = Database(cfg.database, identity())
-    done = _run(lambda: migrate_database(db, cfg, lambda text: typer.echo(text, err=True)))
+    done = run_or_exit(lambda: migrate_database(db, cfg, lambda text: typer.echo(text, err=True)))
     schema = cfg.database.schema_
     if done.applied:
         typer.echo(f"schema {schema!r}: applied migration(s) {', '.join(map(str, done.applied))}")
@@ -136,8 +90,8 @@ def check(
     the last events would become. Publishes nothing."""
     from relay.ops.check import run_check
 
-    cfg = _load(config)
-    report = _run(lambda: run_check(cfg, last, offline=offline))
+    cfg = load_config_or_exit(config)
+    report = run_or_exit(lambda: run_check(cfg, last, offline=offline))
     for warning in report.warnings:
         typer.echo(f"warning: {redact(warning)}", err=True)
     for problem in report.problems:
@@ -198,7 +152,7 @@ def contract(
     """Write an AsyncAPI 3.0 document of the integration events the config publishes."""
     from relay.ops.contract import contract_document, render
 
-    cfg = _load(config)
+    cfg = load_config_or_exit(config)
     document = contract_document(cfg, config_path(config), title=title, version=api_version)
     text = render(document, format_.value)
     if output is None:
@@ -227,9 +181,9 @@ def status(
     """Who relays each outbox, how far behind it is, and what it waits for."""
     from relay.ops.status import status as read_status
 
-    cfg = _load(config)
+    cfg = load_config_or_exit(config)
     if not watch:
-        _show_status(cfg, _run(lambda: read_status(cfg)), as_json=as_json, wide=wide)
+        _show_status(cfg, run_or_exit(lambda: read_status(cfg)), as_json=as_json, wide=wide)
         return
     terminal = sys.stdout.isatty()
 
@@ -244,7 +198,7 @@ def status(
             await asyncio.sleep(1.0)
 
     try:
-        _run(refresh)
+        run_or_exit(refresh)
     except KeyboardInterrupt:
         return  # Ctrl-C is how --watch ends: a success
 
@@ -258,7 +212,7 @@ def _show_status(
 
     rows = [row.as_json() for row in lanes]
     if as_json:
-        typer.echo(json.dumps(rows, default=str) if compact else _pretty(rows))
+        typer.echo(json.dumps(rows, default=str) if compact else pretty(rows))
         return
     for line in [*summary(cfg, lanes), *table(rows, TABLE_COLUMNS, wide=wide)]:
         typer.echo(line)
@@ -314,7 +268,7 @@ def replay(
         raise typer.Exit(2)
     if from_time is not None and from_time.tzinfo is None:
         from_time = from_time.replace(tzinfo=UTC)
-    cfg = _load(config)
+    cfg = load_config_or_exit(config)
     spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
     follow = follow and not dry_run
     view = progress_view(f"replay {outbox}", "events", as_json)
@@ -346,9 +300,9 @@ def replay(
                 result.update(await wait)
         return result
 
-    result = _run(work)
+    result = run_or_exit(work)
     if as_json:
-        typer.echo(json.dumps(result, default=str) if follow else _pretty(result))
+        typer.echo(json.dumps(result, default=str) if follow else pretty(result))
     elif dry_run:
         typer.echo(
             f"dry run: {result['events']} event(s) of {outbox} would be published again "
@@ -388,8 +342,8 @@ def retry_parked(
     from relay.ops.progress import follow_retry
     from relay.postgres.command_queue import CommandKind
 
-    _ids_or_all(ids, all_, "--id ID (repeatable)")
-    cfg = _load(config)
+    ids_or_all(ids, all_, "--id ID (repeatable)")
+    cfg = load_config_or_exit(config)
     view = progress_view(f"retry-parked {outbox}", "messages", as_json)
 
     async def work() -> dict[str, Any]:
@@ -411,10 +365,10 @@ def retry_parked(
             **extra,
         }
 
-    result = _run(work)
+    result = run_or_exit(work)
     detail = result["detail"] or {}
     if as_json:
-        typer.echo(json.dumps(result, default=str) if follow else _pretty(result))
+        typer.echo(json.dumps(result, default=str) if follow else pretty(result))
     else:
         _say_outcome(
             result,
@@ -430,10 +384,6 @@ def retry_parked(
         typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)
     if not result["ok"] or detail.get("still_parked") or detail.get("not_found"):
         raise typer.Exit(1)
-
-
-def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, default=str)
 
 
 def _say_outcome(result: dict[str, Any], text: str) -> None:
@@ -456,8 +406,8 @@ def repartition(
     """Change an outbox's partitions; its replicas must be stopped. Nothing is skipped."""
     from relay.ops.repartition import repartition as do_repartition
 
-    cfg = _load(config)
-    done = _run(lambda: do_repartition(cfg, outbox, partitions))
+    cfg = load_config_or_exit(config)
+    done = run_or_exit(lambda: do_repartition(cfg, outbox, partitions))
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(done)))
         return
@@ -477,107 +427,7 @@ def repartition(
         )
 
 
-parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)
 app.add_typer(parked_app, name="parked")
-
-
-@parked_app.command("list")
-def parked_list(
-    outbox: Annotated[str, typer.Argument()],
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Parked messages of OUTBOX, in position order."""
-    from relay.ops.parked import parked_list as read
-    from relay.ops.parked import summary
-
-    cfg = _load(config)
-    rows = [summary(parked) for parked in _run(lambda: read(cfg, outbox))]
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2, default=str))
-        return
-    for line in table(
-        rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"]
-    ):
-        typer.echo(line)
-
-
-@parked_app.command("show")
-def parked_show(
-    id_: Annotated[int, typer.Argument(metavar="ID")],
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """One parked message, whole."""
-    from relay.ops.parked import parked_show as read
-    from relay.ops.parked import whole
-
-    cfg = _load(config)
-    row = whole(_run(lambda: read(cfg, id_)))
-    if as_json:
-        typer.echo(json.dumps(row, indent=2, default=str))
-        return
-    for key, value in row.items():
-        typer.echo(f"{key}: {value}")
-
-
-@parked_app.command("drop")
-def parked_drop(
-    ids: Annotated[list[int] | None, typer.Argument(metavar="[ID]...")] = None,
-    all_: Annotated[bool, typer.Option("--all", help="Drop every parked message.")] = False,
-    outbox: Annotated[str | None, typer.Option("--outbox", help="Only this outbox.")] = None,
-    yes: Annotated[
-        bool, typer.Option("--yes", "-y", help="Drop --all without asking (needed off a terminal).")
-    ] = False,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Show what would be dropped; drop nothing.")
-    ] = False,
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
-    from relay.ops.parked import parked_drop as drop
-    from relay.ops.parked import parked_to_drop, summary
-
-    _ids_or_all(ids, all_, "parked message ids,")
-    cfg = _load(config)
-    if dry_run or (all_ and not yes):
-        going = [summary(p) for p in _run(lambda: parked_to_drop(cfg, ids or None, outbox))]
-        if dry_run:
-            if as_json:
-                typer.echo(_pretty({"dry_run": True, "would_drop": going}))
-            else:
-                typer.echo(f"dry run: {len(going)} parked message(s) would be dropped")
-                for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
-                    typer.echo(line)
-            return
-        _confirm_drop(going, outbox)
-    dropped = _run(lambda: drop(cfg, ids or None, outbox))
-    if as_json:
-        typer.echo(json.dumps({"dropped": dropped}))
-        return
-    typer.echo(f"dropped {len(dropped)} parked message(s): {', '.join(map(str, dropped)) or '-'}")
-    if ids and len(dropped) < len(ids):
-        missing = sorted(set(ids) - set(dropped))
-        typer.echo(f"error: no parked message with id {', '.join(map(str, missing))}", err=True)
-        raise typer.Exit(1)
-
-
-def _confirm_drop(going: list[dict[str, Any]], outbox: str | None) -> None:
-    """--all without --yes: ask on a terminal; refuse elsewhere (exit 2, nothing dropped)."""
-    which = f"of {outbox}" if outbox else "of every outbox"
-    if not sys.stdin.isatty():
-        typer.echo(
-            f"error: parked drop --all deletes {len(going)} parked message(s) {which} for good;"
-            " off a terminal add --yes to confirm (--dry-run lists them); nothing was dropped",
-            err=True,
-        )
-        raise typer.Exit(2)
-    for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
-        typer.echo(line)
-    if not typer.confirm(f"Drop these {len(going)} parked message(s) {which} for good?"):
-        typer.echo("nothing was dropped", err=True)
-        raise typer.Exit(1)
 
 
 @app.command()
@@ -594,7 +444,7 @@ def demo(
     from relay.ops.demo import run_demo
 
     configure("warning", "console")
-    raise typer.Exit(_run(lambda: run_demo(database_url, nats_url)))
+    raise typer.Exit(run_or_exit(lambda: run_demo(database_url, nats_url)))
 
 
 @app.command("config-schema")
@@ -610,13 +460,6 @@ def config_schema() -> None:
 def version() -> None:
     """Print the relay's version."""
     typer.echo(__version__)
-
-
-def _ids_or_all(ids: list[int] | None, all_: bool, what: str) -> None:
-    """Exactly one of the two, or a usage error (exit 2)."""
-    if bool(ids) == all_:
-        typer.echo(f"error: give {what} or --all", err=True)
-        raise typer.Exit(2)
 
 
 def main() -> None:
