@@ -101,7 +101,6 @@ class CompiledRule:
     name: str  # "" for the single-rule form; see relay/config/rules.py
     where: str  # its dotted key in the config, for errors
     type: str
-    destination_template: str  # labels the published metric: bounded
     destination: Template
     key: Template
     id: Template
@@ -123,7 +122,6 @@ def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
         name=rule.name,
         where=rule.where,
         type=m.type,
-        destination_template=m.destination,
         destination=compile_template(m.destination),
         key=compile_template(m.key or config.key),
         id=compile_template(rule.id),
@@ -172,12 +170,6 @@ class Mapper:
         self.reads_metadata = self._needs_metadata or (
             self._trace is not None and self._trace.reads_metadata
         )
-
-    def wants(self, event: Event) -> bool:
-        """False for unmapped types and filtered-out aggregates: skipped, not published."""
-        if self._aggregates is not None and event.aggregate_type not in self._aggregates:
-            return False
-        return event.type in self._by_type
 
     def rules_for(self, event: Event) -> tuple[CompiledRule, ...]:
         """The rules that map this event, in the config's order; none if it is skipped."""

@@ -19,6 +19,7 @@ import asyncpg
 
 from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
+from relay.config.expressions import template_pieces
 from relay.core.mapping import CompiledRule, Event, Mapper
 from relay.errors import (
     ConfigError,
@@ -143,10 +144,8 @@ def _run_time_destinations(config: RelayConfig) -> list[str]:
 
 def static_text(template: str) -> str | None:
     """The text of a template without placeholders (`{{` and `}}` are braces), else None."""
-    bare = template.replace("{{", "").replace("}}", "")
-    if "{" in bare or "}" in bare:
-        return None
-    return template.replace("{{", "{").replace("}}", "}")
+    placeholders, text = template_pieces(template)
+    return None if placeholders else text
 
 
 def _preview(event: Event, mapper: Mapper) -> list[dict[str, Any]]:
