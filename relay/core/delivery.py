@@ -47,16 +47,6 @@ def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], Non
     `skipped` is told of each rule whose condition rejected the event.
     """
     rules = mapper.rules_for(event)
-    if len(rules) == 1:  # the common case, kept as lean as one rule was before lists
-        rule = rules[0]
-        try:
-            message = mapper.message(event, rule)
-        except MappingError as exc:
-            return [Item(event, None, exc, rule.name)]
-        if message is None:
-            skipped(rule)
-            return []
-        return [Item(event, message, None, rule.name)]
     envelope = mapper.envelope(event) if rules else None  # shared by the rules
     items = []
     for rule in rules:
