@@ -34,7 +34,7 @@ def parked_list(
     cfg = load_config_or_exit(config)
     rows = [summary(parked) for parked in run_or_exit(lambda: read(cfg, outbox))]
     if as_json:
-        typer.echo(json.dumps(rows, indent=2, default=str))
+        typer.echo(pretty(rows))
         return
     for line in table(
         rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"]
@@ -55,7 +55,7 @@ def parked_show(
     cfg = load_config_or_exit(config)
     row = whole(run_or_exit(lambda: read(cfg, id_)))
     if as_json:
-        typer.echo(json.dumps(row, indent=2, default=str))
+        typer.echo(pretty(row))
         return
     for key, value in row.items():
         typer.echo(f"{key}: {value}")
