@@ -153,6 +153,29 @@ async def test_each_missing_right_is_named_with_its_grant_by_check_and_by_run(
     assert "config OK" in fixed.stdout
 
 
+async def test_a_position_sequence_the_column_does_not_own_is_checked_too(
+    roles: Callable[..., Awaitable[str]], migrated: str, tmp_path: Path
+) -> None:
+    """A `DEFAULT nextval('s')` on a sequence not OWNED BY the column is linked only through
+    the default: the rights check must find it as the relay's reading does."""
+    dsn = await roles()  # its grants name the identity sequence, dropped here
+    await admin(
+        migrated,
+        "CREATE SEQUENCE loose_position_seq; "
+        "ALTER TABLE events ALTER COLUMN position DROP IDENTITY, "
+        "ALTER COLUMN position SET DEFAULT nextval('loose_position_seq')",
+    )
+    role = urlsplit(dsn).username
+    result = await asyncio.to_thread(check, dsn, tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert errors(result.stderr) == [
+        "error: database: SELECT on sequence public.loose_position_seq: the drain barrier reads"
+        " the last position handed out (pg_sequence_last_value) before each read; USAGE would"
+        " also do, but would let the role take positions;"
+        f" fix: GRANT SELECT ON SEQUENCE public.loose_position_seq TO {role};"
+    ]
+
+
 async def test_rights_that_only_cost_a_feature_are_warnings(
     roles: Callable[..., Awaitable[str]], tmp_path: Path
 ) -> None:

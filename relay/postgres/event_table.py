@@ -27,26 +27,41 @@ _TYPES: dict[str, tuple[set[str], str]] = {
     ),
 }
 
+
+def default_sequence(relation: str, attnum: str) -> str:
+    """SQL for the oid of the sequence a column's default draws from (`nextval`), NULL if none.
+
+    It follows the default's own dependency, so a sequence the column does not own counts
+    too; `relation` and `attnum` are SQL expressions for the table's oid and the column.
+    """
+    return (
+        "(SELECT d.refobjid FROM pg_attrdef ad"
+        " JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid"
+        " AND d.refclassid = 'pg_class'::regclass"
+        " JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'"
+        f" WHERE ad.adrelid = {relation} AND ad.adnum = {attnum} LIMIT 1)"
+    )
+
+
 # Every table of the inheritance or partition tree, and the sequence its position
 # column's default takes values from (NULL when it has no nextval default).
-_TREE = """
+_TREE = (
+    """
 WITH RECURSIVE tree(relid) AS (
   SELECT $1::regclass::oid
   UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid
 )
 SELECT t.relid::regclass::text AS relation,
   coalesce(
-    (SELECT d.refobjid::regclass::text
-     FROM pg_attrdef ad
-     JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
-       AND d.refclassid = 'pg_class'::regclass
-     JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
-     WHERE ad.adrelid = t.relid AND ad.adnum = a.attnum LIMIT 1),
+    """
+    + default_sequence("t.relid", "a.attnum")
+    + """::regclass::text,
     pg_get_serial_sequence(t.relid::regclass::text, a.attname)
   ) AS sequence
 FROM tree t JOIN pg_attribute a ON a.attrelid = t.relid AND a.attname = $2
   AND NOT a.attisdropped
 """
+)
 
 
 async def verify(conn: asyncpg.Connection, config: SourceConfig, table: str) -> str:

@@ -18,6 +18,7 @@ import asyncpg
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.errors import DatabaseError
+from relay.postgres.event_table import default_sequence
 from relay.postgres.lease import lock_key
 
 # What `relay run` and the one-shot commands do on the relay's own tables (never DDL:
@@ -40,22 +41,31 @@ SELECT current_user AS name, quote_ident(current_user) AS quoted, current_databa
   pg_has_role('pg_signal_backend', 'USAGE') AS signal_backend,
   has_database_privilege(current_database(), 'CREATE') AS create_schema
 """
+_POSITION_ATTNUM = "(SELECT attnum FROM pg_attribute WHERE attrelid = c.oid AND attname = $3)"
 # The event table as the relay names it (schema-qualified or found on the search path),
-# and the sequence its position column's default takes values from.
-_EVENT_TABLE = """
+# and the sequence its position column's default takes values from (as event_table finds
+# it: the default's own link first, then an owned or identity sequence).
+_EVENT_TABLE = (
+    """
 SELECT c.oid, format('%I.%I', n.nspname, c.relname) AS name, n.oid AS schema_oid,
   quote_ident(n.nspname) AS schema_name, has_schema_privilege(n.oid, 'USAGE') AS schema_usage,
   has_table_privilege(c.oid, 'SELECT') AS can_select,
-  (SELECT s.oid FROM pg_depend d JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
-   JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
-   WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
-     AND d.refobjid = c.oid AND a.attname = $3 AND d.deptype IN ('a', 'i') LIMIT 1) AS seq
+  coalesce(
+    """
+    + default_sequence("c.oid", _POSITION_ATTNUM)
+    + """,
+    (SELECT s.oid FROM pg_depend d JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
+     JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+     WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+       AND d.refobjid = c.oid AND a.attname = $3 AND d.deptype IN ('a', 'i') LIMIT 1)
+  ) AS seq
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relname = $2 AND c.relkind IN ('r', 'p')
   AND CASE WHEN $1::text IS NULL THEN n.nspname = ANY(current_schemas(false))
       ELSE n.nspname = $1 END
 ORDER BY array_position(current_schemas(false), n.nspname::text) NULLS LAST LIMIT 1
 """
+)
 _SEQUENCE = """
 SELECT format('%I.%I', n.nspname, c.relname) AS name,
   has_sequence_privilege(c.oid, 'SELECT') OR has_sequence_privilege(c.oid, 'USAGE') AS can_read
