@@ -80,7 +80,7 @@ class RabbitMqPublisher:
         # max_message_size once it has refused a message for its size.
         self._alone_above = _LARGE
         self._probe = False  # the last batch failed
-        self._prefix = "cloudEvents:" if config.cloudevents_headers == "amqp" else "ce-"
+        self._prefix = config.header_prefix
         self.duplicates = 0
 
     async def connect(self) -> None:

@@ -205,7 +205,11 @@ class OutboxConfig(Model):
 
     def rules(self, name: str) -> dict[str, tuple[Rule, ...]]:
         """Each event type's rules, named; `name` is this outbox's, for their dotted keys."""
-        return rules_of(name, self.messages, self.id)
+        return rules_of(name, self.messages, self.id, self.key)
+
+    def source(self, name: str) -> str:
+        """The CloudEvents `source` of this outbox's messages (`name` is the outbox's)."""
+        return self.cloudevents_source or f"/outbox-relay/{name}"
 
 
 def _whole_seconds(value: float) -> float:

@@ -178,6 +178,12 @@ class RabbitMqBrokerConfig(TlsCapable):
         " RabbitMQ binding of the CloudEvents SDKs).",
     )
     declare_exchanges: list[RabbitMqExchange] = []
+
+    @property
+    def header_prefix(self) -> str:
+        """How the CloudEvents attributes are named in the message headers."""
+        return "cloudEvents:" if self.cloudevents_headers == "amqp" else "ce-"
+
     connect_timeout: PositiveDuration = 5.0
     ack_timeout: PositiveDuration = 10.0
 

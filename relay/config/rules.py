@@ -118,6 +118,7 @@ class Rule:
     name: str  # "" for the single-rule form; stable when siblings are added or reordered
     where: str  # its dotted key, for errors: outboxes.loans.messages.BookLent.1
     id: str  # the id template it renders
+    key: str  # the key template it renders: its own, else the outbox's
     id_suffix: str  # appended to the rendered id: "/<type>" for a list rule without its own id
 
     @property
@@ -127,14 +128,18 @@ class Rule:
 
 
 def rules_of(
-    outbox: str, messages: Mapping[str, MessageConfig | list[MessageConfig]], default_id: str
+    outbox: str,
+    messages: Mapping[str, MessageConfig | list[MessageConfig]],
+    default_id: str,
+    default_key: str,
 ) -> dict[str, tuple[Rule, ...]]:
-    """Every event type's rules, named, with the id each one gets."""
+    """Every event type's rules, named, with the id and key each one gets."""
     out: dict[str, tuple[Rule, ...]] = {}
     for event_type, given in messages.items():
         base = f"outboxes.{outbox}.messages.{event_type}"
         if isinstance(given, MessageConfig):
-            out[event_type] = (Rule(event_type, given, "", base, given.id or default_id, ""),)
+            id_, key = given.id or default_id, given.key or default_key
+            out[event_type] = (Rule(event_type, given, "", base, id_, key, ""),)
             continue
         types = [m.type for m in given]
         rules = []
@@ -143,7 +148,8 @@ def rules_of(
             suffix = "" if m.id else f"/{m.type}"
             shared = types.count(m.type) > 1
             name = f"{m.type} {id_ + suffix}" if shared else m.type
-            rules.append(Rule(event_type, m, name, f"{base}.{index}", id_, suffix))
+            key = m.key or default_key
+            rules.append(Rule(event_type, m, name, f"{base}.{index}", id_, key, suffix))
         out[event_type] = tuple(rules)
     return out
 

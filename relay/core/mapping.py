@@ -123,7 +123,7 @@ def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
         where=rule.where,
         type=m.type,
         destination=compile_template(m.destination),
-        key=compile_template(m.key or config.key),
+        key=compile_template(rule.key),
         id=compile_template(rule.id),
         id_suffix=rule.id_suffix,
         routing_key=compile_template(m.routing_key) if m.routing_key else None,
@@ -149,7 +149,7 @@ class Mapper:
     ) -> None:
         self.outbox = outbox
         self._aggregates = frozenset(config.aggregates) if config.aggregates is not None else None
-        self._source = config.cloudevents_source or f"/outbox-relay/{outbox}"
+        self._source = config.source(outbox)
         self._times = _IsoTimes()
         self._by_type = {
             event_type: tuple(_compile(rule, config) for rule in rules)

@@ -15,9 +15,9 @@ from urllib.parse import unquote, urlsplit
 
 from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
 from relay.config.expressions import template_pieces
+from relay.core.publishing import STRUCTURED
 from relay.ops.contract.schemas import (
     DATA_CONTENT_TYPE,
-    STRUCTURED_CONTENT_TYPE,
     Schema,
     embedded_schema,
     envelope_schema,
@@ -75,7 +75,7 @@ class _Builder:
         message: Object = {
             "name": rule.type,
             "title": rule.type,
-            "contentType": STRUCTURED_CONTENT_TYPE if structured else DATA_CONTENT_TYPE,
+            "contentType": STRUCTURED if structured else DATA_CONTENT_TYPE,
             "headers": headers_schema(outbox, rule),
             "payload": envelope_schema(outbox, rule, data) if structured else data,
         }

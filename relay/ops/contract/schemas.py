@@ -13,11 +13,11 @@ from typing import Any
 
 import jmespath
 
+from relay.core.publishing import STRUCTURED
 from relay.ops.contract.view import OutboxView, RuleView
 
 Schema = dict[str, Any]
 
-STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"
 DATA_CONTENT_TYPE = "application/json"
 
 _TIME: Schema = {"type": "string", "format": "date-time"}
@@ -214,7 +214,7 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
         add("x-deduplication-header", message_id)
     else:
         structured = outbox.cloudevents == "structured"
-        add("content-type", {"const": STRUCTURED_CONTENT_TYPE if structured else DATA_CONTENT_TYPE})
+        add("content-type", {"const": STRUCTURED if structured else DATA_CONTENT_TYPE})
     return {"type": "object", "properties": properties, "required": required}
 
 

@@ -56,7 +56,7 @@ def rules_of(outbox: OutboxConfig) -> Iterator[tuple[str, RuleView]]:
                 RuleView(
                     type=message.type,
                     destination=message.destination,
-                    key=message.key or outbox.key,
+                    key=rule.key,
                     id=rule.id_text,  # a rule of a list appends /<type> to the rendered id
                     payload=message.payload,
                     routing_key=message.routing_key,
@@ -73,17 +73,13 @@ def outbox_view(name: str, config: RelayConfig) -> OutboxView:
         name=name,
         broker=outbox.broker,
         protocol=broker.type,
-        source=outbox.cloudevents_source or f"/outbox-relay/{name}",
+        source=outbox.source(name),
         rules=tuple(rules_of(outbox)),
         aggregates=tuple(outbox.aggregates) if outbox.aggregates is not None else None,
         cloudevents=outbox.cloudevents,
         has_time=config.source.columns.created_at is not None,
         trace_context=outbox.trace_context is not None,
-        amqp_prefix=(
-            "ce-"
-            if broker.type == "rabbitmq" and broker.cloudevents_headers == "ce"
-            else "cloudEvents:"
-        ),
+        amqp_prefix=broker.header_prefix if broker.type == "rabbitmq" else "cloudEvents:",
     )
 
 
