@@ -55,20 +55,26 @@ def same_broker(recorded: str, current: str) -> bool:
     return type_a == type_b and bool(set(hosts_a.split(",")) & set(hosts_b.split(",")))
 
 
-def _host(address: str, default_scheme: str) -> tuple[str, str]:
-    """(`host:port`, path) of a URL or a bare `host:port`; the default port added.
+def host_of(address: str) -> tuple[str, str]:
+    """(`host[:port]`, path) of a URL or a bare `host:port`, without user, password or query.
 
     Not urlsplit: a raw `/`, `#` or `?` in a password (NATS URLs are not checked at load)
     would end its netloc inside the password. Everything up to the last `@` is dropped,
     as `relay.redaction` does.
     """
-    text = address.strip()
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        scheme, rest = default_scheme, text
+    rest = address.strip().partition("://")[2] or address.strip()
     rest = rest.rpartition("@")[2]
-    hostport = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    path = re.split(r"[?#]", rest[len(hostport) :], maxsplit=1)[0]
+    host = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    path = re.split(r"[?#]", rest[len(host) :], maxsplit=1)[0]
+    return host, path
+
+
+def _host(address: str, default_scheme: str) -> tuple[str, str]:
+    """(`host:port`, path), lower case, with the scheme's default port added."""
+    scheme, sep, _ = address.strip().partition("://")
+    if not sep:
+        scheme = default_scheme
+    hostport, path = host_of(address)
     if hostport.startswith("["):  # [IPv6]:port
         host, _, port = hostport.partition("]")
         host, port = f"{host}]", port.removeprefix(":")

@@ -19,8 +19,9 @@ from relay.config import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
+from relay.config.broker_identity import host_of
 from relay.ops.contract.schemas import expression_schema, payload_schema
-from relay.ops.contract.servers import host_of, servers
+from relay.ops.contract.servers import servers
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
 
 

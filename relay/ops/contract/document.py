@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
+from relay.config.broker_identity import host_of
 from relay.config.expressions import template_pieces
 from relay.core.publishing import STRUCTURED
 from relay.ops.contract.schemas import (
@@ -24,7 +25,7 @@ from relay.ops.contract.schemas import (
     headers_schema,
     payload_schema,
 )
-from relay.ops.contract.servers import Object, host_of, servers
+from relay.ops.contract.servers import Object, servers
 from relay.ops.contract.view import OutboxView, RuleView
 
 ASYNCAPI_VERSION = "3.0.0"

@@ -7,7 +7,6 @@ only which kind of credential a broker wants, never its value.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from relay.config import (
@@ -17,23 +16,11 @@ from relay.config import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
+from relay.config.broker_identity import host_of
 
 Object = dict[str, Any]
 
 _SASL = {"PLAIN": "plain", "SCRAM-SHA-256": "scramSha256", "SCRAM-SHA-512": "scramSha512"}
-
-
-def host_of(address: str) -> tuple[str, str]:
-    """(`host[:port]`, path) of a URL or a bare `host:port`, without user, password or query.
-
-    Not urlsplit: a raw `/`, `#` or `?` in a password would end its netloc inside the
-    password. Everything up to the last `@` is dropped, as `relay.redaction` does.
-    """
-    rest = address.strip().partition("://")[2] or address.strip()
-    rest = rest.rpartition("@")[2]
-    host = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    path = re.split(r"[?#]", rest[len(host) :], maxsplit=1)[0]
-    return host, path
 
 
 def servers(brokers: dict[str, BrokerConfig]) -> tuple[Object, Object]:
