@@ -111,11 +111,8 @@ class Operations:
             chunk = parked[start : start + self.batch_size]
             errors = await self._retry_batch([(p, events.get(p.position)) for p in chunk])
             await claimed.unpark([p.id for p in chunk if p.id not in errors])
-            for message in chunk:
-                error = errors.get(message.id)
-                if error is not None:
-                    await claimed.still_parked(message.id, str(error), error.reason)
-                outcomes.append(_outcome(message, error))
+            await claimed.still_parked({i: (str(e), e.reason) for i, e in errors.items()})
+            outcomes += [_outcome(message, errors.get(message.id)) for message in chunk]
         published = [o["id"] for o in outcomes if o["outcome"] == "published"]
         failed = {o["id"]: o["error"] for o in outcomes if o["outcome"] == "still parked"}
         log.info("retry-parked", outbox=outbox, published=len(published), still_parked=len(failed))

@@ -84,6 +84,9 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             await self.store.unpark(conn, self.claim, ids)
 
-    async def still_parked(self, id_: int, error: str, reason: str) -> None:
+    async def still_parked(self, failed: dict[int, tuple[str, str]]) -> None:
+        """These parked messages failed again (id -> error, reason), in one statement."""
+        if not failed:
+            return
         async with self.writer.statement() as conn:
-            await self.store.still_parked(conn, self.claim, id_, error, reason)
+            await self.store.still_parked(conn, self.claim, failed)

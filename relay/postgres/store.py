@@ -363,15 +363,20 @@ class Store:
         )
 
     async def still_parked(
-        self, conn: asyncpg.Connection, claim: Claim, id_: int, error: str, reason: str
+        self, conn: asyncpg.Connection, claim: Claim, failed: dict[int, tuple[str, str]]
     ) -> None:
+        """These parked messages failed again: one more attempt, their new error and reason
+        (`failed` maps each id to them), in one statement (holder only)."""
+        ids = list(failed)
         await conn.execute(
-            f"UPDATE {self._parked} SET attempts = attempts + 1, error = $3, reason = $4"
-            f" WHERE id = $1 AND outbox = $2 AND {holds_lock('$5')}",
-            id_,
+            f"UPDATE {self._parked} p SET attempts = p.attempts + 1, error = f.error,"
+            " reason = f.reason FROM unnest($1::bigint[], $2::text[], $3::text[])"
+            " AS f(id, error, reason)"
+            f" WHERE p.id = f.id AND p.outbox = $4 AND {holds_lock('$5')}",
+            ids,
+            [failed[i][0] for i in ids],
+            [failed[i][1] for i in ids],
             claim.outbox,
-            error,
-            reason,
             claim.key,
         )
 
