@@ -29,6 +29,7 @@ from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
 from relay.ops.console import ProgressView
 from relay.ops.identity import identity
+from relay.ops.parked import lane_names
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.source import EventSource
@@ -127,18 +128,16 @@ class ParkedSettling:
     """Parked messages a retry-parked settles: published (gone) or tried again (attempts up)."""
 
     def __init__(self, config: RelayConfig, outbox: str) -> None:
-        partitions = config.outbox(outbox).partitions
-        self.lanes = [lane.name for lane in lanes_of(outbox, partitions)]
+        self.lanes = lane_names(config, outbox)
         self.store = Store(config.database.schema_)
         self.attempts: dict[int, int] = {}
 
     async def start(self, conn: asyncpg.Connection, ids: list[int] | None) -> None:
-        parked = await self.store.parked(conn, self.lanes, ids)
-        self.attempts = {p.id: p.attempts for p in parked}
+        self.attempts = await self.store.parked_attempts(conn, self.lanes, ids)
 
     async def poll(self, conn: asyncpg.Connection) -> Progress:
-        left = await self.store.parked(conn, self.lanes, list(self.attempts))
-        waiting = sum(1 for p in left if p.attempts == self.attempts[p.id])
+        left = await self.store.parked_attempts(conn, self.lanes, list(self.attempts))
+        waiting = sum(1 for id_, tried in left.items() if tried == self.attempts[id_])
         return Progress(len(self.attempts) - waiting, len(self.attempts), "messages")
 
 

@@ -317,6 +317,18 @@ class Store:
         )
         return [ParkedMessage(**dict(r)) for r in rows]
 
+    async def parked_attempts(
+        self, conn: asyncpg.Connection, lanes: list[str], ids: list[int] | None = None
+    ) -> dict[int, int]:
+        """Each parked message's attempts so far (of these lanes; only `ids` when given)."""
+        rows = await conn.fetch(
+            f"SELECT id, attempts FROM {self._parked} WHERE outbox = ANY($1::text[])"
+            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))",
+            lanes,
+            ids,
+        )
+        return {r["id"]: r["attempts"] for r in rows}
+
     async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> ParkedMessage | None:
         row = await conn.fetchrow(
             f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE id = $1", id_
