@@ -176,6 +176,32 @@ async def test_a_position_sequence_the_column_does_not_own_is_checked_too(
     ]
 
 
+async def test_check_refuses_what_run_refuses_in_the_relays_own_tables(
+    migrated: str, tmp_path: Path
+) -> None:
+    """A changed `partitions` and tables newer than this relay fail `relay run` at start-up:
+    `relay check` says so first, with the same words."""
+    await admin(migrated, "INSERT INTO relay.outboxes (outbox, partitions) VALUES ('loans', 4)")
+    result = await asyncio.to_thread(check, migrated, tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert errors(result.stderr) == [
+        "error: outboxes.loans.partitions is 1, but the outbox runs with 4 partition(s):"
+        " stop its replicas and run `relay repartition loans --partitions 1`"
+        " (or set partitions back to 4)"
+    ]
+
+    await admin(migrated, "DELETE FROM relay.outboxes")
+    await admin(
+        migrated,
+        "INSERT INTO relay.schema_version (version) SELECT max(version) + 1"
+        " FROM relay.schema_version",
+    )
+    newer = await asyncio.to_thread(check, migrated, tmp_path)
+    assert newer.returncode == 1, newer.stderr
+    (line,) = errors(newer.stderr)
+    assert "newer than this relay" in line and "upgrade the relay" in line
+
+
 async def test_rights_that_only_cost_a_feature_are_warnings(
     roles: Callable[..., Awaitable[str]], tmp_path: Path
 ) -> None:

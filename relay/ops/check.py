@@ -26,12 +26,14 @@ from relay.errors import (
     DatabaseError,
     MalformedEventError,
     MappingError,
+    NotMigratedError,
     SchemaViolation,
     SourceError,
 )
 from relay.ops.identity import identity
-from relay.postgres.database import Database
-from relay.postgres.migrations import LATEST, schema_version
+from relay.postgres.database import Database, too_old
+from relay.postgres.migrations import LATEST, ensure_migrated, schema_version
+from relay.postgres.partitions import Partitions
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 
@@ -83,7 +85,9 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
             except SourceError as exc:
                 report.problems.append(str(exc))
                 return
-            report.warnings += await _migration_state(conn, config)
+            if (why := too_old(conn)) is not None:
+                report.problems.append(why)
+            await _migration_state(conn, config, report)
             events = await source.latest(conn, last) if last else []
             report.warnings += await _server_warnings(conn, config)
     except DatabaseError as exc:
@@ -93,16 +97,27 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
     report.rows = [row for event in events for mapper in mappers for row in _preview(event, mapper)]
 
 
-async def _migration_state(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:
-    """Not migrated yet is no error here (migrate may come next); `relay run` refuses it."""
+async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report: Report) -> None:
+    """What `relay run` would refuse in the relay's own tables. Not migrated yet is only a
+    warning here (migrate may come next); tables newer than this relay, or an outbox's
+    partitions changed without `relay repartition`, are problems."""
     schema = config.database.schema_
     version = await schema_version(conn, schema)
     if version < LATEST:
-        return [
+        report.warnings.append(
             f"the relay's tables in schema {schema!r} are at version {version} of {LATEST}:"
             " `relay run` refuses to start until `relay migrate` has run"
-        ]
-    return []
+        )
+        return
+    try:
+        await ensure_migrated(conn, schema)
+    except NotMigratedError as exc:
+        report.problems.append(str(exc))
+        return
+    partitions = Partitions(schema)
+    for name, outbox in config.outboxes.items():
+        if (why := await partitions.mismatch(conn, name, outbox.partitions)) is not None:
+            report.problems.append(why)
 
 
 def _adapters(config: RelayConfig) -> list[str]:

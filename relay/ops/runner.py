@@ -34,7 +34,7 @@ from relay.ops.http import Health, HttpServer
 from relay.ops.identity import identity
 from relay.ops.replica import OutboxReplica
 from relay.postgres.command_queue import COMMAND_CHANNEL
-from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable
+from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable, too_old
 from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseSession
 from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated
@@ -193,12 +193,8 @@ class Relay:
                 await sleep_unless(self.stop, backoff.delay(attempt))
 
     async def _checks(self, conn: asyncpg.Connection) -> None:
-        version = conn.get_server_version()
-        if version.major < 14:
-            raise DatabaseError(
-                f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
-                " (client_connection_check_interval frees a dead holder's lease)"
-            )
+        if (why := too_old(conn)) is not None:
+            raise DatabaseError(why)
         rights = await check_rights(conn, self.config)
         for missing in rights.degraded:
             log.warning(

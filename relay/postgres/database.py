@@ -133,3 +133,14 @@ def address(url: str) -> str:
 
 def _text(exc: BaseException) -> str:
     return redact(str(exc)) or type(exc).__name__
+
+
+def too_old(conn: asyncpg.Connection) -> str | None:
+    """Why this server cannot run the relay (older than PostgreSQL 14), else None."""
+    version = conn.get_server_version()
+    if version.major >= 14:
+        return None
+    return (
+        f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
+        " (client_connection_check_interval frees a dead holder's lease)"
+    )

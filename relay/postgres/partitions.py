@@ -54,21 +54,26 @@ class Partitions:
         )
         return 1 if existed else None
 
-    async def agree(self, conn: asyncpg.Connection, outbox: str, count: int) -> None:
-        """Record `count` for a new outbox; refuse a count other than the recorded one."""
+    async def mismatch(self, conn: asyncpg.Connection, outbox: str, count: int) -> str | None:
+        """Why `count` cannot run: the outbox runs with another recorded count; else None."""
         recorded = await self.recorded(conn, outbox)
         if recorded is None or recorded == count:
-            await conn.execute(
-                f"INSERT INTO {self._outboxes} (outbox, partitions) VALUES ($1, $2)"
-                " ON CONFLICT (outbox) DO NOTHING",
-                outbox,
-                count,
-            )
-            return
-        raise PartitionsChanged(
+            return None
+        return (
             f"outboxes.{outbox}.partitions is {count}, but the outbox runs with {recorded}"
             f" partition(s): stop its replicas and run `relay repartition {outbox}"
             f" --partitions {count}` (or set partitions back to {recorded})"
+        )
+
+    async def agree(self, conn: asyncpg.Connection, outbox: str, count: int) -> None:
+        """Record `count` for a new outbox; refuse a count other than the recorded one."""
+        if (why := await self.mismatch(conn, outbox, count)) is not None:
+            raise PartitionsChanged(why)
+        await conn.execute(
+            f"INSERT INTO {self._outboxes} (outbox, partitions) VALUES ($1, $2)"
+            " ON CONFLICT (outbox) DO NOTHING",
+            outbox,
+            count,
         )
 
     async def repartition(
