@@ -88,13 +88,10 @@ class RabbitMqPublisher:
             return
         await self.close()
         c = self._config
-        socket = _Socket()
-        connection = self._new_connection(socket)
-        step = "cannot connect"
+        connection, socket = await self._open()
+        step = "cannot open a channel"
         try:
             async with asyncio.timeout(c.connect_timeout):
-                await connection.connect()
-                step = "cannot open a channel"
                 channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 assert isinstance(channel, aiormq.Channel)
                 for exchange in c.declare_exchanges:
@@ -112,6 +109,25 @@ class RabbitMqPublisher:
             raise
         self._connection, self._socket, self._channel = connection, socket, channel
 
+    async def _open(self) -> tuple[aiormq.Connection, _Socket]:
+        """A connection, logged in within connect_timeout; closed again if that fails or is
+        cancelled (for publishing and for `relay check` alike)."""
+        c = self._config
+        socket = _Socket()
+        connection = self._new_connection(socket)
+        try:
+            async with asyncio.timeout(c.connect_timeout):
+                await connection.connect()
+        except _CONNECTION_ERRORS as exc:
+            await _close(connection, socket, graceful=False)
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {_refusal(exc, c.connect_timeout)}"
+            ) from exc
+        except BaseException:  # cancelled half-way
+            await _close(connection, socket, graceful=False)
+            raise
+        return connection, socket
+
     def _new_connection(self, socket: _Socket) -> aiormq.Connection:
         c = self._config
         return aiormq.Connection(
@@ -126,16 +142,7 @@ class RabbitMqPublisher:
         which creates nothing); exchanges in declare_exchanges are declared at start. Nothing
         is published; what is wrong, one line each."""
         c = self._config
-        socket = _Socket()
-        connection = self._new_connection(socket)
-        try:
-            async with asyncio.timeout(c.connect_timeout):
-                await connection.connect()
-        except _CONNECTION_ERRORS as exc:
-            await _close(connection, socket, graceful=False)
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect: {_refusal(exc, c.connect_timeout)}"
-            ) from exc
+        connection, socket = await self._open()
         declared = {exchange.name for exchange in c.declare_exchanges}
         problems = []
         try:
