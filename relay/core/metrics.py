@@ -31,6 +31,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from relay import __version__
 
@@ -165,6 +166,7 @@ class BatchHistogram(Collector):
         self.documentation = documentation
         self.labelnames = list(labelnames)
         self.bounds = tuple(float(bound) for bound in buckets)
+        self._les = [*map(floatToGoString, self.bounds), "+Inf"]  # as prometheus_client writes
         self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
         registry.register(self)
 
@@ -181,8 +183,8 @@ class BatchHistogram(Collector):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self._children.items():
             cumulative = list(accumulate(child.counts))
-            les = [*(_float_text(bound) for bound in self.bounds), "+Inf"]
-            family.add_metric(list(values), list(zip(les, cumulative, strict=True)), child.sum)
+            buckets = list(zip(self._les, cumulative, strict=True))
+            family.add_metric(list(values), buckets, child.sum)
         yield family
 
 
@@ -197,11 +199,6 @@ class BatchHistogramChild:
         for value in values:
             counts[bisect_left(bounds, value)] += 1  # the first bound >= value: le
         self.sum += sum(values)
-
-
-def _float_text(bound: float) -> str:
-    """As prometheus_client writes a bucket bound: 1.0, 0.005, 300.0."""
-    return repr(float(bound))
 
 
 class _WithoutEmptyPartition(Collector):
