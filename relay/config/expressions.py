@@ -39,6 +39,11 @@ def compile_expression(source: str) -> Getter:
     return parsed.search
 
 
+def is_dotted(source: str) -> bool:
+    """Whether an expression is a plain dotted path, which needs no JMESPath."""
+    return _DOTTED.match(source.strip()) is not None
+
+
 def may_compute(source: str) -> bool:
     """Whether an expression can produce a number that was not in the event.
 
@@ -130,7 +135,7 @@ def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
         value = getter(envelope)
         if value is None or value == "":
             raise ExpressionError(f"{{{expr}}} is null or empty for this event")
-        return before + (value if type(value) is str else _text(value)) + tail
+        return before + (value if type(value) is str else text_of(value)) + tail
 
     return render
 
@@ -143,14 +148,15 @@ def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
             if value is None or value == "":
                 raise ExpressionError(f"{{{expr}}} is null or empty for this event")
             out.append(before)
-            out.append(value if type(value) is str else _text(value))
+            out.append(value if type(value) is str else text_of(value))
         out.append(tail)
         return "".join(out)
 
     return render
 
 
-def _text(value: Any) -> str:
+def text_of(value: Any) -> str:
+    """A placeholder's value as text: JSON's true and false, anything else as str() writes it."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

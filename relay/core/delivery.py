@@ -46,12 +46,10 @@ def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], Non
 
     `skipped` is told of each rule whose condition rejected the event.
     """
-    rules = mapper.rules_for(event)
-    envelope = mapper.envelope(event) if rules else None  # shared by the rules
     items = []
-    for rule in rules:
+    for rule in mapper.rules_for(event):
         try:
-            message = mapper.message(event, rule, envelope)
+            message = mapper.message(event, rule)
         except MappingError as exc:
             items.append(Item(event, None, exc, rule.name))
             continue

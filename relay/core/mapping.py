@@ -29,6 +29,7 @@ from relay.config.expressions import (
 )
 from relay.config.message_schemas import CompiledSchema, compile_schema
 from relay.core.publishing import Message, to_structured
+from relay.core.rule_code import Values, compile_values
 from relay.core.trace_context import TraceContext
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
 
@@ -101,39 +102,38 @@ class CompiledRule:
     name: str  # "" for the single-rule form; see relay/config/rules.py
     where: str  # its dotted key in the config, for errors
     type: str
-    destination: Template
-    key: Template
-    id: Template
+    values: Values  # (event, time) -> (body, id, destination, key, routing key)
     id_suffix: str
-    routing_key: Template | None
-    payload: Getter
     encode: Callable[[Any], bytes]
     when: Getter | None
     when_text: str | None  # as written, for `relay check`
     schema: CompiledSchema | None
     dataschema: str | None  # the schema's `$id`
-    plain: bool  # no `when`, no schema, no id suffix: nothing to do but map
 
 
 def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
     m = rule.config
     schema = compile_schema(m.schema_) if m.schema_ is not None else None
+    # The interpreter compiles every expression first: that reports a bad one.
+    interpreted = _interpreted(
+        _compile_payload(m.payload),
+        compile_template(rule.id),
+        compile_template(m.destination),
+        compile_template(rule.key),
+        compile_template(m.routing_key) if m.routing_key else None,
+    )
+    values = compile_values(m.payload, rule.id, m.destination, rule.key, m.routing_key)
     return CompiledRule(
         name=rule.name,
         where=rule.where,
         type=m.type,
-        destination=compile_template(m.destination),
-        key=compile_template(rule.key),
-        id=compile_template(rule.id),
+        values=values or interpreted,
         id_suffix=rule.id_suffix,
-        routing_key=compile_template(m.routing_key) if m.routing_key else None,
-        payload=_compile_payload(m.payload),
         encode=_encoder(m.payload),
         when=compile_expression(m.when) if m.when else None,
         when_text=m.when,
         schema=schema,
         dataschema=schema.id if schema is not None else None,
-        plain=m.when is None and schema is None and not rule.id_suffix,
     )
 
 
@@ -191,13 +191,7 @@ class Mapper:
                 out.append(message)
         return out
 
-    def envelope(self, event: Event) -> dict[str, Any]:
-        """What the rules' expressions read; one per event, shared by its rules."""
-        return event.envelope(self._times(event.created_at))
-
-    def message(
-        self, event: Event, rule: CompiledRule, envelope: dict[str, Any] | None = None
-    ) -> Message | None:
+    def message(self, event: Event, rule: CompiledRule) -> Message | None:
         """This rule's message for the event; None when its `when` rejects the event."""
         problem = event.problem or (event.metadata_problem if self._needs_metadata else None)
         if problem:
@@ -206,37 +200,35 @@ class Mapper:
                 f" is malformed: {problem}",
                 problem,
             )
-        if envelope is None:
-            envelope = self.envelope(event)
+        time_text = self._times(event.created_at)
+        # Only `when` and trace context read the envelope itself; the values need none.
+        envelope = event.envelope(time_text) if rule.when or self._trace else None
         try:
-            if rule.plain:  # one flag for the common case: it costs what one rule did
-                body, id_ = rule.payload(envelope), rule.id(envelope)
-            else:
-                if rule.when is not None and not _truthy(rule.when(envelope)):
-                    return None
-                body = rule.payload(envelope)
-                if rule.schema is not None and not rule.schema.is_valid(body):
-                    raise self._violation(event, rule, rule.schema.violations(body))
-                id_ = rule.id(envelope) + rule.id_suffix
+            if rule.when is not None and not _truthy(rule.when(envelope or {})):
+                return None
+            body, id_, destination, key, routing_key = rule.values(event, time_text)
+            if rule.schema is not None and not rule.schema.is_valid(body):
+                raise self._violation(event, rule, rule.schema.violations(body))
             message = Message(
-                id=id_,
-                type=rule.type,
-                destination=rule.destination(envelope),
-                key=rule.key(envelope),
-                body=rule.encode(body),
-                source=self._source,
-                time=event.created_at,
-                position=event.position,
-                routing_key=rule.routing_key(envelope) if rule.routing_key else None,
-                time_text=envelope["created_at"],
-                dataschema=rule.dataschema,
+                id_ + rule.id_suffix if rule.id_suffix else id_,
+                rule.type,
+                destination,
+                key,
+                rule.encode(body),
+                self._source,
+                event.created_at,
+                event.position,
+                "application/json",
+                routing_key,
+                time_text,
+                rule.dataschema,
             )
         except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
             raise MappingError(
                 f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
-        if self._trace is not None:
+        if envelope is not None and self._trace is not None:
             self._trace.apply(envelope, message, event.metadata_problem)
         if self._structured:
             to_structured(message)
@@ -290,6 +282,25 @@ def _encoder(payload: str | Mapping[str, str]) -> Callable[[Any], bytes]:
 def _payload_expressions(payload: str | Mapping[str, str]) -> list[str]:
     """A payload is one expression, or a mapping of field names to expressions."""
     return [payload] if isinstance(payload, str) else list(payload.values())
+
+
+def _interpreted(
+    payload: Getter, id_: Template, destination: Template, key: Template, routing: Template | None
+) -> Values:
+    """A rule with a JMESPath expression: its getters over the event's envelope."""
+
+    def values(event: Event, time_text: str | None) -> tuple[Any, str, str, str, str | None]:
+        envelope = event.envelope(time_text)
+        body, id_text = payload(envelope), id_(envelope)
+        return (
+            body,
+            id_text,
+            destination(envelope),
+            key(envelope),
+            routing(envelope) if routing else None,
+        )
+
+    return values
 
 
 def _compile_payload(payload: str | Mapping[str, str]) -> Getter:
