@@ -489,10 +489,11 @@ class KafkaPublisher:
 
 def _headers(message: Message) -> list[tuple[str, bytes]]:
     """CloudEvents Kafka binding: binary mode, or only the content type in structured mode."""
-    attributes = cloudevent_attributes(message)
-    attributes.pop("partitionkey", None)  # the record's key is the partition key here
-    headers = [(f"ce_{name}", value.encode()) for name, value in attributes.items()]
-    return [*headers, ("content-type", message.content_type.encode())]
+    # The record's key is the partition key here.
+    attributes = cloudevent_attributes(message, "ce_", partition_key=False)
+    headers = [(name, value.encode()) for name, value in attributes.items()]
+    headers.append(("content-type", message.content_type.encode()))
+    return headers
 
 
 async def _stop(producer: AIOKafkaProducer) -> None:

@@ -467,9 +467,8 @@ def captures(pattern: str, subject: str) -> bool:
 
 def _headers(message: Message) -> dict[str, str]:
     """CloudEvents NATS binding (binary mode), plus JetStream's dedup id."""
-    headers = {"Nats-Msg-Id": message.id}
-    for name, value in cloudevent_attributes(message).items():
-        headers["ce-" + name] = value
+    headers = cloudevent_attributes(message, "ce-")
+    headers["Nats-Msg-Id"] = message.id
     headers["content-type"] = message.content_type
     return headers
 

@@ -400,7 +400,7 @@ def _routing_key(message: Message) -> str:
 def _properties(message: Message, prefix: str) -> Basic.Properties:
     """Message properties plus the CloudEvents attributes (binary mode) in headers."""
     headers: dict[str, Any] = {
-        **{prefix + name: value for name, value in cloudevent_attributes(message).items()},
+        **cloudevent_attributes(message, prefix),
         "x-deduplication-header": message.id,
     }
     return Basic.Properties(

@@ -465,7 +465,7 @@ def _attributes(message: Message) -> dict[str, dict[str, str]]:
     At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
     today, and should one more ever be added, the least useful ones go first (_KEEP).
     """
-    values = {f"ce_{name}": value for name, value in cloudevent_attributes(message).items()}
+    values = cloudevent_attributes(message, "ce_")
     values["content-type"] = message.content_type
     if len(values) > MAX_ATTRIBUTES:
         values = _within_limit(values)

@@ -45,31 +45,49 @@ class Message:
     tracestate: str | None = None
 
 
-def cloudevent_attributes(message: Message) -> dict[str, str]:
-    """The message's CloudEvents context attributes, unprefixed (binary content mode).
+_ATTRIBUTES = (
+    "specversion",
+    "id",
+    "type",
+    "source",
+    "partitionkey",
+    "time",
+    "dataschema",
+    "traceparent",
+    "tracestate",
+)
+_PREFIXED: dict[str, tuple[str, ...]] = {}  # prefix -> the names above, prefixed
+
+
+def cloudevent_attributes(
+    message: Message, prefix: str = "", *, partition_key: bool = True
+) -> dict[str, str]:
+    """The message's CloudEvents context attributes, binary content mode, named `prefix` +
+    attribute (built once per event, so the names are joined once per prefix).
 
     Each broker's binding writes them under its own prefix: `ce-` (NATS, HTTP), `ce_`
     (Kafka, and SQS, which allows neither `-` nor `:` to start a name), `cloudEvents:`
     (AMQP). The data's content type goes in each protocol's own content-type field.
-    A message in structured mode has none: its body holds them.
+    A message in structured mode has none: its body holds them. Without `partition_key`,
+    the partitionkey extension is left out (Kafka: the record's key is the partition key).
     """
     if message.content_type == STRUCTURED:
         return {}
-    attributes = {
-        "specversion": "1.0",
-        "id": message.id,
-        "type": message.type,
-        "source": message.source,
-        "partitionkey": message.key,
-    }
+    names = _PREFIXED.get(prefix)
+    if names is None:
+        names = _PREFIXED[prefix] = tuple(prefix + name for name in _ATTRIBUTES)
+    spec, id_, type_, source, key, time, dataschema, traceparent, tracestate = names
+    attributes = {spec: "1.0", id_: message.id, type_: message.type, source: message.source}
+    if partition_key:
+        attributes[key] = message.key
     if message.time is not None:
-        attributes["time"] = message.time_text or message.time.isoformat()
+        attributes[time] = message.time_text or message.time.isoformat()
     if message.dataschema is not None:
-        attributes["dataschema"] = message.dataschema
+        attributes[dataschema] = message.dataschema
     if message.traceparent is not None:  # the distributed-tracing extension
-        attributes["traceparent"] = message.traceparent
+        attributes[traceparent] = message.traceparent
         if message.tracestate is not None:
-            attributes["tracestate"] = message.tracestate
+            attributes[tracestate] = message.tracestate
     return attributes
 
 

@@ -30,6 +30,7 @@ from relay.core.state import OutboxState
 from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
 from relay.ops.context import OutboxContext
+from relay.ops.heap import start_up_heap_frozen
 from relay.ops.http import Health, HttpServer
 from relay.ops.identity import identity
 from relay.ops.replica import OutboxReplica
@@ -99,7 +100,8 @@ class Relay:
         ]
         self._tasks += helpers
         try:
-            return await self._supervise(tasks, helpers, lambda: _leave(session, membership))
+            with start_up_heap_frozen():
+                return await self._supervise(tasks, helpers, lambda: _leave(session, membership))
         finally:
             await _leave(session, membership)  # again, if stopping went wrong before it
             await session.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -125,6 +126,8 @@ async def running(config: RelayConfig) -> AsyncIterator[Relay]:
         relay.stop.set()
         code = await asyncio.wait_for(task, timeout=30)
         assert code == 0, f"relay exited {code}"
+        if not any(t.get_name() == task.get_name() for t in asyncio.all_tasks()):
+            assert gc.get_freeze_count() == 0, "the relay left the heap frozen"
 
 
 async def eventually(

@@ -1,0 +1,36 @@
+"""The start-up heap is frozen while a relay runs, without keeping start-up garbage."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from relay.ops.heap import start_up_heap_frozen
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector frees it
+
+
+def test_start_up_garbage_is_collected_before_the_rest_is_frozen() -> None:
+    garbage = Node()
+    dead = weakref.ref(garbage)
+    del garbage
+    with start_up_heap_frozen():
+        assert dead() is None
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_heap_thaws_when_the_last_relay_of_the_process_stops() -> None:
+    with start_up_heap_frozen():
+        with start_up_heap_frozen():
+            frozen = gc.get_freeze_count()
+        assert gc.get_freeze_count() == frozen  # the other relay still runs
+        later = Node()
+        dead = weakref.ref(later)
+        del later
+        gc.collect()
+        assert dead() is None  # what the relay makes after start-up is still collected
+    assert gc.get_freeze_count() == 0
