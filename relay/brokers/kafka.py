@@ -367,57 +367,52 @@ class KafkaPublisher:
         above max_request_size): it gets that rejection and nothing after it is sent.
         """
         waves: list[dict[tuple[str, int], _Batch]] = []
-        wave_of: dict[tuple[str, int], int] = {}
+        newest: dict[tuple[str, int], tuple[int, _Batch]] = {}  # partition -> (wave, batch)
         partitions: dict[str, list[int]] = {}
+        limit = self._config.max_request_size
+        estimate = DefaultRecordBatchBuilder.estimate_size_in_bytes
         for i, message in enumerate(messages):
             topic = message.destination
-            if not _TOPIC.match(topic) or topic in (".", ".."):
+            in_topic = partitions.get(topic)
+            if in_topic is None and (not _TOPIC.match(topic) or topic in (".", "..")):
                 exc = InvalidTopicError(f"{topic!r} is not a valid Kafka topic name")
                 return waves, (i, self._classify(exc, 1))
-            key = message.key.encode()
-            headers = _headers(message)
-            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, message.body, headers)
-            if size > self._config.max_request_size:
+            key, body, headers = message.key.encode(), message.body, _headers(message)
+            size = estimate(key, body, headers)
+            if size > limit:
                 exc = MessageSizeTooLargeError(
-                    f"the message is {size} bytes, above max_request_size "
-                    f"({self._config.max_request_size})"
+                    f"the message is {size} bytes, above max_request_size ({limit})"
                 )
                 return waves, (i, self._classify(exc, 1))
-            if topic not in partitions:
+            if in_topic is None:
                 self._stage = f"waiting for the metadata of topic {topic!r}"
                 try:
-                    partitions[topic] = sorted(await producer.partitions_for(topic))
+                    in_topic = partitions[topic] = sorted(await producer.partitions_for(topic))
                 except _FATAL as exc:
                     raise _Discard(self._fenced(exc)) from exc
                 except KafkaError as exc:
                     return waves, (i, self._classify(exc, 1))
-            in_topic = partitions[topic]
-            partition = in_topic[_key_hash(key) % len(in_topic)]
-            tp = (topic, partition)
-            w = wave_of.get(tp, 0)
-            batch = waves[w].get(tp) if w < len(waves) else None
-            if batch is not None and batch.size + size > self._batch_bytes:
-                w, batch = w + 1, None
-            if batch is None or not self._append(batch, message, key, headers):
-                if batch is not None:
-                    w += 1
-                batch = _Batch(topic, partition, producer.create_batch())
+            tp = (topic, in_topic[_key_hash(key) % len(in_topic)])
+            w, batch = newest.get(tp, (-1, None))
+            if (
+                batch is None
+                or batch.size + size > self._batch_bytes
+                or batch.builder.append(timestamp=None, key=key, value=body, headers=headers)
+                is None
+            ):
+                # The partition's next batch goes in the next wave: after the full one.
+                w, batch = w + 1, _Batch(tp[0], tp[1], producer.create_batch())
                 if w == len(waves):
                     waves.append({})
                 waves[w][tp] = batch
-                wave_of[tp] = w
-                appended = self._append(batch, message, key, headers)
-                assert appended, "an empty record batch takes any record"
+                newest[tp] = (w, batch)
+                appended = batch.builder.append(
+                    timestamp=None, key=key, value=body, headers=headers
+                )
+                assert appended is not None, "an empty record batch takes any record"
             batch.indexes.append(i)
             batch.size += size
         return waves, None
-
-    @staticmethod
-    def _append(batch: _Batch, message: Message, key: bytes, headers: list[Any]) -> bool:
-        return (
-            batch.builder.append(timestamp=None, key=key, value=message.body, headers=headers)
-            is not None
-        )
 
     async def _send_wave(
         self,
