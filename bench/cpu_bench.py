@@ -1,0 +1,102 @@
+"""The relay's CPU per event in a backlog drain, alone, against another tree, taking turns.
+
+    .venv/bin/python -m bench.cpu_bench --compare ../before --rounds 6 [--events 100000]
+
+Each drain is a fresh process: a database and a JetStream stream of their own, a backlog of
+`--events` BookLent events (relay_bench's set-up), then the real relay draining it
+(relay_bench's relay phase alone: no reference, no latency), and everything removed. The
+figure is that process's CPU (user + system) over the drain, start-up included, per event:
+Postgres and nats-server are other processes. With `--compare DIR`, the drains alternate
+between DIR's relay and this tree's (DIR first in odd rounds, this tree first in even ones),
+so that drift on the machine falls on both, and the ratio of the means is printed; this
+file's code runs in both (as `mapping_bench --compare` does). Importing it has no side
+effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from statistics import mean
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+async def drain(events: int) -> dict[str, float]:
+    """One drain by the relay importable here; its CPU per event and rate."""
+    from bench import relay_bench as rb  # noqa: PLC0415 - the relay of the tree on the path
+    from bench.report import Results  # noqa: PLC0415
+    from relay.ops.logs import configure  # noqa: PLC0415
+
+    configure("warning", "json")
+    args = rb.parse_args(["--events", str(events)])
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    dsn = rb.with_database(args.pg, name)
+    results = Results(events=events, batch=args.batch)
+    try:
+        last = await rb.set_up(args, dsn, name, results)
+        config = rb.bench_config(args, dsn, name)
+        run = await rb.relay_backlog(
+            config, last, None, lambda: rb.stored_messages(args.nats, name)
+        )
+    finally:
+        await rb.cleanup(args, name)
+    t = run.throughput
+    if t.stored != events:
+        raise SystemExit(f"cpu_bench: the stream holds {t.stored} messages, not {events}")
+    return {"cpu_us": t.cpu_us_per_msg, "rate": t.rate}
+
+
+def drain_in(tree: Path, events: int) -> dict[str, float]:
+    """A drain in a child process whose `relay` (and relay_bench) come from `tree`."""
+    code = (
+        "import sys, json, asyncio, importlib.util as u; sys.path.insert(0, sys.argv[1]);"
+        "s = u.spec_from_file_location('cb', sys.argv[2]); m = u.module_from_spec(s);"
+        "s.loader.exec_module(m); import relay; assert relay.__file__.startswith(sys.argv[1]);"
+        "print(json.dumps(asyncio.run(m.drain(int(sys.argv[3])))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tree), __file__, str(events)],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3, help="drains of each tree")
+    parser.add_argument("--compare", type=Path, help="another relay tree, e.g. a worktree")
+    args = parser.parse_args(argv)
+    trees = [("this tree", HERE)]
+    if args.compare:
+        trees.insert(0, (str(args.compare), args.compare.resolve()))
+    cpu: dict[str, list[float]] = {label: [] for label, _ in trees}
+    print("| round | tree | CPU µs per event | events/s |\n|---|---|---|---|")
+    for n in range(1, args.rounds + 1):
+        for label, tree in trees if n % 2 else trees[::-1]:
+            result = drain_in(tree, args.events)
+            cpu[label].append(result["cpu_us"])
+            print(f"| {n} | {label} | {result['cpu_us']:.1f} | {result['rate']:,.0f} |", flush=True)
+    for label, values in cpu.items():
+        print(f"\n{label}: mean {mean(values):.1f} µs per event ({len(values)} drains)", end="")
+    if args.compare:
+        theirs, ours = (mean(cpu[label]) for label, _ in trees)
+        print(f"\n\nthis tree / {args.compare}: {ours / theirs:.3f}")
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
