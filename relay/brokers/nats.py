@@ -240,13 +240,12 @@ class NatsPublisher:
             return await self._publish_core(messages)
         nc, replies = connected(self._nc), connected(self._replies)
         acks = replies.expect(len(messages))
+        publish, reply_to, first = nc.publish, replies.subject, acks.first
         for i, message in enumerate(messages):
             try:
-                await nc.publish(
-                    message.destination,
-                    message.body,
-                    reply=replies.subject(acks.first + i),
-                    headers=_headers(message),
+                # nats-py's public publish(subject, payload, reply, headers), positionally.
+                await publish(
+                    message.destination, message.body, reply_to(first + i), _headers(message)
                 )
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 # Nothing after a failed message is sent, so order is kept on retry.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from relay.ops.heap import start_up_heap_frozen
+from relay.ops.heap import YOUNG_THRESHOLD, start_up_heap_frozen
 
 
 class Node:
@@ -24,13 +24,29 @@ def test_start_up_garbage_is_collected_before_the_rest_is_frozen() -> None:
 
 
 def test_the_heap_thaws_when_the_last_relay_of_the_process_stops() -> None:
+    before = gc.get_threshold()
     with start_up_heap_frozen():
         with start_up_heap_frozen():
             frozen = gc.get_freeze_count()
+            assert gc.get_threshold()[0] >= YOUNG_THRESHOLD
         assert gc.get_freeze_count() == frozen  # the other relay still runs
+        assert gc.get_threshold()[0] >= YOUNG_THRESHOLD
         later = Node()
         dead = weakref.ref(later)
         del later
         gc.collect()
         assert dead() is None  # what the relay makes after start-up is still collected
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
+
+
+def test_relays_may_stop_in_any_order() -> None:
+    before = gc.get_threshold()
+    first, second = start_up_heap_frozen(), start_up_heap_frozen()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first to start stops first
+    assert gc.get_freeze_count() > 0
+    second.__exit__(None, None, None)
+    assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
