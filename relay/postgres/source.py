@@ -331,12 +331,13 @@ class EventSource:
         only as many as their stored payloads fit in (at least one). True with them if more
         of the page was left for the next read because of `max_bytes`."""
         args = (after, upto, limit, aggregates, list(types))
+        names = self.config.columns
         if max_bytes is None:
             rows = await conn.fetch(self._read_sql, *args)
-            return [_event(r, self.config.columns) for r in rows], False
+            return [_event(r, names) for r in rows], False
         rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
         cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
-        return [_event(r, self.config.columns) for r in rows], cut
+        return [_event(r, names) for r in rows], cut
 
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
         """Seconds since the oldest event after `after` was written (database clock)."""
@@ -434,7 +435,10 @@ def _event(row: asyncpg.Record, names: ColumnsConfig) -> Event:
             f"column {getattr(names, k)!r} is NULL" for i, k in _REQUIRED if row[i] is None
         )
     else:
-        data, problem = _json(row[5], names.payload)
+        try:  # _json, inline: once per event
+            data = decode_json(row[5])
+        except ValueError as exc:
+            problem = f"column {names.payload!r} is not valid JSON: {exc}"
     metadata: Any = {}
     if row[6] is not None:
         metadata, metadata_problem = _json(row[6], names.metadata)
