@@ -16,9 +16,7 @@ effects.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import asyncio
 import sys
 import uuid
 from pathlib import Path
@@ -52,25 +50,9 @@ async def drain(events: int) -> dict[str, float]:
     return {"cpu_us": t.cpu_us_per_msg, "rate": t.rate}
 
 
-def drain_in(tree: Path, events: int) -> dict[str, float]:
-    """A drain in a child process whose `relay` (and relay_bench) come from `tree`."""
-    code = (
-        "import sys, json, asyncio, importlib.util as u; sys.path.insert(0, sys.argv[1]);"
-        "s = u.spec_from_file_location('cb', sys.argv[2]); m = u.module_from_spec(s);"
-        "s.loader.exec_module(m); import relay; assert relay.__file__.startswith(sys.argv[1]);"
-        "print(json.dumps(asyncio.run(m.drain(int(sys.argv[3])))))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(tree), __file__, str(events)],
-        env=env,
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+def drain_now(events: int) -> dict[str, float]:
+    """One drain, in this process (the child of `call_in`)."""
+    return asyncio.run(drain(events))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="drains of each tree")
     parser.add_argument("--compare", type=Path, help="another relay tree, e.g. a worktree")
     args = parser.parse_args(argv)
+    from bench.trees import call_in  # noqa: PLC0415 - the parent's only: a tree may lack it
+
     trees = [("this tree", HERE)]
     if args.compare:
         trees.insert(0, (str(args.compare), args.compare.resolve()))
@@ -86,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| round | tree | CPU µs per event | events/s |\n|---|---|---|---|")
     for n in range(1, args.rounds + 1):
         for label, tree in trees if n % 2 else trees[::-1]:
-            result = drain_in(tree, args.events)
+            result = call_in(tree, __file__, "drain_now", args.events)
             cpu[label].append(result["cpu_us"])
             print(f"| {n} | {label} | {result['cpu_us']:.1f} | {result['rate']:,.0f} |", flush=True)
     for label, values in cpu.items():

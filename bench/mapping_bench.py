@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -91,27 +89,20 @@ def per_event(messages: dict[str, Any], sample: list[Any], repeat: int) -> float
     return best / len(sample) * 1e6
 
 
+def one_rule(count: int, repeat: int) -> float:
+    """The single-rule case over `count` events: what `--compare` measures in each tree."""
+    return per_event(CASES["one rule"], events(count), repeat)
+
+
 def compare(tree: Path, count: int, repeat: int, rounds: int) -> tuple[float, float]:
     """The single-rule case on `tree` and on this tree, alternated; the best of each."""
     here = Path(__file__).resolve().parents[1]
 
+    from bench.trees import call_in  # noqa: PLC0415 - the parent's only: a tree may lack it
+
     def run(root: Path) -> float:
         # `relay` (and bench.relay_bench) from `root`, this file's code from here.
-        code = (
-            "import sys, importlib.util as u; sys.path.insert(0, sys.argv[1]);"
-            "s = u.spec_from_file_location('mb', sys.argv[2]); m = u.module_from_spec(s);"
-            "s.loader.exec_module(m); import relay; assert relay.__file__.startswith(sys.argv[1]);"
-            "print(m.per_event(m.CASES['one rule'], m.events(int(sys.argv[3])), int(sys.argv[4])))"
-        )
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(root), __file__, str(count), str(repeat)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return float(out.stdout.strip())
+        return float(call_in(root, __file__, "one_rule", count, repeat))
 
     theirs, ours = [], []
     for _ in range(rounds):
