@@ -30,6 +30,7 @@ class _Collector:
 
     holders = 0
     thresholds: tuple[int, ...] = ()
+    froze = False  # False when the host program had frozen objects of its own: left alone
 
 
 @contextlib.contextmanager
@@ -38,8 +39,10 @@ def start_up_heap_frozen() -> Iterator[None]:
     often; undo both when the last relay of the process stops, so that a relay run inside
     another program (a test, the benchmark) leaves it as it was."""
     if _Collector.holders == 0:
-        gc.collect()
-        gc.freeze()
+        _Collector.froze = gc.get_freeze_count() == 0
+        if _Collector.froze:
+            gc.collect()
+            gc.freeze()
         _Collector.thresholds = thresholds = gc.get_threshold()
         gc.set_threshold(max(thresholds[0], YOUNG_THRESHOLD), *thresholds[1:])
     _Collector.holders += 1
@@ -48,5 +51,6 @@ def start_up_heap_frozen() -> Iterator[None]:
     finally:
         _Collector.holders -= 1
         if _Collector.holders == 0:
-            gc.unfreeze()
+            if _Collector.froze:
+                gc.unfreeze()
             gc.set_threshold(*_Collector.thresholds)

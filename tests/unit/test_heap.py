@@ -50,3 +50,14 @@ def test_relays_may_stop_in_any_order() -> None:
     second.__exit__(None, None, None)
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
+
+
+def test_a_host_that_froze_its_own_heap_keeps_it_frozen() -> None:
+    gc.freeze()
+    try:
+        host = gc.get_freeze_count()
+        with start_up_heap_frozen():
+            assert 0 < gc.get_freeze_count() <= host  # nothing more frozen (some may die)
+        assert 0 < gc.get_freeze_count() <= host  # and not thawed by the relay
+    finally:
+        gc.unfreeze()
