@@ -30,7 +30,7 @@ def compile_expression(source: str) -> Getter:
     text = source.strip()
     if not text:
         raise ExpressionError("empty expression")
-    if _DOTTED.match(text):
+    if is_dotted(text):
         return _dotted_getter(tuple(text.split(".")))
     try:
         parsed = jmespath.compile(text)
@@ -51,7 +51,7 @@ def may_compute(source: str) -> bool:
     only reads what strict JSON decoding let in. Unparseable text counts as computing.
     """
     text = source.strip()
-    if _DOTTED.match(text):
+    if is_dotted(text):
         return False
     try:
         tree = jmespath.compile(text).parsed

@@ -435,10 +435,7 @@ def _event(row: asyncpg.Record, names: ColumnsConfig) -> Event:
             f"column {getattr(names, k)!r} is NULL" for i, k in _REQUIRED if row[i] is None
         )
     else:
-        try:  # _json, inline: once per event
-            data = decode_json(row[5])
-        except ValueError as exc:
-            problem = f"column {names.payload!r} is not valid JSON: {exc}"
+        data, problem = _json(row[5], names.payload)
     metadata: Any = {}
     if row[6] is not None:
         metadata, metadata_problem = _json(row[6], names.metadata)
