@@ -134,7 +134,7 @@ def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
     def render(envelope: Mapping[str, Any]) -> str:
         value = getter(envelope)
         if value is None or value == "":
-            raise ExpressionError(f"{{{expr}}} is null or empty for this event")
+            raise null_placeholder(expr)
         return before + (value if type(value) is str else text_of(value)) + tail
 
     return render
@@ -146,13 +146,18 @@ def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
         for before, expr, getter in steps:
             value = getter(envelope)
             if value is None or value == "":
-                raise ExpressionError(f"{{{expr}}} is null or empty for this event")
+                raise null_placeholder(expr)
             out.append(before)
             out.append(value if type(value) is str else text_of(value))
         out.append(tail)
         return "".join(out)
 
     return render
+
+
+def null_placeholder(expr: str) -> ExpressionError:
+    """What a template says of a placeholder with nothing in it: the event fails."""
+    return ExpressionError(f"{{{expr}}} is null or empty for this event")
 
 
 def text_of(value: Any) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from relay.config.expressions import ExpressionError, is_dotted, template_pieces, text_of
+from relay.config.expressions import is_dotted, null_placeholder, template_pieces, text_of
 
 if TYPE_CHECKING:
     from relay.core.mapping import Event
@@ -40,10 +40,6 @@ _FIELDS = {
 def _step(value: Any, part: str) -> Any:
     """One step of a path through something that is not a dict: a Mapping, or null."""
     return value.get(part) if isinstance(value, Mapping) else None
-
-
-def _null(expr: str) -> ExpressionError:
-    return ExpressionError(f"{{{expr}}} is null or empty for this event")
 
 
 class _Writer:
@@ -119,7 +115,7 @@ def compile_values(
     rk = rendered[3] if routing_key else "None"
     w.lines.append(f"return body, {rendered[0]}, {rendered[1]}, {rendered[2]}, {rk}")
     code = "def values(event, time_text):\n" + "".join(f"    {line}\n" for line in w.lines)
-    namespace: dict[str, Any] = {"_step": _step, "_null": _null, "_text": text_of}
+    namespace: dict[str, Any] = {"_step": _step, "_null": null_placeholder, "_text": text_of}
     exec(code, namespace)  # generated from our own names and repr() literals only
     values = cast(Values, namespace["values"])
     values.__doc__ = code  # for whoever wonders what a rule became
