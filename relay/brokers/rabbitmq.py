@@ -26,8 +26,9 @@ that the RabbitMQ bindings of the CloudEvents SDKs read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 
 import aiormq
@@ -90,7 +91,7 @@ class RabbitMqPublisher:
         c = self._config
         connection, socket = await self._open()
         step = "cannot open a channel"
-        try:
+        async with self._closed_on_failure(connection, socket, lambda: step):
             async with asyncio.timeout(c.connect_timeout):
                 channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 assert isinstance(channel, aiormq.Channel)
@@ -99,14 +100,6 @@ class RabbitMqPublisher:
                     await channel.exchange_declare(
                         exchange.name, exchange_type=exchange.type, durable=exchange.durable
                     )
-        except _CONNECTION_ERRORS as exc:
-            await _close(connection, socket, graceful=False)
-            raise TransientPublishError(
-                f"broker {self.name!r}: {step}: {_refusal(exc, c.connect_timeout)}"
-            ) from exc
-        except BaseException:  # cancelled half-way
-            await _close(connection, socket, graceful=False)
-            raise
         self._connection, self._socket, self._channel = connection, socket, channel
 
     async def _open(self) -> tuple[aiormq.Connection, _Socket]:
@@ -115,18 +108,26 @@ class RabbitMqPublisher:
         c = self._config
         socket = _Socket()
         connection = self._new_connection(socket)
-        try:
+        async with self._closed_on_failure(connection, socket, lambda: "cannot connect"):
             async with asyncio.timeout(c.connect_timeout):
                 await connection.connect()
+        return connection, socket
+
+    @contextlib.asynccontextmanager
+    async def _closed_on_failure(
+        self, connection: aiormq.Connection, socket: _Socket, step: Callable[[], str]
+    ) -> AsyncIterator[None]:
+        """Close a connection being set up if a step fails (said as the broker's refusal
+        at `step()`, the step reached) or is cancelled half-way."""
+        try:
+            yield
         except _CONNECTION_ERRORS as exc:
             await _close(connection, socket, graceful=False)
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect: {_refusal(exc, c.connect_timeout)}"
-            ) from exc
+            refusal = _refusal(exc, self._config.connect_timeout)
+            raise TransientPublishError(f"broker {self.name!r}: {step()}: {refusal}") from exc
         except BaseException:  # cancelled half-way
             await _close(connection, socket, graceful=False)
             raise
-        return connection, socket
 
     def _new_connection(self, socket: _Socket) -> aiormq.Connection:
         c = self._config
