@@ -10,7 +10,6 @@ duplicate window is JetStream's shortest, 100 ms).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
@@ -28,9 +27,11 @@ from relay.core.lanes import fair_share
 from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.lease import Lease, LeaseSession, lock_key
 from tests.support.db import connect
-from tests.support.delivery import Delivery, Writer, analyse
+from tests.support.delivery import Writer
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.lanes import delivered_all as delivered
+from tests.support.lanes import held_by, relayed_more, report, shape, status, until
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import (
     LIBRARY_MESSAGES,
@@ -68,68 +69,6 @@ def _config(tmp_path: Path, dsn: str, nats_url: str, stream: str, *, k: int, nam
     )
     data["lease"] = LEASE
     return save(tmp_path, data, name)
-
-
-async def status(config: Path) -> list[dict[str, Any]]:
-    """`relay status --json`, run in a thread so that the writers keep writing meanwhile."""
-    result = await asyncio.to_thread(run_cli, ["status", "--json", "--config", str(config)])
-    assert result.returncode == 0, result.stderr
-    rows: list[dict[str, Any]] = json.loads(result.stdout)
-    return rows
-
-
-def shape(rows: list[dict[str, Any]]) -> list[int]:
-    """How many lanes each replica holds, largest first; [] while one is unheld."""
-    if any(row["holder"] is None for row in rows):
-        return []
-    return sorted(Counter(row["holder"] for row in rows).values(), reverse=True)
-
-
-def held_by(rows: list[dict[str, Any]], replica: RelayProcess) -> list[str]:
-    """The lanes this replica holds, by `relay status`."""
-    return [
-        row["name"] for row in rows if row["holder"] and row["holder"].endswith(f":{replica.pid}")
-    ]
-
-
-async def until(config: Path, predicate: Callable[[list[dict[str, Any]]], bool]) -> None:
-    """Wait (up to 30 s) until `relay status` shows what `predicate` looks for."""
-
-    async def shows() -> bool:
-        return predicate(await status(config))
-
-    await eventually(shows, timeout=30)
-
-
-def report(label: str, delivery: Delivery) -> int:
-    resent = sum(n - 1 for n in delivery.duplicates.values())
-    print(f"{label}: {len(delivery.ids)} stored, {len(delivery.counts)} distinct, {resent} re-sent")
-    return resent
-
-
-async def relayed_more(config: Path, writer: Writer, events: int = 30) -> None:
-    """Let the writer append `events` more, then wait until every lane's checkpoint has
-    passed them: a while under load, counted in events relayed rather than in seconds."""
-    start = len(writer.appended)
-    await eventually(lambda: len(writer.appended) >= start + events, timeout=30)
-    mark = max(writer.appended)
-    await until(config, lambda rows: all((row["checkpoint"] or 0) >= mark for row in rows))
-
-
-async def delivered(nats_url: str, stream: str, writer: Writer) -> Delivery:
-    """Wait for every committed event (re-sent copies count once), then judge."""
-    expected = set(writer.appended.values())
-
-    async def complete() -> bool:
-        return not analyse(await fetch_all(nats_url, stream)).missing(expected)
-
-    with contextlib.suppress(AssertionError):  # judged below, with what is missing named
-        await eventually(complete, timeout=60, interval=0.2)
-    delivery = analyse(await fetch_all(nats_url, stream))
-    assert delivery.missing(expected) == [], "every committed event is delivered"
-    assert delivery.unexpected(expected) == []
-    assert delivery.order_violations == [], "each aggregate's first deliveries in order"
-    return delivery
 
 
 async def test_lanes_spread_move_after_a_kill_and_rebalance_when_a_replica_joins(

@@ -1,0 +1,526 @@
+"""Split outboxes through the transitions an operator goes through.
+
+A change of K (by `relay repartition`, or by a rolling deploy whose new config says
+another K), a rollout that adds an outbox, a fleet whose replicas run different outbox
+sets, replicas that start at the same moment with different counts, a replica at its
+`lease.max_per_replica`. Every promise must hold while the system moves: each committed
+event reaches the stream, each aggregate's first deliveries keep their order, and one K
+relays an outbox at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.core.lanes import lanes_of
+from tests.support.db import connect
+from tests.support.delivery import Writer, append_backlog, book_lent, event_id
+from tests.support.http import get, http_port
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.lanes import (
+    Rows,
+    delivered,
+    delivered_all,
+    held_by,
+    relayed_more,
+    report,
+    shape,
+    status,
+    until,
+)
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, migrate_cli, save
+
+Start = Callable[..., RelayProcess]
+MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
+LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
+
+
+@pytest.fixture
+async def copies(nats_url: str) -> AsyncIterator[str]:
+    """A stream that keeps re-sent copies (JetStream's shortest duplicate window)."""
+    name = unique_name("moves")
+    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
+    try:
+        yield name
+    finally:
+        await delete_stream(nats_url, name)
+
+
+def outbox(stream: str, k: int, **options: Any) -> dict[str, Any]:
+    """The `loans` outbox of `config_dict`, with K partitions."""
+    data = config_dict("unused", "unused", stream, messages=MESSAGES, partitions=k, **options)
+    loans: dict[str, Any] = data["outboxes"]["loans"]
+    loans["batch"] = {"max_messages": 50}
+    return loans
+
+
+def config(
+    tmp_path: Path,
+    dsn: str,
+    nats_url: str,
+    stream: str,
+    name: str,
+    *,
+    outboxes: dict[str, dict[str, Any]],
+    lease: dict[str, Any] | None = None,
+) -> Path:
+    data = config_dict(dsn, nats_url, stream, messages=MESSAGES)
+    data["outboxes"] = outboxes
+    data["lease"] = {**LEASE, **(lease or {})}
+    return save(tmp_path, data, name)
+
+
+async def lane_rows(dsn: str, name: str = "loans") -> list[str]:
+    """The outbox's checkpoint rows, by lane name."""
+    async with connect(dsn) as conn:
+        rows = await conn.fetch(
+            "SELECT outbox FROM relay.checkpoints WHERE outbox = $1 OR outbox LIKE $1 || '/%'"
+            " ORDER BY outbox",
+            name,
+        )
+    return [r["outbox"] for r in rows]
+
+
+async def recorded(dsn: str, name: str = "loans") -> int | None:
+    async with connect(dsn) as conn:
+        value = await conn.fetchval("SELECT partitions FROM relay.outboxes WHERE outbox = $1", name)
+    return None if value is None else int(value)
+
+
+def lane_names(k: int, name: str = "loans") -> list[str]:
+    return sorted(lane.name for lane in lanes_of(name, k))
+
+
+async def caught_up(dsn: str, rows: Rows) -> bool:
+    """Every held lane's checkpoint is at the table's head."""
+    async with connect(dsn) as conn:
+        head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
+    return all(row["checkpoint"] == head for row in rows if row["holder"])
+
+
+# -- 1. relay repartition and lanes that never ran ------------------------------------------
+
+
+async def test_repartition_counts_a_lane_that_never_ran_from_where_it_would_have_started(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """K = 4 on one replica capped at two lanes: two lanes never run and have no row.
+    `relay repartition` to 2 must not start the new lanes past their events."""
+    stream = copies
+    four = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "four.yaml",
+        outboxes={"loans": outbox(stream, 4)},
+        lease={"max_per_replica": 2},
+    )
+    two = config(
+        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
+    )
+    migrate_cli(four)
+    backlog = await append_backlog(events_table, 400, aggregates=40)
+    replica = relay_process(["run", "--config", str(four)])
+
+    async def two_lanes_done() -> bool:
+        rows = await status(four)
+        held = [row for row in rows if row["holder"]]
+        return len(held) == 2 and await caught_up(events_table, rows)
+
+    await eventually(two_lanes_done, timeout=30)
+    replica.terminate()
+    assert await replica.wait_async(15) == 0
+    done = run_cli(["repartition", "loans", "--partitions", "2", "--json", "--config", str(two)])
+    assert done.returncode == 0, done.stderr
+    relay_process(["run", "--config", str(two)])
+    delivery = await delivered(nats_url, stream, set(backlog.values()))
+    resent = report("repartition after lanes that never ran", delivery)
+    assert resent == json.loads(done.stdout)["resent"], "the command said how many go again"
+
+
+# -- 2. a replica with the old count, after a repartition ----------------------------------
+
+
+async def test_a_replica_with_the_old_count_never_relays_a_repartitioned_outbox(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """The holder's lease session is cut; while it rests, the outbox goes from 4 to 2
+    partitions. The replica, still configured for 4, must not relay it with 4."""
+    stream = copies
+    slow = {"retry_interval": "2s", "takeover_after": "5s"}
+    four = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "four.yaml",
+        outboxes={"loans": outbox(stream, 4)},
+        lease=slow,
+    )
+    two = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "two.yaml",
+        outboxes={"loans": outbox(stream, 2)},
+        lease=slow,
+    )
+    migrate_cli(four)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        old = relay_process(["run", "--config", str(four)])
+        await until(four, lambda rows: shape(rows) == [4])
+        await relayed_more(four, writer)
+        async with connect(events_table) as conn:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name LIKE '%:' || $1::text || ':lease'",
+                str(old.pid),
+            )
+
+        async def repartitioned() -> bool:
+            args = ["repartition", "loans", "--partitions", "2", "--config", str(two)]
+            return (await asyncio.to_thread(run_cli, args)).returncode == 0
+
+        await eventually(repartitioned, timeout=30, interval=0.1)
+        new = relay_process(["run", "--config", str(two)])
+        await until(two, lambda rows: len(held_by(rows, new)) == 2)
+        await relayed_more(two, writer)
+    delivery = await delivered_all(nats_url, stream, writer)
+    report("old count after a repartition", delivery)
+    assert await lane_rows(events_table) == lane_names(2), "no lane row of the old count"
+    assert old.returncode is None, "the old replica stays up and says why it does not relay"
+    assert any(
+        "relay repartition" in json.dumps(r)
+        for r in old.logs()
+        if r.get("level") in ("warning", "error")
+    )
+
+
+# -- 3. a rollout that adds a split outbox with start: end ---------------------------------
+
+
+async def test_a_rollout_that_adds_a_split_outbox_publishes_everything_after_its_first_claim(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """An old replica runs only `y`; a new one runs `y` and a new `loans` (K = 4,
+    start: end). Every event committed after the new outbox's first claim goes out."""
+    stream = copies
+    y = outbox(stream, 1)
+    y["messages"] = {
+        "BookLent": {
+            **y["messages"]["BookLent"],
+            "id": "{aggregate_type}/{aggregate_id}@{version}/y",
+        }
+    }
+    old_config = config(tmp_path, events_table, nats_url, stream, "old.yaml", outboxes={"y": y})
+    new_config = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "new.yaml",
+        outboxes={"y": y, "loans": outbox(stream, 4, start="end")},
+    )
+    migrate_cli(new_config)
+    old = relay_process(["run", "--config", str(old_config)])
+    await until(old_config, lambda rows: all(row["holder"] for row in rows))
+    relay_process(["run", "--config", str(new_config)])
+    await until(
+        new_config,
+        lambda rows: any(
+            row["checkpoint"] is not None for row in rows if row["name"].startswith("loans/")
+        ),
+    )
+    events = [book_lent(f"book-{i % 30}", i // 30 + 1) for i in range(300)]
+    async with connect(events_table) as conn:
+        for event in events:
+            await conn.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
+                " VALUES ($1, $2, $3, $4, $5::jsonb)",
+                *event[:4],
+                json.dumps(event.payload),
+            )
+    old.terminate()
+    assert await old.wait_async(15) == 0
+    expected = {event_id(e.aggregate_id, e.version) for e in events}
+    delivery = await delivered(nats_url, stream, expected, keep=lambda i: not i.endswith("/y"))
+    report("rollout adding a split outbox", delivery)
+
+
+# -- 4. two counts at the same moment on a new outbox ---------------------------------------
+
+
+async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """A K = 2 and a K = 4 replica start on a fresh outbox, released at the same instant:
+    one count wins, the other replica relays nothing of it and creates no lane row."""
+    stream = copies
+    two = config(
+        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
+    )
+    four = config(
+        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
+    )
+    migrate_cli(two)
+    backlog = await append_backlog(events_table, 200, aggregates=20)
+    async with connect(events_table) as gate:
+        # Hold the relay's tables: both replicas queue behind this lock, then go together.
+        tx = gate.transaction()
+        await tx.start()
+        await gate.execute("LOCK TABLE relay.outboxes, relay.checkpoints IN ACCESS EXCLUSIVE MODE")
+        replicas = [relay_process(["run", "--config", str(path)]) for path in (two, four)]
+
+        async def both_waiting() -> bool:
+            waiting = await gate.fetchval(
+                "SELECT count(DISTINCT a.pid) FROM pg_locks l"
+                " JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE NOT l.granted AND a.application_name LIKE 'relay:%'"
+            )
+            return int(waiting) >= 2
+
+        await eventually(both_waiting, timeout=30)
+        await tx.rollback()
+
+    async def decided() -> bool:
+        return await recorded(events_table) is not None
+
+    await eventually(decided)
+    winner = await recorded(events_table)
+    assert winner in (2, 4)
+    delivery = await delivered(nats_url, stream, set(backlog.values()))
+    report(f"two counts at once, {winner} won", delivery)
+    assert await lane_rows(events_table) == lane_names(winner), "lanes of one count only"
+    loser = replicas[0] if winner == 4 else replicas[1]
+    assert held_by(await status(two if winner == 2 else four), loser) == []
+    assert all(r.returncode is None for r in replicas)
+
+
+# -- 5. a fleet whose replicas run different outbox sets ------------------------------------
+
+
+async def test_lanes_stay_held_while_the_fleet_runs_different_outbox_sets(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """Replica A runs `loans` (K = 4); replica B, in the same namespace, runs only `y`.
+    B does not run `loans`, so A keeps all four of its lanes."""
+    stream = copies
+    y = outbox(stream, 1)
+    y["messages"] = {
+        "BookLent": {
+            **y["messages"]["BookLent"],
+            "id": "{aggregate_type}/{aggregate_id}@{version}/y",
+        }
+    }
+    a = config(
+        tmp_path, events_table, nats_url, stream, "a.yaml", outboxes={"loans": outbox(stream, 4)}
+    )
+    b = config(tmp_path, events_table, nats_url, stream, "b.yaml", outboxes={"y": y})
+    migrate_cli(a)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        relay_process(["run", "--config", str(a)])
+        await until(a, lambda rows: shape(rows) == [4])
+        relay_process(["run", "--config", str(b)])
+        await until(b, lambda rows: all(row["holder"] for row in rows))
+        await relayed_more(a, writer, events=60)
+        await until(a, lambda rows: shape(rows) == [4])
+    expected = set(writer.appended.values())
+    await delivered(nats_url, stream, expected, keep=lambda i: not i.endswith("/y"))
+
+
+async def test_a_replica_at_its_cap_leaves_no_lane_unheld_while_another_has_room(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """K = 4 over A (max_per_replica 1) and B (no cap): B holds three, above its share of
+    two, because nobody else can; no lane stays unheld."""
+    stream = copies
+    capped = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "capped.yaml",
+        outboxes={"loans": outbox(stream, 4)},
+        lease={"max_per_replica": 1},
+    )
+    roomy = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "roomy.yaml",
+        outboxes={"loans": outbox(stream, 4)},
+    )
+    migrate_cli(capped)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        a = relay_process(["run", "--config", str(capped)])
+        await until(capped, lambda rows: len(held_by(rows, a)) == 1)
+        relay_process(["run", "--config", str(roomy)])
+        await until(roomy, lambda rows: shape(rows) == [3, 1])
+        await relayed_more(roomy, writer)
+    await delivered_all(nats_url, stream, writer)
+
+
+# -- 6. CLI commands with a config whose count differs --------------------------------------
+
+
+async def test_cli_commands_act_on_the_recorded_partitions_whatever_the_config_says(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    stream = copies
+    two = config(
+        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
+    )
+    four = config(
+        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
+    )
+    migrate_cli(two)
+    backlog = await append_backlog(events_table, 100, aggregates=10)
+    replica = relay_process(["run", "--config", str(two)])
+    await delivered(nats_url, stream, set(backlog.values()))
+    await until(two, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
+
+    replay = run_cli(["replay", "loans", "--from-start", "--json", "--config", str(four)])
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["events"] == 100
+    assert "runs with 2 partition(s)" in replay.stderr
+
+    async def sent_twice() -> bool:
+        return len(await fetch_all(nats_url, stream)) >= 200
+
+    await eventually(sent_twice, timeout=30)
+    delivery = await delivered(nats_url, stream, set(backlog.values()))
+    assert len(delivery.ids) == 200, "each event sent once more, not more"
+    assert await lane_rows(events_table) == lane_names(2)
+
+    rows = await status(four)
+    assert [row["name"] for row in rows] == lane_names(2)
+    text = run_cli(["status", "--config", str(four)]).stdout
+    assert "this config says 4" in text
+
+    replica.terminate()
+    assert await replica.wait_async(15) == 0
+    async with connect(events_table) as conn:  # what an older relay could leave behind
+        await conn.execute(
+            "INSERT INTO relay.checkpoints (outbox, position) VALUES ('loans/2', 0), ('loans/3', 0)"
+        )
+    done = run_cli(["repartition", "loans", "--partitions", "4", "--config", str(four)])
+    assert done.returncode == 0, done.stderr
+    assert await lane_rows(events_table) == lane_names(4)
+    assert delivery.order_violations == []
+
+
+# -- changing K in a rolling deploy ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (1, 3)])
+async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
+    *,
+    before: int,
+    after: int,
+    events_table: str,
+    nats_url: str,
+    tmp_path: Path,
+    relay_process: Start,
+    copies: str,
+) -> None:
+    """Two replicas of the old count; new ones come up one at a time, old ones leave one at
+    a time (SIGTERM). The new replicas wait, Ready, until no replica runs the old count,
+    then change the outbox over; no hand-run step, nothing lost, order kept."""
+    stream = copies
+    old = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "old.yaml",
+        outboxes={"loans": outbox(stream, before)},
+    )
+    new = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "new.yaml",
+        outboxes={"loans": outbox(stream, after)},
+    )
+    migrate_cli(old)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        olds = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
+        await until(old, lambda rows: all(row["holder"] for row in rows))
+        await relayed_more(old, writer)
+        first = relay_process(["run", "--config", str(new), "--http-port", "0"])
+        port = await http_port(first)
+        await first.wait_for_log(lambda r: "every replica" in str(r.get("event", "")))
+
+        async def ready() -> bool:
+            code, _ = await get(port, "/readyz")
+            return code == 200
+
+        await eventually(ready, timeout=20)
+        _, metrics = await get(port, "/metrics")
+        assert 'relay_partitions_mismatch{outbox="loans"} 1.0' in metrics
+        text = run_cli(["status", "--config", str(new)]).stdout
+        assert f"this config says {after}" in text
+        olds[0].terminate()
+        assert await olds[0].wait_async(15) == 0
+        await relayed_more(old, writer)
+        second = relay_process(["run", "--config", str(new)])
+        olds[1].terminate()
+        assert await olds[1].wait_async(15) == 0
+        await until(
+            new,
+            lambda rows: (
+                [row["name"] for row in rows] == lane_names(after)
+                and all(row["holder"] for row in rows)
+            ),
+        )
+        await relayed_more(new, writer)
+        assert second.returncode is None
+    delivery = await delivered_all(nats_url, stream, writer)
+    resent = report(f"rolling deploy {before} -> {after}", delivery)
+    assert resent == 0, "the change-over re-sends nothing"
+    assert await recorded(events_table) == after
+    assert await lane_rows(events_table) == lane_names(after)
+    _, metrics = await get(port, "/metrics")
+    assert 'relay_partitions_mismatch{outbox="loans"} 0.0' in metrics
+
+
+async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instead_of_reverting(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """The operator's repartition stands: a replica started with the old count does not
+    change it back, and says what to do; one with the new count relays."""
+    stream = copies
+    four = config(
+        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
+    )
+    two = config(
+        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
+    )
+    migrate_cli(four)
+    backlog = await append_backlog(events_table, 100, aggregates=10)
+    first = relay_process(["run", "--config", str(four)])
+    await delivered(nats_url, stream, set(backlog.values()))
+    first.terminate()
+    assert await first.wait_async(15) == 0
+    done = run_cli(["repartition", "loans", "--partitions", "2", "--config", str(two)])
+    assert done.returncode == 0, done.stderr
+    stale = relay_process(["run", "--config", str(four)])
+    await stale.wait_for_log(lambda r: "relay repartition loans --partitions 4" in json.dumps(r))
+    assert await recorded(events_table) == 2
+    more = await append_backlog(events_table, 50, aggregates=10)
+    relay_process(["run", "--config", str(two)])
+    await delivered(nats_url, stream, set(backlog.values()) | set(more.values()))
+    assert await recorded(events_table) == 2
+    assert await lane_rows(events_table) == lane_names(2)
+    assert held_by(await status(two), stale) == []
