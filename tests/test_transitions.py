@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from relay.core.lanes import lanes_of
-from tests.support.db import connect
+from tests.support.db import append_many, connect
 from tests.support.delivery import Writer, append_backlog, book_lent, event_id
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
@@ -273,15 +273,16 @@ async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
     )
     migrate_cli(two)
     backlog = await append_backlog(events_table, 200, aggregates=20)
-    async with connect(events_table) as gate:
+    async with connect(events_table) as gate, connect(events_table) as watch:
         # Hold the relay's tables: both replicas queue behind this lock, then go together.
+        # (Watched from another session: pg_stat_activity is read once per transaction.)
         tx = gate.transaction()
         await tx.start()
         await gate.execute("LOCK TABLE relay.outboxes, relay.checkpoints IN ACCESS EXCLUSIVE MODE")
         replicas = [relay_process(["run", "--config", str(path)]) for path in (two, four)]
 
         async def both_waiting() -> bool:
-            waiting = await gate.fetchval(
+            waiting = await watch.fetchval(
                 "SELECT count(DISTINCT a.pid) FROM pg_locks l"
                 " JOIN pg_stat_activity a ON a.pid = l.pid"
                 " WHERE NOT l.granted AND a.application_name LIKE 'relay:%'"
@@ -460,7 +461,7 @@ async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
         await relayed_more(old, writer)
         first = relay_process(["run", "--config", str(new), "--http-port", "0"])
         port = await http_port(first)
-        await first.wait_for_log(lambda r: "every replica" in str(r.get("event", "")))
+        await first.wait_for_log(lambda r: "every live replica" in json.dumps(r))
 
         async def ready() -> bool:
             code, _ = await get(port, "/readyz")
@@ -518,9 +519,12 @@ async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instea
     stale = relay_process(["run", "--config", str(four)])
     await stale.wait_for_log(lambda r: "relay repartition loans --partitions 4" in json.dumps(r))
     assert await recorded(events_table) == 2
-    more = await append_backlog(events_table, 50, aggregates=10)
+    later = [book_lent(f"book-{i % 10 + 1}", 11 + i // 10) for i in range(50)]
+    async with connect(events_table) as conn:
+        await append_many(conn, later)
+    more = {event_id(e.aggregate_id, e.version) for e in later}
     relay_process(["run", "--config", str(two)])
-    await delivered(nats_url, stream, set(backlog.values()) | set(more.values()))
+    await delivered(nats_url, stream, set(backlog.values()) | more)
     assert await recorded(events_table) == 2
     assert await lane_rows(events_table) == lane_names(2)
     assert held_by(await status(two), stale) == []

@@ -8,6 +8,7 @@ one lane is named after the outbox itself, so nothing changes for existing outbo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -58,29 +59,51 @@ class Balance:
     take: int  # free lanes to try to take
 
 
-def balance(*, lanes: int, live: int, me: str, holding: dict[str, int], patient: bool) -> Balance:
-    """Spread K lanes over R replicas as floor(K/R) or ceil(K/R) each.
+def balance(
+    *,
+    lanes: int,
+    members: Mapping[str, int | None],
+    me: str,
+    holding: Mapping[str, int],
+    patient: bool,
+) -> Balance:
+    """Spread K lanes over the R replicas that run the outbox: floor(K/R) or ceil(K/R) each.
 
-    `holding` counts the lanes each replica holds now (`me` included); `live` is how
-    many replicas are alive, some perhaps holding nothing yet. A replica above ceil
-    gives the excess back. When one is below floor (a newcomer), one of the replicas
-    at ceil (the last by name, so that only one moves) gives one lane back, and the
-    others leave free lanes to the newcomer for a few passes (`patient`), after which
-    anyone below ceil may take them, so that no lane stays unheld for long.
+    `members` are the live replicas that run this outbox with its count (`me` included),
+    each with how many more lanes it may take (None: no `lease.max_per_replica`); a
+    replica that runs other outboxes only is not among them. `holding` counts the lanes
+    each holds now; a holder that is not a member (a CLI command, a replica going silent)
+    counts as one that takes no more.
+
+    A replica above ceil gives the excess back, but only what the others can take. When
+    one is below floor (a newcomer), one of the replicas at ceil (the last by name, so
+    that only one moves) gives one lane back, and the others leave free lanes to the
+    newcomer for a few passes (`patient`). After that, anyone below ceil takes them, and
+    when nobody else can (every other replica at ceil or at its cap), a replica with room
+    takes more than its share: no lane stays unheld while a replica that runs it has room.
     """
-    others = {who: n for who, n in holding.items() if who != me and n > 0}
-    replicas = max(live, len(others) + 1)
+    held = {who: 0 for who in members} | {who: n for who, n in holding.items() if n > 0}
+    held[me] = holding.get(me, 0)
+    replicas = len(held)
     floor, ceil = lanes // replicas, -(-lanes // replicas)
-    mine = holding.get(me, 0)
-    idle = replicas - 1 - len(others)  # alive, holding nothing of this outbox (me aside)
-    below = (idle if floor > 0 else 0) + sum(1 for n in others.values() if n < floor)
+    mine, others = held[me], [who for who in held if who != me]
+    free = max(lanes - sum(held.values()), 0)
+
+    def takes(who: str, upto: int) -> int:
+        """How many more lanes `who` would take, up to `upto` held."""
+        room = members.get(who, 0) if who in members else 0
+        return max(0, min(lanes if room is None else room, upto - held[who]))
+
     if mine > ceil:
-        return Balance(give=mine - ceil, take=0)
-    at_ceil = sorted(
-        [who for who, n in others.items() if n == ceil] + ([me] if mine == ceil else [])
-    )
-    if ceil > floor and below > 0 and at_ceil and at_ceil[-1] == me:
+        give = min(mine - ceil, sum(takes(who, ceil) for who in others) - free)
+        if give > 0:
+            return Balance(give=give, take=0)
+    below = [who for who in others if held[who] < floor and takes(who, floor) > 0]
+    at_ceil = sorted(who for who, n in held.items() if n == ceil)
+    if ceil > floor and sum(takes(w, floor) for w in below) > free and at_ceil[-1:] == [me]:
         return Balance(give=1, take=0)
-    if below > 0 and mine >= floor and patient:
-        return Balance(give=0, take=0)
-    return Balance(give=0, take=ceil - mine)
+    share = max(ceil - mine, 0)
+    if patient:
+        return Balance(give=0, take=0 if below and mine >= floor else share)
+    spare = free - share - sum(takes(who, ceil) for who in others)
+    return Balance(give=0, take=share + max(spare, 0))

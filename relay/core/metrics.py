@@ -59,6 +59,12 @@ class Metrics:
         self.lease_held = self._gauge(
             "relay_lease_held", "1 while this replica holds the outbox's lease."
         )
+        self.partitions_mismatch = self._gauge(
+            "relay_partitions_mismatch",
+            "1 while this replica's config gives the outbox another partition count than the"
+            " one it runs with: it relays none of its lanes (see `relay status`).",
+            ["outbox"],
+        )
         self.lease_transitions = self._counter(
             "relay_lease_transitions",
             "Lease acquisitions, releases, losses and fencings.",

@@ -44,6 +44,11 @@ class OutboxState:
     def lost(self, reason: str) -> None:
         self.role, self.activity, self.holder, self.last_error = "standby", "idle", None, reason
 
+    def mismatched(self, reason: str) -> None:
+        """Configured with another partition count than the outbox runs with: no lane."""
+        self.role, self.activity, self.holder, self.last_error = "standby", "idle", None, reason
+        self.held_since = self.epoch = None
+
     def disconnected(self, error: str) -> None:
         self.role, self.activity, self.last_error = "standby", "disconnected", error
 

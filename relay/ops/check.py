@@ -33,7 +33,7 @@ from relay.errors import (
 from relay.ops.identity import identity
 from relay.postgres.database import Database, too_old
 from relay.postgres.migrations import LATEST, ensure_migrated, schema_version
-from relay.postgres.partitions import Partitions
+from relay.postgres.partitions import Partitions, mismatch
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 
@@ -99,8 +99,9 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
 
 async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report: Report) -> None:
     """What `relay run` would refuse in the relay's own tables. Not migrated yet is only a
-    warning here (migrate may come next); tables newer than this relay, or an outbox's
-    partitions changed without `relay repartition`, are problems."""
+    warning here (migrate may come next); tables newer than this relay are a problem. An
+    outbox that runs with another partition count than the config's is a warning: replicas
+    with this config wait, or change it over (docs/scaling.md)."""
     schema = config.database.schema_
     version = await schema_version(conn, schema)
     if version < LATEST:
@@ -116,8 +117,9 @@ async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report
         return
     partitions = Partitions(schema)
     for name, outbox in config.outboxes.items():
-        if (why := await partitions.mismatch(conn, name, outbox.partitions)) is not None:
-            report.problems.append(why)
+        record = await partitions.read(conn, name)
+        if record is not None and record.partitions != outbox.partitions:
+            report.warnings.append(mismatch(name, record, outbox.partitions))
 
 
 def _adapters(config: RelayConfig) -> list[str]:

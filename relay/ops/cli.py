@@ -274,7 +274,8 @@ def replay(
     view = progress_view(f"replay {outbox}", "events", as_json)
 
     async def work() -> dict[str, Any]:
-        controller = Operator(cfg, outbox, identity())
+        recorded = await on_recorded_partitions(cfg, outbox)
+        controller = Operator(recorded, outbox, identity())
         target, current = await controller.replay_target(spec)
         count = await controller.count(target, current)
         result: dict[str, Any] = {
@@ -296,7 +297,9 @@ def replay(
                 detail=outcome.detail,
             )
             if follow and outcome.ok:
-                wait = follow_replay(cfg, outbox, head, outcome.detail, view=view, unheld=timeout)
+                wait = follow_replay(
+                    recorded, outbox, head, outcome.detail, view=view, unheld=timeout
+                )
                 result.update(await wait)
         return result
 
@@ -347,12 +350,13 @@ def retry_parked(
     view = progress_view(f"retry-parked {outbox}", "messages", as_json)
 
     async def work() -> dict[str, Any]:
-        command = Operator(cfg, outbox, identity()).run(
+        recorded = await on_recorded_partitions(cfg, outbox)
+        command = Operator(recorded, outbox, identity()).run(
             CommandKind.RETRY_PARKED, {"ids": ids or None}, timeout, patient=follow
         )
         extra: dict[str, Any] = {}
         if follow:
-            outcome, done = await follow_retry(cfg, outbox, ids or None, view, command)
+            outcome, done = await follow_retry(recorded, outbox, ids or None, view, command)
             extra["progress"] = done.as_json()
         else:
             outcome = await command
@@ -386,6 +390,17 @@ def retry_parked(
         raise typer.Exit(1)
 
 
+async def on_recorded_partitions(cfg: RelayConfig, outbox: str | None) -> RelayConfig:
+    """The config with the outbox's partitions as it runs (relay/ops/recorded.py), saying so
+    on stderr when this config's count differs."""
+    from relay.ops.recorded import as_recorded
+
+    recorded, notes = await as_recorded(cfg, None if outbox is None else [outbox])
+    for note in notes:
+        typer.echo(note, err=True)
+    return recorded
+
+
 def _say_outcome(result: dict[str, Any], text: str) -> None:
     who = "this command (no replica held the lease)" if result["direct"] else result["executed_by"]
     if result["ok"]:
@@ -403,7 +418,7 @@ def repartition(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Change an outbox's partitions; its replicas must be stopped. Nothing is skipped."""
+    """Change an outbox's partitions, with its replicas stopped: nothing lost or sent twice."""
     from relay.ops.repartition import repartition as do_repartition
 
     cfg = load_config_or_exit(config)
@@ -416,13 +431,14 @@ def repartition(
     else:
         typer.echo(
             f"{outbox}: {done.before} -> {done.after} partition(s); every lane starts after"
-            f" position {done.start}; {done.resent} event(s) already published will be sent"
-            f" again (same ids); {done.parked_moved} parked message(s) moved to their new lanes"
+            f" position {done.start} and skips the {done.skipped} event(s) after it that the"
+            f" old lanes had published; {done.resent} event(s) already published will be sent"
+            f" again; {done.parked_moved} parked message(s) moved to their new lanes"
         )
     if cfg.outboxes[outbox].partitions != partitions:
         typer.echo(
             f"now set outboxes.{outbox}.partitions to {partitions} in the config before the"
-            " replicas start again",
+            f" replicas start again: replicas with another count wait, and say so",
             err=True,
         )
 

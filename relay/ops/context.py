@@ -18,6 +18,7 @@ from relay.core.publishing import Publisher
 from relay.core.state import OutboxState
 from relay.ops.operations import Operations
 from relay.postgres.command_queue import CommandQueue
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 
@@ -40,6 +41,7 @@ class OutboxContext:
     source: EventSource
     store: Store
     commands: CommandQueue
+    partitions: Partitions
     publisher: Publisher
     mapper: Mapper
     operations: Operations
@@ -76,6 +78,7 @@ class OutboxContext:
             source=source,
             store=store,
             commands=CommandQueue(schema),
+            partitions=Partitions(schema),
             publisher=publisher,
             mapper=mapper,
             operations=Operations(store, source, mapper, publisher, config.batch.max_messages),

@@ -1,8 +1,9 @@
 """The steps of holding an outbox's lease, shared by a replica and by the CLI.
 
-Both claim the outbox the same way (check the table, choose the start, take the
-next epoch, fail what a previous holder left running), and both do their work
-beside the lease watch, stopping the work at once if the lease cannot be proven.
+Both claim a lane the same way (check the table, choose the start, then in one
+transaction: check the lane's count against the outbox's partition set, take the
+next epoch, fail what a previous holder left running), and both do their work beside
+the lease watch, stopping the work at once if the lease cannot be proven.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import asyncpg
+
 from relay.config.broker_identity import same_broker
+from relay.core.lanes import Lane
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import CommandQueue
 from relay.postgres.lease import Lease
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Claim, Store
 
@@ -24,32 +29,48 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Claimant:
-    """What claiming an outbox needs: its name and start, and where its rows live."""
+    """What claiming a lane needs: which lane of how many, its start, where its rows live."""
 
-    outbox: str
+    lane: Lane
     start: str
     source: EventSource
     store: Store
     commands: CommandQueue
+    partitions: Partitions
     broker: str | None = None  # the outbox's broker identity, recorded with its checkpoint
 
 
-async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
-    """Claim the outbox under `lease` (already held): the next epoch, fenced from here on."""
+async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) -> ClaimedOutbox:
+    """Claim the lane under `lease` (already held): the next epoch, fenced from here on.
+
+    The table's checks and the start are read on `reader`, so that the lease connection,
+    which every lane's proof shares, only carries the claim's short transaction. A lane of
+    another count than the outbox's partition set is refused there (PartitionsChanged),
+    and nothing is written.
+    """
     c = claimant
-    async with lease.statement() as conn:
-        await c.source.check(conn)
-        position, start_xmin = await c.source.start_point(conn, c.start)
+    await c.source.check(reader)
+    position, start_xmin = await c.source.start_point(reader, c.start)
+    async with lease.statement() as conn, conn.transaction():
+        record = await c.partitions.admit(
+            conn,
+            c.lane.outbox,
+            c.lane.count,
+            start=position,
+            start_xmin=start_xmin,
+            by=lease.identity,
+        )
+        assert record.start_position is not None  # admit records the first claim's start
         claimed = await c.store.claim(
             conn,
-            c.outbox,
+            c.lane.name,
             lease.identity,
-            position,
+            record.start_position,
             lease.key,
-            start_xmin=start_xmin,
+            start_xmin=record.start_xmin,
             broker=c.broker,
         )
-        await c.commands.abandon_running(conn, c.outbox)
+        await c.commands.abandon_running(conn, c.lane.name)
     return ClaimedOutbox(c.store, lease, claimed)
 
 

@@ -31,6 +31,7 @@ from relay.postgres.command_queue import CommandKind, CommandQueue, CommandReque
 from relay.postgres.database import Database
 from relay.postgres.lease import Lease, LeaseSession
 from relay.postgres.migrations import ensure_migrated
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 
@@ -66,6 +67,7 @@ class Operator:
     """The CLI's side: hand a command to each lane's holder, or do it under the lease itself."""
 
     def __init__(self, config: RelayConfig, outbox: str, identity: str) -> None:
+        """`config` gives the outbox the partitions it runs with (recorded.py)."""
         self.outbox_config = config.outbox(outbox)  # unknown: a ConfigError
         self.config = config
         self.outbox = outbox
@@ -75,6 +77,7 @@ class Operator:
         self.store = Store(config.database.schema_)
         self.source = EventSource(config.source)
         self.queue = CommandQueue(config.database.schema_)
+        self.partitions = Partitions(config.database.schema_)
 
     async def run(
         self, kind: CommandKind, args: dict[str, Any], wait: float, *, patient: bool = False
@@ -191,9 +194,9 @@ class Operator:
         try:
             broker = broker_identity(self.config.brokers[outbox.broker])
             claimant = holding.Claimant(
-                lane.name, outbox.start, source, self.store, self.queue, broker
+                lane, outbox.start, source, self.store, self.queue, self.partitions, broker
             )
-            claimed = await holding.claim(lease, claimant)
+            claimed = await holding.claim(lease, claimant, reader)
             holding.warn_if_broker_changed(log, self.outbox, claimed.claim)
             log.info(
                 "no holder: carrying out the command under the lease",

@@ -98,9 +98,15 @@ class OutboxRelay:
         if await source.barrier(s.reader, self._blocked(s), self.ctx.stop) is None:
             return False
         assert claim.start_xmin is not None  # run() checked
-        first = await source.first_open_position(s.reader, claim.position, claim.start_xmin)
+        first, whole = await source.first_open_position(s.reader, claim.position, claim.start_xmin)
         start = claim.position if first is None else first - 1
         await s.claimed.settle_start(start)
+        # Where the outbox's other lanes start when first claimed (later, perhaps much).
+        async with s.claimed.writer.statement() as conn:
+            outbox = self.ctx.lane.outbox
+            await self.ctx.partitions.settle_start(
+                conn, outbox, claim.position if whole is None else whole - 1
+            )
         self._horizon = s.claimed.position
         self.ctx.state.moved(s.claimed.position)
         self.log.info(
@@ -226,6 +232,7 @@ class OutboxRelay:
             aggregates=self.config.aggregates,
             types=self._types,
             max_bytes=self.config.batch.max_bytes,
+            skip=s.claimed.skip,
         )
         mapper, skipped = self.ctx.mapper, self._skipped
         per_event = [items_of(mapper, event, skipped) for event in events]

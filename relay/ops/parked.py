@@ -8,12 +8,14 @@ from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.errors import RelayError
 from relay.ops.identity import identity
+from relay.ops.recorded import as_recorded
 from relay.postgres.database import Database
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.store import ParkedMessage, Store
 
 
 async def parked_list(config: RelayConfig, outbox: str) -> list[ParkedMessage]:
+    config, _ = await as_recorded(config, [outbox])
     lanes = lane_names(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
@@ -30,6 +32,7 @@ async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
 
 
 async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
+    config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
@@ -40,6 +43,7 @@ async def parked_to_drop(
     config: RelayConfig, ids: list[int] | None, outbox: str | None
 ) -> list[ParkedMessage]:
     """What `parked_drop` with the same arguments would delete, in position order."""
+    config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
@@ -77,6 +81,7 @@ def whole(parked: ParkedMessage) -> dict[str, Any]:
 
 
 def lane_names(config: RelayConfig, outbox: str) -> list[str]:
-    """Where the outbox's messages are parked: its lanes (itself, when it has one)."""
+    """Where the outbox's messages are parked: its lanes (itself, when it has one), by the
+    config's count (which `as_recorded` made the outbox's own)."""
     partitions = config.outbox(outbox).partitions  # unknown: a ConfigError
     return [lane.name for lane in lanes_of(outbox, partitions)]

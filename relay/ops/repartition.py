@@ -1,10 +1,15 @@
-"""`relay repartition OUTBOX --partitions K`: change an outbox's lane count, safely.
+"""Changing an outbox's partition count: by `relay repartition`, or by its replicas.
 
-It takes the lease of every old and new lane first, so no replica relays the outbox
-meanwhile (a replica holding one makes it refuse, naming it); then the new lanes all
-start at the lowest checkpoint of the old ones, in one transaction. Nothing is
-skipped; what faster old lanes had published after that point is sent again with
-the same ids, and the command says how many.
+Either way the change runs under the lease of every old and new lane, so no replica
+relays the outbox meanwhile, and in one transaction (postgres/partitions.py): the new
+lanes start where the slowest old one stood and skip what the faster ones had already
+published, so nothing is lost and nothing is sent twice.
+
+- `relay repartition OUTBOX --partitions K` (`repartition`) refuses while a replica holds
+  a lane, naming it. The count it sets is pinned: replicas configured with another count
+  wait instead of changing it back, until one with this count claims a lane.
+- A replica whose config says another count changes the outbox over itself
+  (`change_over`, from replica.py) once every live replica that runs it agrees.
 """
 
 from __future__ import annotations
@@ -16,15 +21,59 @@ from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.lease import Lease, LeaseSession
 from relay.postgres.migrations import ensure_migrated
-from relay.postgres.partitions import Partitions, Repartitioned
+from relay.postgres.partitions import Partitions, PartitionsChanged, Repartitioned
 
 
 class RepartitionRefused(UsageError):
     """A replica holds one of the outbox's lanes, or the count makes no sense."""
 
 
+async def _every_lane(
+    session: LeaseSession, outbox: str, before: int, after: int
+) -> tuple[list[Lease], list[Lease]]:
+    """Try the lock of every lane of both counts in one statement: (taken, busy)."""
+    names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
+    leases = [Lease(session, name) for name in names]
+    taken = set(await session.try_locks([lease.key for lease in leases], len(leases)))
+    return [le for le in leases if le.key in taken], [le for le in leases if le.key not in taken]
+
+
+async def change_over(
+    session: LeaseSession,
+    config: RelayConfig,
+    outbox: str,
+    count: int,
+    *,
+    by: str,
+    expect: int,
+) -> Repartitioned | None:
+    """A replica's change of count; None if a lane is still held (try again later) or
+    another change came first. Every lock it took is let go again, with NOTIFY."""
+    taken, busy = await _every_lane(session, outbox, expect, count)
+    try:
+        if busy:
+            return None
+        async with session.statement() as conn:
+            return await Partitions(config.database.schema_).repartition(
+                conn,
+                outbox=outbox,
+                count=count,
+                columns=config.source.columns,
+                table=config.source.table,
+                by=by,
+                pinned=False,
+                expect=expect,
+            )
+    except PartitionsChanged:
+        return None
+    finally:
+        for lease in taken:
+            await lease.release()
+
+
 async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartitioned:
-    config.outbox(outbox)  # unknown: a ConfigError
+    """`relay repartition`: change the count now, with the outbox's replicas stopped."""
+    configured = config.outbox(outbox).partitions  # unknown: a ConfigError
     if count < 1:
         raise RepartitionRefused("--partitions must be 1 or more")
     schema = config.database.schema_
@@ -34,18 +83,15 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
     try:
         async with session.statement() as conn:
             await ensure_migrated(conn, schema)
-            before = await partitions.recorded(conn, outbox) or 1
-        names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, count)})
-        leases = [Lease(session, name) for name in names]
-        taken = set(await session.try_locks([lease.key for lease in leases], len(leases)))
-        busy = [lease for lease in leases if lease.key not in taken]
+            before = await partitions.count(conn, outbox, configured)
+        _, busy = await _every_lane(session, outbox, before, count)
         if busy:
             holder = await busy[0].holder()
             who = holder.identity if holder else "another session"
             raise RepartitionRefused(
                 f"lane {busy[0].outbox} of outbox {outbox!r} is held by {who}: stop the"
-                " outbox's replicas first (they refuse to start with a new count until this"
-                " has run), then run the command again"
+                " outbox's replicas first (a replica with another count waits until this has"
+                " run), then run the command again"
             )
         async with session.statement() as conn:
             return await partitions.repartition(
@@ -54,6 +100,8 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
                 count=count,
                 columns=config.source.columns,
                 table=config.source.table,
+                by=f"relay repartition ({db.identity})",
+                pinned=True,
             )
     finally:
         await session.close()

@@ -13,6 +13,12 @@ older than `takeover_after`. Above it (another replica joined) it hands lanes ov
 way, at a batch boundary, so the newcomer starts from their checkpoints and nothing
 is sent twice. With one lane this is the single lease it always was.
 
+Only replicas that run the outbox with its recorded partition count share its lanes.
+A replica configured with another count holds none, says why (status, log, metric) and
+waits; once every live replica that runs the outbox says the new count (the last one of
+the old count has left in a rolling deploy), it changes the outbox over itself, under
+every lane's lock (repartition.py), unless an operator's `relay repartition` set the count.
+
 Each held lane runs in a task of its own (`LaneHolder`): the relay loop and the lease
 watch side by side (holding.py). If the watch cannot prove the lease, the loop is
 cancelled at once: the in-flight batch is abandoned without a checkpoint.
@@ -38,9 +44,11 @@ from relay.errors import DatabaseError, FencedError
 from relay.ops import holding
 from relay.ops.context import OutboxContext
 from relay.ops.outbox import OutboxRelay, Session
+from relay.ops.repartition import change_over
 from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseSession
-from relay.postgres.membership import Membership
+from relay.postgres.membership import Member, Membership
+from relay.postgres.partitions import PartitionsChanged, PartitionSet, mismatch
 
 # Over its share for this many passes in a row before handing a lane over: a replica
 # that is starting (or one that just died) must not set lanes moving back and forth.
@@ -66,6 +74,12 @@ class LaneHolder:
         try:
             session = await self._claim()
             reason = await self._relay_while_held(session)
+        except PartitionsChanged as exc:
+            # Another count is recorded (a change since the coordinator last looked): the
+            # claim wrote nothing. The coordinator says so on its next pass.
+            await self.lease.release()
+            self.log.warning("lane not claimed: the outbox's partitions changed", reason=str(exc))
+            return None
         except FencedError as exc:
             reason, fenced = str(exc), True
         except DatabaseError as exc:
@@ -94,10 +108,20 @@ class LaneHolder:
         ctx = self.ctx
         broker = broker_identity(ctx.relay_config.brokers[ctx.config.broker])
         claimant = holding.Claimant(
-            self.name, ctx.config.start, ctx.source, ctx.store, ctx.commands, broker
+            ctx.lane,
+            ctx.config.start,
+            ctx.source,
+            ctx.store,
+            ctx.commands,
+            ctx.partitions,
+            broker,
         )
-        claimed = await holding.claim(self.lease, claimant)
         reader = await self.db.connect("reader")
+        try:
+            claimed = await holding.claim(self.lease, claimant, reader)
+        except BaseException:
+            await _close(reader)
+            raise
         claim = claimed.claim
         ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
@@ -165,20 +189,20 @@ class OutboxReplica:
         self.wake = asyncio.Event()  # a lease of this outbox was released
         self.leases = [Lease(session, ctx.name) for ctx in lanes]
         self.config = session.config
+        self.count = len(lanes)  # the partitions its config gives the outbox
+        self.partitions = lanes[0].partitions
         self._held: dict[int, asyncio.Task[str | None]] = {}
         self._resting: dict[int, float] = {}  # lost lane -> when it may be tried again
         self._handed: dict[int, float] = {}  # handed-over lane -> when it may be taken back
-        self._live = 0  # replicas alive at the last pass
+        self._live = 0  # replicas running the outbox with its count, at the last pass
         self._over = 0
         self._free_since: float | None = None
+        self._waiting: tuple[str, ...] | None = None  # why no lane is held, as last said
         self.me = session.identity
+        lanes[0].metrics.partitions_mismatch.labels(self.name).set(0)
         # Start from a different lane on each replica, so that they spread at once.
         self._first = zlib.crc32(session.identity.encode()) % len(lanes)
         self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
-
-    @property
-    def channel_keys(self) -> list[str]:
-        return [lease.channel_key for lease in self.leases]
 
     async def run(self) -> None:
         """Until `stop`: hold a fair share of the lanes, stand by for the others."""
@@ -200,12 +224,18 @@ class OutboxReplica:
             await self._let_all_go()
 
     async def _pass(self) -> bool:
-        """One look at the lanes; True if a silent holder was just ended."""
+        """One look at the lanes; True if a silent holder was just ended, or the outbox was
+        just changed over (then its lanes are free at once)."""
         self._reap()
-        live = await self._beat()
-        if live < self._live:  # a replica left: what was handed over may be needed back
+        members = await self._beat()
+        record = await self._record()
+        if record is not None and record.partitions != self.count:
+            return await self._mismatched(record, members)
+        self._matched()
+        sharing = {m.identity: m.room for m in members if m.outboxes.get(self.name) == self.count}
+        if len(sharing) < self._live:  # one left: what was handed over may be needed back
             self._handed.clear()
-        self._live = live
+        self._live = len(sharing)
         keys = [lease.key for lease in self.leases]
         holders = await self.session.holders(keys, [ctx.name for ctx in self.lanes])
         holding = Counter(h.identity for k, h in holders.items() if h.identity != self.me)
@@ -219,7 +249,7 @@ class OutboxReplica:
         waited = now - (self._free_since or now)
         patient = waited < _PATIENCE * self.config.retry_interval
         plan = balance(
-            lanes=len(self.lanes), live=live, me=self.me, holding=holding, patient=patient
+            lanes=len(self.lanes), members=sharing, me=self.me, holding=holding, patient=patient
         )
         self._over = self._over + 1 if plan.give else 0
         if self._over >= _OVER_SHARE_PASSES:
@@ -230,9 +260,64 @@ class OutboxReplica:
         await self._take(ready, plan.take)
         return took_over
 
-    async def _beat(self) -> int:
+    async def _beat(self) -> list[Member]:
         async with self.session.statement() as conn:
             return await self.membership.beat(conn, self.config.takeover_after)
+
+    async def _record(self) -> PartitionSet | None:
+        async with self.session.statement() as conn:
+            return await self.partitions.read(conn, self.name)
+
+    async def _mismatched(self, record: PartitionSet, members: list[Member]) -> bool:
+        """The outbox runs with another count: hold nothing of it, say why, and change it
+        over once every live replica that runs it says this replica's count (True then)."""
+        self._hand_over(len(self._held))  # none: a change needs every lane's lock
+        reason = mismatch(self.name, record, self.count)
+        others = sorted(
+            (m.identity, m.outboxes[self.name])
+            for m in members
+            if m.identity != self.me and self.name in m.outboxes
+        )
+        dissent = tuple(f"{who} ({count})" for who, count in others if count != self.count)
+        for ctx in self.lanes:
+            ctx.state.mismatched(reason)
+        self.lanes[0].metrics.partitions_mismatch.labels(self.name).set(1)
+        if not record.pinned and not dissent:
+            done = await change_over(
+                self.session,
+                self.lanes[0].relay_config,
+                self.name,
+                self.count,
+                by=self.me,
+                expect=record.partitions,
+            )
+            if done is not None:
+                self.log.warning(
+                    "partitions changed over: every live replica that runs the outbox says"
+                    f" {self.count}",
+                    before=done.before,
+                    after=done.after,
+                    start=done.start,
+                    skipped=done.skipped,
+                    parked_moved=done.parked_moved,
+                )
+                return True
+        said = (reason, *dissent)
+        if said != self._waiting:
+            self._waiting = said
+            self.log.warning(
+                "not relaying the outbox: it runs with another partition count",
+                reason=reason,
+                waiting_for=list(dissent) or None,
+            )
+        return False
+
+    def _matched(self) -> None:
+        """The recorded count is this replica's (again): share the lanes."""
+        self.lanes[0].metrics.partitions_mismatch.labels(self.name).set(0)
+        if self._waiting is not None:
+            self._waiting = None
+            self.log.info("the outbox runs with this replica's partition count: relaying")
 
     async def _stand_by(self, holders: dict[int, Holder]) -> bool:
         """Say who holds the lanes this replica does not; end silent holders."""

@@ -39,7 +39,6 @@ from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailab
 from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseSession
 from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated
-from relay.postgres.partitions import Partitions
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 
@@ -88,7 +87,13 @@ class Relay:
     async def _relay_all(self, db: Database) -> int:
         config = self.config
         session = LeaseSession(db, config.lease, config.database.schema_, self.identity)
-        membership = Membership(config.database.schema_, config.lease.namespace, self.identity)
+        membership = Membership(
+            config.database.schema_,
+            config.lease.namespace,
+            self.identity,
+            {name: outbox.partitions for name, outbox in config.outboxes.items()},
+            self._budget.free,
+        )
         replicas = [self._replica(db, name, session, membership) for name in config.outboxes]
         contexts = [ctx for replica in replicas for ctx in replica.lanes]
         self.states = {ctx.name: ctx.state for ctx in contexts}
@@ -205,9 +210,6 @@ class Relay:
         rights.raise_if_required_missing()
         await ensure_migrated(conn, self.config.database.schema_)
         await EventSource(self.config.source).check(conn)
-        partitions = Partitions(self.config.database.schema_)
-        for name, outbox in self.config.outboxes.items():
-            await partitions.agree(conn, name, outbox.partitions)
 
     async def _supervise(
         self,
@@ -260,16 +262,21 @@ class Relay:
         command wakes its lane's holder.
         """
         channel = self.config.source.notify_channel
-        by_lease = {key: r.wake for r in replicas for key in r.channel_keys}
+        by_outbox = {r.name: r.wake for r in replicas}
         lanes = {ctx.name: ctx for r in replicas for ctx in r.lanes}
+        namespace = f"{self.config.lease.namespace}/"
 
         def wake(*_: object) -> None:
             for ctx in lanes.values():
                 ctx.wakes.events.set()
 
         def lease_released(_c: object, _pid: int, _channel: str, payload: str) -> None:
-            if payload in by_lease:
-                by_lease[payload].set()
+            # `<namespace>/<lane>`: any lane of the outbox, of whatever count (a change-over
+            # waits for the last lane of the old count to be let go).
+            if payload.startswith(namespace):
+                outbox = payload[len(namespace) :].partition("/")[0]
+                if outbox in by_outbox:
+                    by_outbox[outbox].set()
 
         def command_sent(_c: object, _pid: int, _channel: str, payload: str) -> None:
             if payload in lanes:

@@ -15,7 +15,9 @@ from relay.core.lanes import lanes_of
 from relay.ops.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
+from relay.postgres.membership import live_members
 from relay.postgres.migrations import ensure_migrated
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import CheckpointRow, Store
 
@@ -36,13 +38,20 @@ class OutboxStatus:
     parked: int
     last_error: str | None
     blocking_transaction: dict[str, Any] | None
+    partitions: int  # the outbox's lanes, as it runs (its config's count before the first claim)
+    configured_partitions: int  # what this command's config says
+    waiting_replicas: list[str]  # live replicas configured with another count: `name (K)`
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# The table shows every field but the partition (the name ends with it).
-TABLE_COLUMNS = [f.name for f in fields(OutboxStatus) if f.name != "partition"]
+# The table shows the lane's own fields; the outbox's (its partitions) are in the summary.
+TABLE_COLUMNS = [
+    f.name
+    for f in fields(OutboxStatus)
+    if f.name not in ("partition", "partitions", "configured_partitions", "waiting_replicas")
+]
 
 
 async def status(config: RelayConfig) -> list[OutboxStatus]:
@@ -58,9 +67,19 @@ async def status(config: RelayConfig) -> list[OutboxStatus]:
             "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
             " AND datname = current_database()"
         )
+        members = await live_members(
+            conn, config.database.schema_, config.lease.namespace, config.lease.takeover_after
+        )
+        partitions = Partitions(config.database.schema_)
         out = []
         for name, outbox in config.outboxes.items():
-            for lane in lanes_of(name, outbox.partitions):
+            count = await partitions.count(conn, name, outbox.partitions)
+            waiting = [
+                f"{m.identity} ({m.outboxes[name]})"
+                for m in members
+                if name in m.outboxes and m.outboxes[name] != count
+            ]
+            for lane in lanes_of(name, count):
                 row = rows.get(lane.name)
                 # Never relayed: the lag is what the first holder will have to publish.
                 since = row.position if row else (0 if outbox.start == "beginning" else head)
@@ -80,26 +99,42 @@ async def status(config: RelayConfig) -> list[OutboxStatus]:
                         parked=row.parked if row else 0,
                         last_error=_last_error(row),
                         blocking_transaction=_blocking(row),
+                        partitions=count,
+                        configured_partitions=outbox.partitions,
+                        waiting_replicas=waiting,
                     )
                 )
         return out
 
 
 def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
-    """A line per split outbox: its lanes' states and holders at a glance."""
+    """A line per split outbox: its lanes' states and holders at a glance; and one for any
+    outbox that runs with another partition count than a config says."""
     lines = []
-    for name, outbox in config.outboxes.items():
-        if outbox.partitions == 1:
-            continue
-        lanes = [r for r in rows if r.name.startswith(f"{name}/")]
-        states = Counter(r.state for r in lanes)
-        holders = len({r.holder for r in lanes if r.holder})
-        lines.append(
-            f"{name}: {outbox.partitions} partitions, "
-            + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
-            + f"; {holders} replica(s) hold them; lag {max(r.lag_events for r in lanes)} events,"
-            f" {max(r.lag_seconds for r in lanes):.1f}s; {sum(r.parked for r in lanes)} parked"
-        )
+    for name in config.outboxes:
+        lanes = [r for r in rows if r.name == name or r.name.startswith(f"{name}/")]
+        count, configured = lanes[0].partitions, lanes[0].configured_partitions
+        if count > 1:
+            states = Counter(r.state for r in lanes)
+            holders = len({r.holder for r in lanes if r.holder})
+            lines.append(
+                f"{name}: {count} partitions, "
+                + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+                + f"; {holders} replica(s) hold them; lag {max(r.lag_events for r in lanes)}"
+                f" events, {max(r.lag_seconds for r in lanes):.1f}s;"
+                f" {sum(r.parked for r in lanes)} parked"
+            )
+        if configured != count:
+            lines.append(
+                f"{name}: runs with {count} partition(s); this config says {configured}"
+                " (docs/scaling.md: changing K)"
+            )
+        if lanes[0].waiting_replicas:
+            lines.append(
+                f"{name}: not relayed by {', '.join(lanes[0].waiting_replicas)}: configured"
+                f" with another count than its {count} partition(s); they change it over once"
+                " every live replica running it agrees"
+            )
     return lines
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import asyncpg
 
 from relay.core.delivery import Parking, RetryCount
-from relay.postgres.source import Blocker
+from relay.postgres.source import Blocker, Skip
 from relay.postgres.store import Claim, Store
 
 
@@ -30,11 +30,17 @@ class ClaimedOutbox:
         self.writer = writer
         self.claim = claim
         self._position = claim.position
+        self._skip = claim.skip
 
     @property
     def position(self) -> int:
         """The checkpoint as last written by this claim."""
         return self._position
+
+    @property
+    def skip(self) -> Skip | None:
+        """What the lane's reads leave out (a repartition's old lanes had published it)."""
+        return self._skip
 
     async def advance(self, position: int) -> None:
         async with self.writer.statement() as conn:
@@ -46,6 +52,7 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             previous = await self.store.rewind(conn, self.claim, position)
         self._position = position
+        self._skip = None  # a replay sends again what the old lanes had sent, too
         return previous
 
     async def settle_start(self, position: int) -> None:

@@ -319,6 +319,10 @@ class LeaseBudget:
         self.taken += granted
         return granted
 
+    def free(self) -> int | None:
+        """How many more lanes this replica may take; None without a cap."""
+        return None if self.limit is None else max(0, self.limit - self.taken)
+
     def try_take(self) -> bool:
         return self.reserve(1) == 1
 

@@ -4,40 +4,96 @@ A replica counts while its row is fresh (by the database clock) and the session 
 wrote it still exists: a killed replica drops out the moment Postgres closes its
 session, a paused one once its row is older than `takeover_after`. Rows are per lease
 namespace, so two deployments sharing a database do not share their fair share.
+
+Each row also says which outboxes the replica runs, with which partition count, and how
+many more lanes it may take (`lease.max_per_replica`): an outbox's lanes are shared among
+the replicas that run it with its count, never with one that runs other outboxes only or
+another count, and a replica at its cap leaves the rest to those with room.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import asyncpg
 
 from relay.postgres.sql import quote
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A live replica, by its heartbeat."""
+
+    identity: str
+    outboxes: Mapping[str, int]  # outbox -> the partition count its config gives it
+    room: int | None  # more lanes it may take, of any outbox; None: no cap
+
+
+def members_query(table: str) -> str:
+    """Live rows of namespace $1 but identity $2, silent for less than $3 seconds."""
+    return (
+        f"SELECT r.identity, r.outboxes::text AS outboxes, r.room FROM {table} r"
+        " WHERE r.namespace = $1 AND r.identity <> $2"
+        " AND r.seen_at > now() - make_interval(secs => $3)"
+        " AND EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
+        " AND a.datname = current_database())"
+    )
+
+
+def _member(row: asyncpg.Record) -> Member:
+    return Member(row["identity"], json.loads(row["outboxes"]), row["room"])
+
+
+async def live_members(
+    conn: asyncpg.Connection, schema: str, namespace: str, stale_after: float
+) -> list[Member]:
+    """Every live replica of the namespace, for `relay status` and the CLI."""
+    rows = await conn.fetch(members_query(f"{quote(schema)}.replicas"), namespace, "", stale_after)
+    return sorted((_member(r) for r in rows), key=lambda m: m.identity)
+
+
 class Membership:
-    def __init__(self, schema: str, namespace: str, identity: str) -> None:
+    def __init__(
+        self,
+        schema: str,
+        namespace: str,
+        identity: str,
+        outboxes: Mapping[str, int],
+        room: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.table = f"{quote(schema)}.replicas"
         self.namespace = namespace
         self.identity = identity
+        self.outboxes = dict(outboxes)
+        self.room = room
         self.left = False  # once leaving, a late pass must not say it is alive again
-        # $1 identity, $2 namespace, $3 seconds after which a silent replica is not counted
-        self._count = (
-            f"SELECT 1 + count(*) FROM {self.table} r WHERE r.namespace = $2"
-            " AND r.identity <> $1 AND r.seen_at > now() - make_interval(secs => $3)"
-            " AND EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
-            " AND a.datname = current_database())"
-        )
+        self._members = members_query(self.table)
+        # $1 namespace, $2 identity, $3 seconds, $4 outboxes, $5 room
         self._beat = (
-            f"WITH me AS (INSERT INTO {self.table} (identity, namespace, pid, seen_at)"
-            " VALUES ($1, $2, pg_backend_pid(), now()) ON CONFLICT (identity) DO UPDATE"
-            " SET namespace = excluded.namespace, pid = excluded.pid, seen_at = now()),"
+            f"WITH me AS (INSERT INTO {self.table} (identity, namespace, pid, seen_at, outboxes,"
+            " room) VALUES ($2, $1, pg_backend_pid(), now(), $4::jsonb, $5)"
+            " ON CONFLICT (identity) DO UPDATE SET namespace = excluded.namespace,"
+            " pid = excluded.pid, seen_at = now(), outboxes = excluded.outboxes,"
+            " room = excluded.room),"
             f" gone AS (DELETE FROM {self.table} WHERE seen_at < now() - interval '1 day')"
-            f" {self._count}"
+            f" {self._members}"
         )
 
-    async def beat(self, conn: asyncpg.Connection, stale_after: float) -> int:
-        """Say this replica is alive (on its lease session); return how many are."""
-        query = self._count if self.left else self._beat
-        return int(await conn.fetchval(query, self.identity, self.namespace, stale_after))
+    @property
+    def me(self) -> Member:
+        return Member(self.identity, self.outboxes, self.room())
+
+    async def beat(self, conn: asyncpg.Connection, stale_after: float) -> list[Member]:
+        """Say this replica is alive (on its lease session); return the live ones, itself
+        included."""
+        args = (self.namespace, self.identity, stale_after)
+        if self.left:
+            rows = await conn.fetch(self._members, *args)
+        else:
+            rows = await conn.fetch(self._beat, *args, json.dumps(self.outboxes), self.room())
+        return [self.me, *(_member(r) for r in rows)]
 
     async def leave(self, conn: asyncpg.Connection) -> None:
         """A graceful stop: the others may take this replica's share at once."""

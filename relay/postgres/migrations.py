@@ -118,6 +118,33 @@ STEPS: tuple[str, ...] = (
       UNIQUE (outbox, position, rule);
     ALTER TABLE {schema}.checkpoints ADD COLUMN retry_rule text NOT NULL DEFAULT '';
     """,
+    # The partition set as one record per outbox, checked in every claim: where a new lane
+    # starts (`start: end` decided once, at the outbox's first claim), whether the count was
+    # set by `relay repartition` (replicas then never change it back on their own), and who
+    # changed it. A lane made by a repartition skips what the old lanes had already published
+    # (their checkpoints, by the old count) until it passes the furthest of them. A replica's
+    # heartbeat says which outboxes it runs with which count, and how many more lanes it may
+    # take, so that lanes are shared among the replicas that can relay them.
+    """
+    ALTER TABLE {schema}.outboxes
+      ADD COLUMN start_position bigint,
+      ADD COLUMN start_xmin bigint,
+      ADD COLUMN pinned boolean NOT NULL DEFAULT false,
+      ADD COLUMN changed_by text;
+    INSERT INTO {schema}.outboxes (outbox, partitions)
+      SELECT outbox, 1 FROM {schema}.checkpoints WHERE strpos(outbox, '/') = 0
+      ON CONFLICT (outbox) DO NOTHING;
+    UPDATE {schema}.outboxes o SET start_position = (
+      SELECT min(c.position) FROM {schema}.checkpoints c
+      WHERE c.outbox = o.outbox OR left(c.outbox, length(o.outbox) + 1) = o.outbox || '/');
+    ALTER TABLE {schema}.checkpoints
+      ADD COLUMN skip_upto bigint,
+      ADD COLUMN skip_partitions integer,
+      ADD COLUMN skip_positions bigint[];
+    ALTER TABLE {schema}.replicas
+      ADD COLUMN outboxes jsonb NOT NULL DEFAULT '{{}}',
+      ADD COLUMN room integer;
+    """,
 )
 
 LATEST = len(STEPS)

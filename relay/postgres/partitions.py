@@ -1,11 +1,17 @@
-"""How many lanes each outbox has, as recorded, and changing that count safely.
+"""The partition set: how many lanes each outbox runs with, as recorded, and changing it.
 
-A replica whose config says another count than the one recorded refuses to start:
-lanes hash aggregates by the count, so two counts at once would publish some
-aggregates twice and out of order. `relay repartition` changes it under every
-lease involved, starting the new lanes where the slowest old one stood, so
-nothing is skipped; what the faster lanes had already sent goes out again, with
-the same ids.
+One row of `relay.outboxes` per outbox is the only source of truth. Every claim of a
+lane checks it in the claim's own transaction (`admit`): a claimant whose count is not
+the recorded one is refused and creates nothing, so two counts never relay an outbox
+side by side. The row also records where a new lane starts, decided once for the outbox
+at its first claim (`start: end` then covers every lane, however late it is first
+claimed), and whether the count was set by an operator's `relay repartition`.
+
+A change of count (`repartition`) runs under the lock of every lane involved, old and
+new, so no lane is held meanwhile. The new lanes start where the slowest old lane stood
+(a lane that never ran counts from where it would have started), and skip, until they
+pass the fastest one, every event an old lane had already published: nothing is
+skipped that was not sent, and nothing is sent twice.
 """
 
 from __future__ import annotations
@@ -22,7 +28,24 @@ from relay.postgres.sql import qualified, quote
 
 
 class PartitionsChanged(RelayError):
-    """The config's partition count differs from the one recorded for the outbox."""
+    """A claimant's partition count is not the one recorded for the outbox."""
+
+    def __init__(self, message: str, recorded: int, configured: int) -> None:
+        super().__init__(message)
+        self.recorded = recorded
+        self.configured = configured
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSet:
+    """An outbox's row of `relay.outboxes`."""
+
+    outbox: str
+    partitions: int
+    start_position: int | None  # where a lane that never ran starts; None before any claim
+    start_xmin: int | None  # `start: end` not settled yet (see EventSource.start_point)
+    pinned: bool  # set by `relay repartition`: replicas never change it back on their own
+    changed_by: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +54,42 @@ class Repartitioned:
     before: int
     after: int
     start: int  # where every new lane starts
-    resent: int  # events already published by a faster old lane, to be sent again
+    resent: int  # events already published that go out again (none: see `skipped`)
     parked_moved: int
+    skipped: int = 0  # events after `start` an old lane had published: the new lanes skip them
+
+
+def mismatch(outbox: str, recorded: PartitionSet, configured: int) -> str:
+    """Why a replica configured with `configured` partitions does not relay the outbox."""
+    base = (
+        f"outboxes.{outbox}.partitions is {configured}, but the outbox runs with"
+        f" {recorded.partitions} partition(s)"
+    )
+    if recorded.pinned:
+        return (
+            f"{base}, set by `relay repartition`: set partitions to {recorded.partitions}, or"
+            f" run `relay repartition {outbox} --partitions {configured}` once the replicas"
+            f" running it with {recorded.partitions} have stopped"
+        )
+    return (
+        f"{base}: the replicas change it over by themselves once every live replica running"
+        f" it says {configured} (or run `relay repartition {outbox} --partitions {configured}`"
+        " with its replicas stopped)"
+    )
+
+
+_RECORD = "outbox, partitions, start_position, start_xmin, pinned, changed_by"
+
+
+def _record(row: asyncpg.Record) -> PartitionSet:
+    return PartitionSet(
+        row["outbox"],
+        int(row["partitions"]),
+        row["start_position"],
+        row["start_xmin"],
+        bool(row["pinned"]),
+        row["changed_by"],
+    )
 
 
 class Partitions:
@@ -41,39 +98,56 @@ class Partitions:
         self._checkpoints = f"{quote(schema)}.checkpoints"
         self._parked = f"{quote(schema)}.parked"
         self._commands = f"{quote(schema)}.commands"
-
-    async def recorded(self, conn: asyncpg.Connection, outbox: str) -> int | None:
-        """The recorded count; an outbox relayed before partitions existed has 1."""
-        count = await conn.fetchval(
-            f"SELECT partitions FROM {self._outboxes} WHERE outbox = $1", outbox
-        )
-        if count is not None:
-            return int(count)
-        existed = await conn.fetchval(
-            f"SELECT EXISTS (SELECT 1 FROM {self._checkpoints} WHERE outbox = $1)", outbox
-        )
-        return 1 if existed else None
-
-    async def mismatch(self, conn: asyncpg.Connection, outbox: str, count: int) -> str | None:
-        """Why `count` cannot run: the outbox runs with another recorded count; else None."""
-        recorded = await self.recorded(conn, outbox)
-        if recorded is None or recorded == count:
-            return None
-        return (
-            f"outboxes.{outbox}.partitions is {count}, but the outbox runs with {recorded}"
-            f" partition(s): stop its replicas and run `relay repartition {outbox}"
-            f" --partitions {count}` (or set partitions back to {recorded})"
+        # $1 outbox, $2 count, $3 start, $4 start_xmin, $5 who. The first claim records the
+        # count and the start; a claim with the recorded count clears an operator's pin.
+        self._admit = (
+            f"INSERT INTO {self._outboxes} AS o (outbox, partitions, start_position,"
+            " start_xmin, changed_by) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (outbox) DO UPDATE"
+            " SET start_position = coalesce(o.start_position, excluded.start_position),"
+            " start_xmin = CASE WHEN o.start_position IS NULL THEN excluded.start_xmin"
+            " ELSE o.start_xmin END, pinned = o.pinned AND o.partitions <> excluded.partitions"
+            f" RETURNING {_RECORD}"
         )
 
-    async def agree(self, conn: asyncpg.Connection, outbox: str, count: int) -> None:
-        """Record `count` for a new outbox; refuse a count other than the recorded one."""
-        if (why := await self.mismatch(conn, outbox, count)) is not None:
-            raise PartitionsChanged(why)
+    async def read(self, conn: asyncpg.Connection, outbox: str) -> PartitionSet | None:
+        """The outbox's record; None before its first claim."""
+        row = await conn.fetchrow(
+            f"SELECT {_RECORD} FROM {self._outboxes} WHERE outbox = $1", outbox
+        )
+        return None if row is None else _record(row)
+
+    async def count(self, conn: asyncpg.Connection, outbox: str, configured: int) -> int:
+        """The count the outbox runs with; the configured one before its first claim."""
+        record = await self.read(conn, outbox)
+        return configured if record is None else record.partitions
+
+    async def admit(
+        self,
+        conn: asyncpg.Connection,
+        outbox: str,
+        count: int,
+        *,
+        start: int,
+        start_xmin: int | None,
+        by: str,
+    ) -> PartitionSet:
+        """Check a claimant's count inside its claim's transaction; the first one records it.
+
+        Raises PartitionsChanged (the caller's transaction then creates nothing) when the
+        recorded count is another.
+        """
+        record = _record(await conn.fetchrow(self._admit, outbox, count, start, start_xmin, by))
+        if record.partitions != count:
+            raise PartitionsChanged(mismatch(outbox, record, count), record.partitions, count)
+        return record
+
+    async def settle_start(self, conn: asyncpg.Connection, outbox: str, position: int) -> None:
+        """`start: end`, once the first claim's barrier passed: where every new lane starts."""
         await conn.execute(
-            f"INSERT INTO {self._outboxes} (outbox, partitions) VALUES ($1, $2)"
-            " ON CONFLICT (outbox) DO NOTHING",
+            f"UPDATE {self._outboxes} SET start_position = least(start_position, $2),"
+            " start_xmin = NULL WHERE outbox = $1 AND start_xmin IS NOT NULL",
             outbox,
-            count,
+            position,
         )
 
     async def repartition(
@@ -84,68 +158,110 @@ class Partitions:
         count: int,
         columns: ColumnsConfig,
         table: str,
+        by: str,
+        pinned: bool,
+        expect: int | None = None,
     ) -> Repartitioned:
-        """Rewrite the outbox's lanes, in one transaction; the caller holds every lane's lock."""
-        before = await self.recorded(conn, outbox) or 1
-        old = lanes_of(outbox, before)
-        new = lanes_of(outbox, count)
-        if count == before:  # nothing to do: leave checkpoints, epochs and states alone
-            start = await conn.fetchval(
-                f"SELECT coalesce(min(position), 0) FROM {self._checkpoints}"
-                " WHERE outbox = ANY($1::text[])",
-                [lane.name for lane in old],
-            )
-            return Repartitioned(outbox, before, count, int(start), 0, 0)
+        """Rewrite the outbox's lanes in one transaction; the caller holds every lane's lock.
+
+        `expect`: the count the caller saw; if another change came first, nothing is done
+        (PartitionsChanged).
+        """
         async with conn.transaction():
-            positions = {
-                r["outbox"]: int(r["position"])
-                for r in await conn.fetch(
-                    f"SELECT outbox, position FROM {self._checkpoints}"
-                    " WHERE outbox = ANY($1::text[]) FOR UPDATE",
-                    [lane.name for lane in old],
+            record = await conn.fetchrow(
+                f"SELECT {_RECORD} FROM {self._outboxes} WHERE outbox = $1 FOR UPDATE", outbox
+            )
+            current = None if record is None else _record(record)
+            before = 1 if current is None else current.partitions
+            if expect is not None and before != expect:
+                raise PartitionsChanged(
+                    f"outbox {outbox!r} went to {before} partition(s) meanwhile", before, expect
                 )
-            }
-            start = min(positions.values(), default=0)
-            resent = await self._resent(
-                conn, old=old, positions=positions, start=start, columns=columns, table=table
+            if count == before:  # nothing to do: leave checkpoints, epochs and states alone
+                return Repartitioned(outbox, before, count, 0, 0, 0)
+            rows = await conn.fetch(
+                f"SELECT outbox, position, epoch, start_xmin, broker FROM {self._checkpoints}"
+                f" WHERE {_of_outbox('outbox')} FOR UPDATE",
+                outbox,
             )
-            await conn.execute(
-                f"DELETE FROM {self._checkpoints} WHERE outbox = ANY($1::text[])",
-                [lane.name for lane in old],
-            )
-            await conn.executemany(
-                f"INSERT INTO {self._checkpoints} (outbox, position) VALUES ($1, $2)",
-                [(lane.name, start) for lane in new],
-            )
-            moved = await self._move_parked(conn, old, count, columns)
+            old = lanes_of(outbox, before)
+            moved = 0
+            if rows or (current is not None and current.start_position is not None):
+                start, skipped, moved = await self._rewrite(
+                    conn, outbox, count, current, old, rows, columns, table
+                )
+            else:  # never claimed: no lane has anything to carry over
+                start, skipped = 0, 0
             await conn.execute(
                 f"UPDATE {self._commands} SET state = 'expired', finished_at = now()"
-                " WHERE outbox = ANY($1::text[]) AND state = 'pending'",
-                [lane.name for lane in old],
+                f" WHERE {_of_outbox('outbox')} AND state = 'pending'",
+                outbox,
             )
             await conn.execute(
-                f"INSERT INTO {self._outboxes} (outbox, partitions) VALUES ($1, $2)"
-                " ON CONFLICT (outbox) DO UPDATE SET partitions = $2, updated_at = now()",
+                f"INSERT INTO {self._outboxes} AS o (outbox, partitions, pinned, changed_by)"
+                " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO UPDATE SET partitions = $2,"
+                " pinned = $3, changed_by = $4, updated_at = now()",
                 outbox,
                 count,
+                pinned,
+                by,
             )
-        return Repartitioned(outbox, before, count, start, resent, moved)
+        return Repartitioned(outbox, before, count, start, 0, moved, skipped)
 
-    async def _resent(
+    async def _rewrite(  # noqa: PLR0917 - one transaction's state
         self,
         conn: asyncpg.Connection,
-        *,
+        outbox: str,
+        count: int,
+        current: PartitionSet | None,
         old: list[Lane],
-        positions: dict[str, int],
+        rows: list[asyncpg.Record],
+        columns: ColumnsConfig,
+        table: str,
+    ) -> tuple[int, int, int]:
+        """Replace every lane row of the outbox (orphans of another count too); returns where
+        the new lanes start, how many events they skip, and how many parked rows moved."""
+        by_name = {r["outbox"]: r for r in rows}
+        # A lane that never ran starts where the outbox's lanes start; before any record
+        # (rows an older relay wrote), from the beginning: a duplicate, never a loss.
+        never_ran = (
+            0 if current is None or current.start_position is None else current.start_position
+        )
+        positions = [
+            int(by_name[lane.name]["position"]) if lane.name in by_name else never_ran
+            for lane in old
+        ]
+        start, furthest = min(positions), max(positions)
+        unsettled = [r["start_xmin"] for r in rows if r["start_xmin"] is not None]
+        if current is not None and current.start_xmin is not None:
+            unsettled.append(current.start_xmin)
+        xmin = unsettled[0] if unsettled else None
+        epoch = max((int(r["epoch"]) for r in rows), default=0) + 1  # never back, per name
+        broker = next((r["broker"] for r in rows if r["broker"] is not None), None)
+        skipped = await self._published_after(conn, old, positions, start, columns, table)
+        await conn.execute(f"DELETE FROM {self._checkpoints} WHERE {_of_outbox('outbox')}", outbox)
+        skip = (furthest, len(old), positions) if furthest > start else (None, None, None)
+        await conn.executemany(
+            f"INSERT INTO {self._checkpoints} (outbox, position, epoch, start_xmin, broker,"
+            " skip_upto, skip_partitions, skip_positions) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            [(lane.name, start, epoch, xmin, broker, *skip) for lane in lanes_of(outbox, count)],
+        )
+        moved = await self._move_parked(conn, outbox, count)
+        return start, skipped, moved
+
+    async def _published_after(  # noqa: PLR0917
+        self,
+        conn: asyncpg.Connection,
+        old: list[Lane],
+        positions: list[int],
         start: int,
         columns: ColumnsConfig,
         table: str,
     ) -> int:
-        """Events each old lane had published after `start`: they are sent again."""
+        """Events each old lane had published after `start`: the new lanes skip them."""
         pos = quote(columns.position)
         total = 0
-        for lane in old:
-            upto = positions.get(lane.name, start)
+        for lane, upto in zip(old, positions, strict=True):
             if upto <= start:
                 continue
             only = f" AND {lane_of(columns, lane.count)} = {lane.index}" if lane.split else ""
@@ -159,19 +275,22 @@ class Partitions:
             )
         return total
 
-    async def _move_parked(
-        self, conn: asyncpg.Connection, old: list[Lane], count: int, columns: ColumnsConfig
-    ) -> int:
+    async def _move_parked(self, conn: asyncpg.Connection, outbox: str, count: int) -> int:
         """Parked messages follow their aggregate to its new lane."""
-        names = [lane.name for lane in old]
         if count == 1:
-            target = "$2"
+            target = "$1"
         else:
             lane = lane_expression("aggregate_type", "aggregate_id", count)
-            target = f"$2 || '/' || ({lane})::text"
+            target = f"$1 || '/' || ({lane})::text"
         status = await conn.execute(
-            f"UPDATE {self._parked} SET outbox = {target} WHERE outbox = ANY($1::text[])",
-            names,
-            old[0].outbox,
+            f"UPDATE {self._parked} SET outbox = {target} WHERE {_of_outbox('outbox')}", outbox
         )
         return int(status.split()[-1])
+
+
+def _of_outbox(column: str) -> str:
+    """`column` names the outbox $1 or one of its lanes (`$1/<n>`), of whatever count.
+
+    Not LIKE: an outbox name may hold `_`, which LIKE would take for any character.
+    """
+    return f"({column} = $1 OR left({column}, length($1) + 1) = $1 || '/')"

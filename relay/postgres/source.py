@@ -121,12 +121,23 @@ class Blocker:
 OnBlocked = Callable[[Blocker | None], Awaitable[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """What a lane made by a repartition must not send again: the events an old lane (by
+    the old count) had published, up to its checkpoint `positions[lane]`. Only positions up
+    to `upto`, the furthest of them, can be such events, so the filter ends there."""
+
+    upto: int
+    partitions: int
+    positions: tuple[int, ...]
+
+
 def lane_of(columns: ColumnsConfig, count: int) -> str:
     """SQL for the lane (0 to count - 1) of a row of the event table."""
     return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
 
 
-def lane_expression(aggregate_type: str, aggregate_id: str, count: int) -> str:
+def lane_expression(aggregate_type: str, aggregate_id: str, count: int | str) -> str:
     """A stable hash of the aggregate, into `count` lanes.
 
     `hashtextextended` is what PostgreSQL's hash partitioning uses, so it gives the same
@@ -150,7 +161,10 @@ class EventSource:
         self.lane = lane
         self.table = qualified(config.table)
         cols = config.columns
-        only = f" AND {lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else ""
+        self._in_lane = (
+            f"{lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else None
+        )
+        only = f" AND {self._in_lane}" if self._in_lane else ""
         optional = [
             quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
             quote(cols.created_at) if cols.created_at else "NULL::timestamptz",
@@ -167,12 +181,24 @@ class EventSource:
             ]
         )
         pos = quote(cols.position)
-        page = (
-            f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only} "
-            f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
-            f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
-        )
-        self._read_sql = f"SELECT {select} {page}"
+
+        def page(skip: str = "") -> str:
+            return (
+                f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only}{skip} "
+                f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
+                f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
+            )
+
+        def skipping(positions: int) -> str:
+            """A lane made by a repartition, before it passes `Skip.upto`: leave out each
+            event at or below its old lane's checkpoint ($positions: the checkpoints, the
+            next parameter: the old count)."""
+            count = f"${positions + 1}::int4"
+            old = lane_expression(quote(cols.aggregate_type), quote(cols.aggregate_id), count)
+            return page(f" AND NOT {pos} <= (${positions}::int8[])[({old})::int + 1]")
+
+        self._read_sql = f"SELECT {select} {page()}"
+        self._read_skipping_sql = f"SELECT {select} {skipping(6)}"
         # The same page, cut before the stored payloads pass $6 bytes (the first row always
         # stays, however large): rows beyond it never reach the relay's memory. The size is
         # pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
@@ -180,14 +206,19 @@ class EventSource:
         # index entry each, not a conversion of their payload. Its own columns' names are
         # event_table.READ_COLUMNS, which a table may not use.
         row_pos, row_size, row_before, page_rows = event_table.READ_COLUMNS
-        self._read_bounded_sql = (
-            f"SELECT {select}, {page_rows} FROM (SELECT *, sum({row_size}) OVER"
-            f" (ORDER BY {row_pos} ROWS UNBOUNDED PRECEDING) - {row_size} AS {row_before},"
-            f" count(*) OVER () AS {page_rows} FROM (SELECT *, {pos} AS {row_pos},"
-            f" coalesce(pg_column_size({quote(cols.payload)}), 0) AS {row_size} {page}) page)"
-            f" sized WHERE {row_before} + {row_size} <= $6 OR {row_before} = 0"
-            f" ORDER BY {row_pos}"
-        )
+
+        def bounded(rows: str) -> str:
+            return (
+                f"SELECT {select}, {page_rows} FROM (SELECT *, sum({row_size}) OVER"
+                f" (ORDER BY {row_pos} ROWS UNBOUNDED PRECEDING) - {row_size} AS {row_before},"
+                f" count(*) OVER () AS {page_rows} FROM (SELECT *, {pos} AS {row_pos},"
+                f" coalesce(pg_column_size({quote(cols.payload)}), 0) AS {row_size} {rows}) page)"
+                f" sized WHERE {row_before} + {row_size} <= $6 OR {row_before} = 0"
+                f" ORDER BY {row_pos}"
+            )
+
+        self._read_bounded_sql = bounded(page())
+        self._read_bounded_skipping_sql = bounded(skipping(7))
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
         self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
         self._count_sql = (
@@ -262,18 +293,23 @@ class EventSource:
 
     async def first_open_position(
         self, conn: asyncpg.Connection, upto: int, start_xmin: int
-    ) -> int | None:
+    ) -> tuple[int | None, int | None]:
         """The lowest position up to `upto` written by a transaction at least as new as
-        `start_xmin` (compared by age, so xid wraparound is harmless). One scan of the table,
-        once in an outbox's life."""
+        `start_xmin` (compared by age, so xid wraparound is harmless): in this lane, and in
+        the whole table (where every lane of the outbox may start). One scan of the table,
+        once in a lane's life."""
         pos = quote(self.config.columns.position)
-        value = await conn.fetchval(
-            f"SELECT min({pos}) FROM {self.table} WHERE {pos} <= $1{self._only}"
+        lane = f"min({pos}) FILTER (WHERE {self._in_lane})" if self._in_lane else f"min({pos})"
+        row = await conn.fetchrow(
+            f"SELECT {lane}, min({pos}) FROM {self.table} WHERE {pos} <= $1"
             " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)",
             upto,
             start_xmin,
         )
-        return None if value is None else int(value)
+        return (
+            None if row[0] is None else int(row[0]),
+            None if row[1] is None else int(row[1]),
+        )
 
     async def barrier(
         self, conn: asyncpg.Connection, on_blocked: OnBlocked, stop: asyncio.Event
@@ -326,16 +362,23 @@ class EventSource:
         aggregates: Sequence[str] | None,
         types: Sequence[str],
         max_bytes: int | None = None,
+        skip: Skip | None = None,
     ) -> tuple[list[Event], bool]:
         """Events in (after, upto] that the outbox maps, in position order; with `max_bytes`,
         only as many as their stored payloads fit in (at least one). True with them if more
-        of the page was left for the next read because of `max_bytes`."""
+        of the page was left for the next read because of `max_bytes`. With `skip`, less
+        what the lanes before a repartition had published."""
         args = (after, upto, limit, aggregates, list(types))
         names = self.config.columns
+        skipped = (
+            () if skip is None or after >= skip.upto else (list(skip.positions), skip.partitions)
+        )
         if max_bytes is None:
-            rows = await conn.fetch(self._read_sql, *args)
+            sql = self._read_skipping_sql if skipped else self._read_sql
+            rows = await conn.fetch(sql, *args, *skipped)
             return [_event(r, names) for r in rows], False
-        rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
+        sql = self._read_bounded_skipping_sql if skipped else self._read_bounded_sql
+        rows = await conn.fetch(sql, *args, max_bytes, *skipped)
         cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
         return [_event(r, names) for r in rows], cut
 

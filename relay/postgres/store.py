@@ -18,7 +18,7 @@ import asyncpg
 from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.postgres.source import Blocker
+from relay.postgres.source import Blocker, Skip
 from relay.postgres.sql import holds_lock, quote
 
 
@@ -35,6 +35,7 @@ class Claim:
     start_xmin: int | None = None  # `start: end` not settled yet: see EventSource.start_point
     broker: str | None = None  # the broker's identity, written with each checkpoint
     recorded_broker: str | None = None  # the one the checkpoint was last written for
+    skip: Skip | None = None  # made by a repartition: what the old lanes had published
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ class Store:
             " END, blocking = NULL, updated_at = now()"
             f" WHERE outbox = $1 AND {holds_lock('$3')}"
             " RETURNING epoch, position, halted, retry_position, retry_rule, attempts, rejections,"
-            " start_xmin, broker",
+            " start_xmin, broker, skip_upto, skip_partitions, skip_positions",
             outbox,
             holder,
             key,
@@ -132,6 +133,9 @@ class Store:
             retry = RetryCount(
                 row["retry_position"], row["attempts"], row["rejections"], row["retry_rule"]
             )
+        skip = None
+        if row["skip_upto"] is not None and row["position"] < row["skip_upto"]:
+            skip = Skip(row["skip_upto"], row["skip_partitions"], tuple(row["skip_positions"]))
         return Claim(
             outbox,
             row["epoch"],
@@ -142,6 +146,7 @@ class Store:
             row["start_xmin"],
             broker,
             row["broker"],
+            skip,
         )
 
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
@@ -162,7 +167,7 @@ class Store:
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
         previous = await conn.fetchval(
-            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL,"
+            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL, skip_upto = NULL,"
             " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
             " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now(),"
             " broker = coalesce($5, c.broker)"
