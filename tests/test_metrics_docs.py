@@ -225,10 +225,13 @@ def check_names(served: Scrape) -> None:
 
 
 def check_partition_label(served: Scrape) -> None:
-    """A split outbox's series carry `partition`; an outbox of one partition's do not."""
+    """A split outbox's series carry `partition`; an outbox of one partition's do not, nor
+    do the outbox's own (its partition count)."""
     for sample in served.samples:
         outbox = sample.labels.get("outbox")
-        if outbox == "stuck":
+        if sample.name == "relay_partitions_mismatch":
+            assert "partition" not in sample.labels, sample
+        elif outbox == "stuck":
             assert sample.labels.get("partition") in {"0", "1"}, sample
         elif outbox == "loans":
             assert "partition" not in sample.labels, sample

@@ -31,11 +31,18 @@ class RepartitionRefused(UsageError):
 async def _every_lane(
     session: LeaseSession, outbox: str, before: int, after: int
 ) -> tuple[list[Lease], list[Lease]]:
-    """Try the lock of every lane of both counts in one statement: (taken, busy)."""
+    """The outbox's change lock, then the lock of every lane of both counts in one
+    statement: (taken, busy). The change lock comes first and alone, so that of two
+    replicas (or a replica and the CLI) trying at the same moment, one gets everything
+    rather than each a part."""
+    change = Lease(session, f"{outbox}#partitions")  # `#` is in no outbox's name
+    if not await change.try_acquire():
+        return [], [change]
     names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
     leases = [Lease(session, name) for name in names]
     taken = set(await session.try_locks([lease.key for lease in leases], len(leases)))
-    return [le for le in leases if le.key in taken], [le for le in leases if le.key not in taken]
+    mine = [change, *(le for le in leases if le.key in taken)]
+    return mine, [le for le in leases if le.key not in taken]
 
 
 async def change_over(
@@ -88,10 +95,11 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
         if busy:
             holder = await busy[0].holder()
             who = holder.identity if holder else "another session"
+            what = "changing its partitions" if "#" in busy[0].outbox else f"lane {busy[0].outbox}"
             raise RepartitionRefused(
-                f"lane {busy[0].outbox} of outbox {outbox!r} is held by {who}: stop the"
-                " outbox's replicas first (a replica with another count waits until this has"
-                " run), then run the command again"
+                f"{what} of outbox {outbox!r} is held by {who}: stop the outbox's replicas"
+                " first (a replica with another count waits until this has run), then run"
+                " the command again"
             )
         async with session.statement() as conn:
             return await partitions.repartition(

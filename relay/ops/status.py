@@ -17,7 +17,7 @@ from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.membership import live_members
 from relay.postgres.migrations import ensure_migrated
-from relay.postgres.partitions import Partitions
+from relay.postgres.partitions import Partitions, mismatch
 from relay.postgres.source import EventSource
 from relay.postgres.store import CheckpointRow, Store
 
@@ -40,7 +40,7 @@ class OutboxStatus:
     blocking_transaction: dict[str, Any] | None
     partitions: int  # the outbox's lanes, as it runs (its config's count before the first claim)
     configured_partitions: int  # what this command's config says
-    waiting_replicas: list[str]  # live replicas configured with another count: `name (K)`
+    waiting_replicas: list[str]  # why each live replica configured with another count waits
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,11 +73,12 @@ async def status(config: RelayConfig) -> list[OutboxStatus]:
         partitions = Partitions(config.database.schema_)
         out = []
         for name, outbox in config.outboxes.items():
-            count = await partitions.count(conn, name, outbox.partitions)
+            record = await partitions.read(conn, name)
+            count = outbox.partitions if record is None else record.partitions
             waiting = [
-                f"{m.identity} ({m.outboxes[name]})"
+                mismatch(name, record, m.outboxes[name], m.identity)
                 for m in members
-                if name in m.outboxes and m.outboxes[name] != count
+                if record is not None and name in m.outboxes and m.outboxes[name] != count
             ]
             for lane in lanes_of(name, count):
                 row = rows.get(lane.name)
@@ -129,12 +130,7 @@ def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
                 f"{name}: runs with {count} partition(s); this config says {configured}"
                 " (docs/scaling.md: changing K)"
             )
-        if lanes[0].waiting_replicas:
-            lines.append(
-                f"{name}: not relayed by {', '.join(lanes[0].waiting_replicas)}: configured"
-                f" with another count than its {count} partition(s); they change it over once"
-                " every live replica running it agrees"
-            )
+        lines += [f"{name}: waiting: {why}" for why in lanes[0].waiting_replicas]
     return lines
 
 

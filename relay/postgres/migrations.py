@@ -122,7 +122,9 @@ STEPS: tuple[str, ...] = (
     # starts (`start: end` decided once, at the outbox's first claim), whether the count was
     # set by `relay repartition` (replicas then never change it back on their own), and who
     # changed it. A lane made by a repartition skips what the old lanes had already published
-    # (their checkpoints, by the old count) until it passes the furthest of them. A replica's
+    # (their checkpoints, by the old count) until it passes the furthest of them. An outbox
+    # relayed before gets its record, without a start: a lane of it that never ran takes its
+    # start at its first claim, as it did. A replica's
     # heartbeat says which outboxes it runs with which count, and how many more lanes it may
     # take, so that lanes are shared among the replicas that can relay them.
     """
@@ -134,9 +136,6 @@ STEPS: tuple[str, ...] = (
     INSERT INTO {schema}.outboxes (outbox, partitions)
       SELECT outbox, 1 FROM {schema}.checkpoints WHERE strpos(outbox, '/') = 0
       ON CONFLICT (outbox) DO NOTHING;
-    UPDATE {schema}.outboxes o SET start_position = (
-      SELECT min(c.position) FROM {schema}.checkpoints c
-      WHERE c.outbox = o.outbox OR left(c.outbox, length(o.outbox) + 1) = o.outbox || '/');
     ALTER TABLE {schema}.checkpoints
       ADD COLUMN skip_upto bigint,
       ADD COLUMN skip_partitions integer,

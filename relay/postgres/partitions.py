@@ -59,12 +59,15 @@ class Repartitioned:
     skipped: int = 0  # events after `start` an old lane had published: the new lanes skip them
 
 
-def mismatch(outbox: str, recorded: PartitionSet, configured: int) -> str:
-    """Why a replica configured with `configured` partitions does not relay the outbox."""
-    base = (
-        f"outboxes.{outbox}.partitions is {configured}, but the outbox runs with"
-        f" {recorded.partitions} partition(s)"
+def mismatch(outbox: str, recorded: PartitionSet, configured: int, who: str | None = None) -> str:
+    """Why a replica configured with `configured` partitions does not relay the outbox
+    (`who`: that replica, when it is not the one saying it)."""
+    said = (
+        f"{who} is configured with {configured}"
+        if who
+        else f"outboxes.{outbox}.partitions is {configured}"
     )
+    base = f"{said}, but the outbox runs with {recorded.partitions} partition(s)"
     if recorded.pinned:
         return (
             f"{base}, set by `relay repartition`: set partitions to {recorded.partitions}, or"
