@@ -179,18 +179,20 @@ async def test_a_replica_with_the_old_count_never_relays_a_repartitioned_outbox(
         old = relay_process(["run", "--config", str(four)])
         await until(four, lambda rows: shape(rows) == [4])
         await relayed_more(four, writer)
-        async with connect(events_table) as conn:
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name LIKE '%:' || $1::text || ':lease'",
-                str(old.pid),
-            )
 
         async def repartitioned() -> bool:
+            """Cut its lease session, then repartition while it rests (2 x retry_interval);
+            a slow start of the command misses the window, and the next cut opens another."""
+            async with connect(events_table) as conn:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name LIKE '%:' || $1::text || ':lease'",
+                    str(old.pid),
+                )
             args = ["repartition", "loans", "--partitions", "2", "--config", str(two)]
             return (await asyncio.to_thread(run_cli, args)).returncode == 0
 
-        await eventually(repartitioned, timeout=30, interval=0.1)
+        await eventually(repartitioned, timeout=60, interval=0.1)
         new = relay_process(["run", "--config", str(two)])
         await until(two, lambda rows: len(held_by(rows, new)) == 2)
         await relayed_more(two, writer)
@@ -259,19 +261,32 @@ async def test_a_rollout_that_adds_a_split_outbox_publishes_everything_after_its
 # -- 4. two counts at the same moment on a new outbox ---------------------------------------
 
 
+@pytest.mark.parametrize(("first", "second"), [(2, 4), (1, 3), (5, 2)])
 async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    *,
+    first: int,
+    second: int,
+    events_table: str,
+    nats_url: str,
+    tmp_path: Path,
+    relay_process: Start,
+    copies: str,
 ) -> None:
-    """A K = 2 and a K = 4 replica start on a fresh outbox, released at the same instant:
-    one count wins, the other replica relays nothing of it and creates no lane row."""
+    """Replicas of two counts start on a fresh outbox, released at the same instant: one
+    count wins, the other replica relays nothing of it and creates no lane row."""
     stream = copies
-    two = config(
-        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
-    )
-    four = config(
-        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
-    )
-    migrate_cli(two)
+    paths = {
+        k: config(
+            tmp_path,
+            events_table,
+            nats_url,
+            stream,
+            f"k{k}.yaml",
+            outboxes={"loans": outbox(stream, k)},
+        )
+        for k in (first, second)
+    }
+    migrate_cli(paths[first])
     backlog = await append_backlog(events_table, 200, aggregates=20)
     async with connect(events_table) as gate, connect(events_table) as watch:
         # Hold the relay's tables: both replicas queue behind this lock, then go together.
@@ -279,7 +294,7 @@ async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
         tx = gate.transaction()
         await tx.start()
         await gate.execute("LOCK TABLE relay.outboxes, relay.checkpoints IN ACCESS EXCLUSIVE MODE")
-        replicas = [relay_process(["run", "--config", str(path)]) for path in (two, four)]
+        replicas = {k: relay_process(["run", "--config", str(path)]) for k, path in paths.items()}
 
         async def both_waiting() -> bool:
             waiting = await watch.fetchval(
@@ -297,13 +312,13 @@ async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
 
     await eventually(decided)
     winner = await recorded(events_table)
-    assert winner in (2, 4)
+    assert winner in (first, second)
     delivery = await delivered(nats_url, stream, set(backlog.values()))
-    report(f"two counts at once, {winner} won", delivery)
+    report(f"counts {first} and {second} at once, {winner} won", delivery)
     assert await lane_rows(events_table) == lane_names(winner), "lanes of one count only"
-    loser = replicas[0] if winner == 4 else replicas[1]
-    assert held_by(await status(two if winner == 2 else four), loser) == []
-    assert all(r.returncode is None for r in replicas)
+    loser = replicas[second if winner == first else first]
+    assert held_by(await status(paths[winner]), loser) == []
+    assert all(r.returncode is None for r in replicas.values())
 
 
 # -- 5. a fleet whose replicas run different outbox sets ------------------------------------
@@ -528,3 +543,48 @@ async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instea
     assert await recorded(events_table) == 2
     assert await lane_rows(events_table) == lane_names(2)
     assert held_by(await status(two), stale) == []
+
+
+async def test_a_frozen_last_replica_of_the_old_count_does_not_stall_the_change_over(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """The last replica of the old count is paused (SIGSTOP) while it holds every lane: its
+    heartbeat goes stale, so it is no longer live, and the new replicas end its session,
+    as a standby ends a silent holder's, then change the outbox over."""
+    stream = copies
+    quick = {"takeover_after": "2s"}
+    old = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "old.yaml",
+        outboxes={"loans": outbox(stream, 2)},
+        lease=quick,
+    )
+    new = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "new.yaml",
+        outboxes={"loans": outbox(stream, 4)},
+        lease=quick,
+    )
+    migrate_cli(old)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        frozen = relay_process(["run", "--config", str(old)])
+        await until(old, lambda rows: shape(rows) == [2])
+        await relayed_more(old, writer)
+        fresh = relay_process(["run", "--config", str(new)])
+        await fresh.wait_for_log("not relaying the outbox: it runs with another partition count")
+        frozen.pause()
+        try:
+            await until(new, lambda rows: held_by(rows, fresh) == lane_names(4))
+            await relayed_more(new, writer)
+        finally:
+            frozen.resume()
+    delivery = await delivered_all(nats_url, stream, writer)
+    resent = report("frozen last replica of the old count", delivery)
+    assert resent <= 2 * 50, "at most the frozen replica's batches in flight"
+    assert await lane_rows(events_table) == lane_names(4)

@@ -101,7 +101,7 @@ async def fetch_all(
                     break
                 try:
                     msgs = await sub.fetch(256, timeout=min(max(remaining, 0.2), 1.0))
-                except FetchTimeout:
+                except (FetchTimeout, TimeoutError):  # nats-py raises either when none came
                     continue
                 for msg in msgs:
                     received.append(
