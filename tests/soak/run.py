@@ -15,7 +15,8 @@ import asyncpg
 
 from tests.soak.brokers import SoakBroker, make_broker
 from tests.soak.cluster import CHECKPOINTS, OUTBOX, Database, Replicas
-from tests.soak.faults import KINDS, LEAVE, Chaos
+from tests.soak.faults import Chaos
+from tests.soak.schedule import KINDS, LEAVE, Planned, plan
 from tests.soak.verdict import Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
@@ -61,7 +62,6 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
 async def _exercise(
     settings: Settings, db: Database, broker: SoakBroker, replicas: Replicas
 ) -> tuple[Verdict, float]:
-    rng = random.Random(settings.seed)
     ledger = Ledger()
     coordinator = Coordinator(db, ledger)
     writers = [
@@ -80,9 +80,8 @@ async def _exercise(
     ]
     origin = time.time()
     try:
-        kinds = settings.kinds if settings.lanes == 1 else (*settings.kinds, LEAVE)
-        chaos = Chaos(rng, replicas, db, broker, kinds=kinds)
-        faults = await chaos.run(settings.seconds)
+        chaos = Chaos(random.Random(settings.seed + 2), replicas, db, broker)
+        faults = await chaos.run(schedule(settings))
         stop_writing.set()
         await asyncio.gather(*writing, background[0])
         drained = await _drained(db, settings.lanes, settings.drain_timeout)
@@ -102,6 +101,12 @@ async def _exercise(
         restarts=sum(r.starts - 1 for r in replicas.members),
     )
     return verdict, origin
+
+
+def schedule(settings: Settings) -> list[Planned]:
+    """The seed's faults for this soak; a split outbox also sees replicas leave and rejoin."""
+    kinds = settings.kinds if settings.lanes == 1 else (*settings.kinds, LEAVE)
+    return plan(settings.seed, settings.seconds, kinds)
 
 
 async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: ASYNC109

@@ -1,0 +1,77 @@
+"""The fault schedule, a pure function of the seed: what a soak will inject, known before it runs.
+
+Drawing it up front keeps the seed's promise (same seed, same faults) whatever the run's
+timing, and lets a unit test check every seed's schedule in milliseconds. The timeline
+counts each fault's own length (a pause, a silence, a server down), not the time servers
+take to come back, so a run lasts a little longer than its nominal seconds.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tests.soak.cluster import TAKEOVER_AFTER
+
+KILL = "kill -9 holder"
+TERM = "SIGTERM holder"
+STOP = "SIGSTOP holder"
+BLACK_HOLE = "black-holed link"
+TERMINATE = "terminate relay sessions"
+BROKER = "broker crash"
+POSTGRES = "postgres crash"
+KINDS = (KILL, TERM, STOP, BLACK_HOLE, TERMINATE, BROKER, POSTGRES)
+# A replica scaled away for a few seconds, then back: the others take its lanes, and give
+# some back when it rejoins. Only for split outboxes, so that older seeds replay as before.
+LEAVE = "replica leaves, rejoins"
+SPLIT_KINDS = (*KINDS, LEAVE)
+EVERY = (1.5, 4.0)  # the pause before each fault, in seconds
+
+
+def paused_for(lasting: float) -> float:
+    """How long SIGSTOP keeps the holder paused: past takeover_after, so a standby acts."""
+    return TAKEOVER_AFTER + lasting
+
+
+def silent_for(lasting: float) -> float:
+    """How long a black-holed link swallows packets before it is cut."""
+    return 1.5 + lasting
+
+
+def away_for(lasting: float) -> float:
+    """How long a leaving replica stays away: enough for the others to rebalance."""
+    return 3.0 + 2 * lasting
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One fault to come: the pause before it, its kind, and its drawn length."""
+
+    pause: float
+    kind: str
+    lasting: float  # drawn for every fault: same seed, same draws
+
+    @property
+    def length(self) -> float:
+        """How long injecting it takes, not counting servers' restarts."""
+        if self.kind == STOP:
+            return paused_for(self.lasting)
+        if self.kind == BLACK_HOLE:
+            return silent_for(self.lasting)
+        if self.kind in (BROKER, POSTGRES):
+            return self.lasting
+        return 0.0  # a signal, a terminate, a replica told to stay away: at once
+
+
+def plan(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> list[Planned]:
+    """The faults for `seconds`. A longer soak of the same seed starts with the same faults."""
+    rng = random.Random(seed)
+    faults: list[Planned] = []
+    elapsed = 0.0
+    while True:
+        pause = rng.uniform(*EVERY)
+        if elapsed + pause >= seconds:
+            return faults
+        fault = Planned(pause, rng.choice(kinds), rng.uniform(0.5, 2.5))
+        faults.append(fault)
+        elapsed += pause + fault.length
