@@ -25,6 +25,7 @@ from tests.soak.writers import Coordinator, Ledger, Writer
 class Settings:
     seed: int
     seconds: float  # how long faults are injected; writers write meanwhile
+    faults_at_least: int = 0  # faults go on past `seconds` until there are this many
     broker: str = "nats"
     replicas: int = 3
     writers: int = 6
@@ -106,7 +107,7 @@ async def _exercise(
 def schedule(settings: Settings) -> list[Planned]:
     """The seed's faults for this soak; a split outbox also sees replicas leave and rejoin."""
     kinds = settings.kinds if settings.lanes == 1 else (*settings.kinds, LEAVE)
-    return plan(settings.seed, settings.seconds, kinds)
+    return plan(settings.seed, settings.seconds, kinds, at_least=settings.faults_at_least)
 
 
 async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: ASYNC109

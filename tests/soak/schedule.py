@@ -63,14 +63,21 @@ class Planned:
         return 0.0  # a signal, a terminate, a replica told to stay away: at once
 
 
-def plan(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> list[Planned]:
-    """The faults for `seconds`. A longer soak of the same seed starts with the same faults."""
+def plan(
+    seed: int, seconds: float, kinds: tuple[str, ...] = KINDS, *, at_least: int = 0
+) -> list[Planned]:
+    """The faults for `seconds`, and more past them until there are `at_least`.
+
+    Pauses and kinds keep their one distribution throughout, so the mix and the pacing
+    stay those of any other stretch of a soak; only the run gets longer. A longer soak
+    of the same seed starts with the same faults.
+    """
     rng = random.Random(seed)
     faults: list[Planned] = []
     elapsed = 0.0
     while True:
         pause = rng.uniform(*EVERY)
-        if elapsed + pause >= seconds:
+        if elapsed + pause >= seconds and len(faults) >= at_least:
             return faults
         fault = Planned(pause, rng.choice(kinds), rng.uniform(0.5, 2.5))
         faults.append(fault)
