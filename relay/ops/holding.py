@@ -49,6 +49,7 @@ async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
             start_xmin=start_xmin,
             broker=c.broker,
         )
+        lease.claimed(claimed.epoch)  # proven just now: the session's proofs cover it
         await c.commands.abandon_running(conn, c.outbox)
     return ClaimedOutbox(c.store, lease, claimed)
 
