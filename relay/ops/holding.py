@@ -12,6 +12,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import asyncpg
+
 from relay.config.broker_identity import same_broker
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import CommandQueue
@@ -34,12 +36,17 @@ class Claimant:
     broker: str | None = None  # the outbox's broker identity, recorded with its checkpoint
 
 
-async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
-    """Claim the outbox under `lease` (already held): the next epoch, fenced from here on."""
+async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) -> ClaimedOutbox:
+    """Claim the outbox under `lease` (already held): the next epoch, fenced from here on.
+
+    The table's checks and the start point are reads: they go on `reader`, so that the
+    lease connection, which every lane of the replica shares, carries only what needs the
+    lock (the epoch, the commands left running) and is free for the lease proofs.
+    """
     c = claimant
+    await c.source.check(reader)
+    position, start_xmin = await c.source.start_point(reader, c.start)
     async with lease.statement() as conn:
-        await c.source.check(conn)
-        position, start_xmin = await c.source.start_point(conn, c.start)
         claimed = await c.store.claim(
             conn,
             c.outbox,
@@ -50,6 +57,7 @@ async def claim(lease: Lease, claimant: Claimant) -> ClaimedOutbox:
             broker=c.broker,
         )
         lease.claimed(claimed.epoch)  # proven just now: the session's proofs cover it
+    async with lease.statement() as conn:
         await c.commands.abandon_running(conn, c.outbox)
     return ClaimedOutbox(c.store, lease, claimed)
 

@@ -193,7 +193,7 @@ class Operator:
             claimant = holding.Claimant(
                 lane.name, outbox.start, source, self.store, self.queue, broker
             )
-            claimed = await holding.claim(lease, claimant)
+            claimed = await holding.claim(lease, claimant, reader)
             holding.warn_if_broker_changed(log, self.outbox, claimed.claim)
             log.info(
                 "no holder: carrying out the command under the lease",

@@ -284,7 +284,8 @@ class OutboxRelay:
         metrics.lag_events.labels(*self.labels).set(behind)
         age = await source.pending_age(s.reader, position) if behind > 0 else 0.0
         metrics.lag_seconds.labels(*self.labels).set(age)
-        metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
+        parked = await self.ctx.store.parked_count(s.reader, s.claimed.claim.outbox)
+        metrics.parked.labels(*self.labels).set(parked)  # a read: on the reader, not the lease
 
     def _skipped(self, rule: CompiledRule) -> None:
         self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()

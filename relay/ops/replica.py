@@ -96,14 +96,19 @@ class LaneHolder:
         claimant = holding.Claimant(
             self.name, ctx.config.start, ctx.source, ctx.store, ctx.commands, broker
         )
-        claimed = await holding.claim(self.lease, claimant)
-        reader = await self.db.connect("reader")
+        reader = await self.db.connect("reader")  # the claim's reads go here (holding.py)
+        try:
+            claimed = await holding.claim(self.lease, claimant, reader)
+            parked = await ctx.store.parked_count(reader, self.name)
+        except BaseException:
+            await _close(reader)
+            raise
         claim = claimed.claim
         ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
         holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
         self._transition("acquired")
-        ctx.metrics.parked.labels(*ctx.lane.labels).set(await claimed.parked_count())
+        ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
         return Session(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, session: Session) -> str | None:
