@@ -175,6 +175,8 @@ class OutboxRelay:
         self.ctx.wakes.commands.clear()
         self._commands_checked = time.monotonic()
         claim, queue, moved = s.claimed.claim, self.ctx.commands, False
+        if not await queue.waiting(s.reader, claim.outbox):
+            return False  # asked on the reader: the lease connection is every lane's
         while not self.ctx.stop.is_set():
             async with s.claimed.writer.statement() as conn:
                 command = await queue.take(conn, claim, self.ctx.identity)
