@@ -43,10 +43,11 @@ class Claimant:
 async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) -> ClaimedOutbox:
     """Claim the lane under `lease` (already held): the next epoch, fenced from here on.
 
-    The table's checks and the start are read on `reader`, so that the lease connection,
-    which every lane's proof shares, only carries the claim's short transaction. A lane of
-    another count than the outbox's partition set is refused there (PartitionsChanged),
-    and nothing is written.
+    The table's checks and the start point are reads: they go on `reader`, so that the
+    lease connection, which every lane of the replica shares, carries only what needs the
+    lock (the epoch, the commands left running) and is free for the lease proofs. A lane
+    of another count than the outbox's partition set is refused in the claim's own
+    transaction (PartitionsChanged), and nothing is written.
     """
     c = claimant
     await c.source.check(reader)
@@ -70,6 +71,8 @@ async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) ->
             start_xmin=record.start_xmin,
             broker=c.broker,
         )
+        lease.claimed(claimed.epoch)  # proven just now: the session's proofs cover it
+    async with lease.statement() as conn:
         await c.commands.abandon_running(conn, c.lane.name)
     return ClaimedOutbox(c.store, lease, claimed)
 

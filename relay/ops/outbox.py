@@ -181,6 +181,8 @@ class OutboxRelay:
         self.ctx.wakes.commands.clear()
         self._commands_checked = time.monotonic()
         claim, queue, moved = s.claimed.claim, self.ctx.commands, False
+        if not await queue.waiting(s.reader, claim.outbox):
+            return False  # asked on the reader: the lease connection is every lane's
         while not self.ctx.stop.is_set():
             async with s.claimed.writer.statement() as conn:
                 command = await queue.take(conn, claim, self.ctx.identity)
@@ -291,7 +293,8 @@ class OutboxRelay:
         metrics.lag_events.labels(*self.labels).set(behind)
         age = await source.pending_age(s.reader, position) if behind > 0 else 0.0
         metrics.lag_seconds.labels(*self.labels).set(age)
-        metrics.parked.labels(*self.labels).set(await s.claimed.parked_count())
+        parked = await self.ctx.store.parked_count(s.reader, s.claimed.claim.outbox)
+        metrics.parked.labels(*self.labels).set(parked)  # a read: on the reader, not the lease
 
     def _skipped(self, rule: CompiledRule) -> None:
         self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()

@@ -116,9 +116,10 @@ class LaneHolder:
             ctx.partitions,
             broker,
         )
-        reader = await self.db.connect("reader")
+        reader = await self.db.connect("reader")  # the claim's reads go here (holding.py)
         try:
             claimed = await holding.claim(self.lease, claimant, reader)
+            parked = await ctx.store.parked_count(reader, self.name)
         except BaseException:
             await _close(reader)
             raise
@@ -127,7 +128,7 @@ class LaneHolder:
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
         holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
         self._transition("acquired")
-        ctx.metrics.parked.labels(*ctx.lane.labels).set(await claimed.parked_count())
+        ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
         return Session(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, session: Session) -> str | None:

@@ -80,10 +80,6 @@ class ClaimedOutbox:
             await self.store.park(conn, self.claim, parking)
         self._position = parking.upto
 
-    async def parked_count(self) -> int:
-        async with self.writer.statement() as conn:
-            return await self.store.parked_count(conn, self.claim.outbox)
-
     async def unpark(self, ids: list[int]) -> None:
         """These parked messages were published: forget them, in one statement."""
         if not ids:

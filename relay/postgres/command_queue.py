@@ -96,6 +96,17 @@ class CommandQueue:
         )
         return bool(status.endswith(" 1"))
 
+    async def waiting(self, conn: asyncpg.Connection, outbox: str) -> bool:
+        """Whether a command waits for the outbox: a read on any connection, so that the
+        holder's polling costs its shared lease connection nothing while none does."""
+        return bool(
+            await conn.fetchval(
+                f"SELECT EXISTS (SELECT 1 FROM {self.table} WHERE outbox = $1"
+                " AND state = 'pending')",
+                outbox,
+            )
+        )
+
     async def take(self, conn: asyncpg.Connection, claim: Claim, by: str) -> Command | None:
         """The oldest pending command of the outbox, marked running; holder only."""
         row = await conn.fetchrow(

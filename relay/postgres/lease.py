@@ -9,12 +9,14 @@ replica's locks within seconds. Standbys try their candidate locks with
 take (never the blocking form: a dead standby could be granted a lock and sit on
 it), because session locks stack.
 
-A holder proves every `check_interval` that its backend still holds the lane's
-lock, and stamps the lane's heartbeat while doing so. If the proof fails or times
-out it stops publishing at once. A standby that finds a heartbeat older than
-`takeover_after` (by the database clock) terminates the silent holder's session:
-that covers what keepalives cannot see, such as a paused process or a path that
-swallows packets but keeps the socket open.
+A holder proves every `check_interval` that its backend still holds its lanes'
+locks, and stamps their heartbeats while doing so: one statement for every lane the
+session holds, which goes ahead of the other statements waiting for the connection,
+so that neither the number of lanes nor their checkpoint writes delay it. If the
+proof fails or times out every lane stops publishing at once. A standby that finds
+a heartbeat older than `takeover_after` (by the database clock) terminates the silent
+holder's session: that covers what keepalives cannot see, such as a paused process
+or a path that swallows packets but keeps the socket open.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 import structlog
@@ -31,7 +33,7 @@ import structlog
 from relay.config import LeaseConfig
 from relay.errors import DatabaseError
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.sql import holds_lock, lock_holder, quote
+from relay.postgres.sql import held_keys, lock_holder, quote
 
 LEASE_CHANNEL = "relay_lease"
 
@@ -73,6 +75,31 @@ class LeaseLost(Exception):
     """Raised inside the holder when its lease can no longer be proven."""
 
 
+NOT_HELD = "lease check: this connection no longer holds the lock or the epoch"
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _future() -> asyncio.Future[str]:
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass(slots=True)
+class _Watched:
+    """A held lock the session proves, at the epoch its lane claimed; `lost` says why not."""
+
+    lane: str
+    epoch: int
+    proven: float = field(default_factory=_now)  # the last answer that proved it (loop time)
+    lost: asyncio.Future[str] = field(default_factory=_future)
+
+    def lose(self, reason: str) -> None:
+        if not self.lost.done():
+            self.lost.set_result(reason)
+
+
 class LeaseSession:
     """One process's lease connection: every lock it holds or tries lives on it."""
 
@@ -84,6 +111,11 @@ class LeaseSession:
         self.held: set[int] = set()
         self.suspect = False  # a check timed out: the connection may be silent, not dead
         self.lock = asyncio.Lock()  # one statement at a time on the lease connection
+        # Every statement but the proof (and unlocking) queues here before taking `lock`,
+        # so a proof waits for the statement in progress only, never for the queue.
+        self._line = asyncio.Lock()
+        self._watched: dict[int, _Watched] = {}  # the held locks the proofs cover, by key
+        self._prover: asyncio.Task[None] | None = None
         checkpoints = f"{quote(schema)}.checkpoints"
         self._holders = (
             f"SELECT {_KEY} AS key, l.pid, coalesce(a.application_name, '') AS application_name,"
@@ -97,8 +129,10 @@ class LeaseSession:
             f" AND {_KEY} = ANY($1::bigint[])"
         )
         self._heartbeat = (
-            f"UPDATE {checkpoints} SET heartbeat = now() WHERE outbox = $1 AND epoch = $2"
-            f" AND {holds_lock('$3')} RETURNING true"
+            f"UPDATE {checkpoints} c SET heartbeat = now()"
+            " FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS w(key, lane, epoch)"
+            f" WHERE c.outbox = w.lane AND c.epoch = w.epoch AND w.key IN ({held_keys()})"
+            " RETURNING w.key"
         )
         self.log = structlog.get_logger("relay.lease")
 
@@ -119,24 +153,25 @@ class LeaseSession:
 
     @contextlib.asynccontextmanager
     async def statement(self) -> AsyncIterator[asyncpg.Connection]:
-        """Use the lease connection for one statement (checkpoints are written here).
+        """Use the lease connection for one statement (checkpoints are written here), after
+        those queued before it; a proof goes ahead of them.
 
         A statement that failed on the connection, timed out or was cancelled leaves it
         in an unknown state (asyncpg may still be busy with it): the session is dropped
         at once, before anyone else uses it, and every lock on it is then known gone.
         """
-        async with self.lock:
+        async with self._line, self.lock:
             conn = await self._connection()
             try:
                 yield conn
-            except (*CONNECTION_LOST, asyncio.CancelledError):
-                self._broken(conn)
+            except (*CONNECTION_LOST, asyncio.CancelledError) as exc:
+                self._broken(conn, f"lease connection lost: {type(exc).__name__}: {exc}")
                 raise
 
-    def _broken(self, conn: asyncpg.Connection) -> None:
+    def _broken(self, conn: asyncpg.Connection, reason: str) -> None:
         self.suspect = True
         if self.conn is conn:
-            self.abandon()
+            self.abandon(reason)
 
     async def try_locks(self, keys: Sequence[int], limit: int) -> list[int]:
         """Take free locks among `keys`, in order, at most `limit`, in one statement.
@@ -185,47 +220,103 @@ class LeaseSession:
             )
         return done
 
-    async def prove(self, key: int, lane: str, epoch: int) -> None:
-        """Show, on the lease connection and in time, that this backend holds the lock."""
+    def watch(self, key: int, lane: str, epoch: int) -> asyncio.Future[str]:
+        """Prove this lock with the others from now on; the future says why it was lost.
+
+        Called by the claim, whose statement just proved the lock, while it still has the
+        connection: a proof that takes the connection after it covers this lock too.
+        """
+        watched = self._watched[key] = _Watched(lane, epoch)
+        if self._prover is None or self._prover.done():
+            self._prover = asyncio.create_task(self._prove_every_interval(), name="lease-proofs")
+        return watched.lost
+
+    def unwatch(self, key: int) -> None:
+        watched = self._watched.pop(key, None)
+        if watched is not None:
+            watched.lose("the lease was let go")
+
+    async def _prove_every_interval(self) -> None:
+        """One proof for every watched lock, `check_interval` after the oldest proof of one
+        (a claim, or the last proof), while there are any."""
+        while self._watched:
+            oldest = min(w.proven for w in self._watched.values())
+            await asyncio.sleep(max(0.0, oldest + self.config.check_interval - _now()))
+            try:
+                await self.prove()
+            except LeaseLost as exc:
+                self._lose_all(str(exc))
+
+    async def prove(self) -> None:
+        """Show, on the lease connection and in time, that this backend holds every lock
+        it watches, at their lanes' epochs; stamp their heartbeats. A lock it no longer
+        holds, or whose lane another replica claimed since, is lost on its own."""
         try:
             async with asyncio.timeout(self.config.check_timeout), self.lock:
+                watched = dict(self._watched)  # now: every claim made before is among them
+                if not watched:
+                    return
                 conn = await self._connection()
-                held = await conn.fetchval(self._heartbeat, lane, epoch, key)
+                rows = await conn.fetch(
+                    self._heartbeat,
+                    list(watched),
+                    [w.lane for w in watched.values()],
+                    [w.epoch for w in watched.values()],
+                )
         except (*CONNECTION_LOST, asyncpg.PostgresError, DatabaseError) as exc:
             # Any refusal counts too: a lease that cannot be proven is not held, nor is
             # any other lock on this connection; drop it before another statement uses it.
+            reason = f"lease check failed: {type(exc).__name__}: {exc}"
             if self.conn is not None:
-                self._broken(self.conn)
-            raise LeaseLost(f"lease check failed: {type(exc).__name__}: {exc}") from exc
-        if not held:
-            self.held.discard(key)
-            raise LeaseLost("lease check: this connection no longer holds the lock or the epoch")
+                self._broken(self.conn, reason)
+            raise LeaseLost(reason) from exc
+        proven, now = {int(r[0]) for r in rows}, _now()
+        for key, lock in watched.items():
+            if key in proven:
+                lock.proven = now
+            else:
+                self.held.discard(key)
+                self._lose(key, lock, NOT_HELD)
+
+    def _lose(self, key: int, watched: _Watched, reason: str) -> None:
+        if self._watched.get(key) is watched:
+            del self._watched[key]
+        watched.lose(reason)
+
+    def _lose_all(self, reason: str) -> None:
+        watched, self._watched = self._watched, {}
+        for lock in watched.values():
+            lock.lose(reason)
 
     async def unlock(self, key: int, channel_key: str) -> None:
         """Release one lock and tell the standbys; a broken connection drops them all."""
+        self.unwatch(key)
         if key not in self.held or self.conn is None:
             self.held.discard(key)
             return
         self.held.discard(key)
-        try:
+        try:  # ahead of the line, as a proof: a hand-over must not wait for every lane's writes
             async with asyncio.timeout(self.config.check_timeout), self.lock:
                 await self.conn.execute("SELECT pg_advisory_unlock($1)", key)
                 await self.conn.execute("SELECT pg_notify($1, $2)", LEASE_CHANNEL, channel_key)
         except Exception:  # noqa: BLE001 - any failure here means: drop the socket
-            self.abandon()
+            self.abandon("lease connection dropped: unlocking a lease failed")
 
     def forget(self, key: int) -> None:
         """This lock is known lost (not held); the session itself is healthy."""
         self.held.discard(key)
+        self.unwatch(key)
 
     def connection_lost(self) -> bool:
         """True when the lease connection is gone, and every lock with it."""
         return self.conn is None or self.conn.is_closed()
 
-    def abandon(self) -> None:
-        """Drop the connection without a word: the server frees the locks with the session."""
+    def abandon(self, reason: str = "lease connection dropped: every lock on it is gone") -> None:
+        """Drop the connection without a word: the server frees the locks with the session,
+        and every lane that held one is told at once."""
         conn, self.conn = self.conn, None
         self.held.clear()
+        self._lose_all(reason)
         if conn is not None:
             conn.terminate()
 
@@ -233,6 +324,10 @@ class LeaseSession:
         """Close the session; a lock still held is freed with it."""
         conn, self.conn = self.conn, None
         self.held.clear()
+        self._lose_all("the lease session was closed")
+        if self._prover is not None:
+            self._prover.cancel()
+            await asyncio.gather(self._prover, return_exceptions=True)
         if conn is None:
             return
         try:
@@ -251,6 +346,7 @@ class Lease:
         self.identity = session.identity
         self.key = lock_key(self.config.namespace, lane)
         self.log = structlog.get_logger("relay.lease").bind(outbox=lane)
+        self._lost: tuple[int, asyncio.Future[str]] | None = None  # the claim's epoch, why lost
 
     @property
     def held(self) -> bool:
@@ -274,14 +370,19 @@ class Lease:
             return None
         return holder if await self.session.terminate(holder) else None
 
+    def claimed(self, epoch: int) -> None:
+        """The claim at `epoch` just proved the lock: the session's proofs cover it now.
+
+        Call it while the claim still has the lease connection (see LeaseSession.watch).
+        """
+        self._lost = epoch, self.session.watch(self.key, self.outbox, epoch)
+
     async def watch(self, epoch: int) -> str:
-        """Prove the lease every `check_interval`; return why, once it is lost."""
-        while True:
-            await asyncio.sleep(self.config.check_interval)
-            try:
-                await self.session.prove(self.key, self.outbox, epoch)
-            except LeaseLost as exc:
-                return str(exc)
+        """Until the session's proofs (every `check_interval`) find the lease lost: why."""
+        if self._lost is None or self._lost[0] != epoch:
+            self.claimed(epoch)  # not claimed through holding.claim: covered from now on
+        assert self._lost is not None
+        return await asyncio.shield(self._lost[1])
 
     async def release(self) -> None:
         """Unlock and tell the standbys; the session stays for the other lanes."""

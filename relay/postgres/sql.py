@@ -27,6 +27,14 @@ def holds_lock(key_param: str) -> str:
     )
 
 
+def held_keys() -> str:
+    """SQL for the keys of every advisory lock this connection holds, one scan of pg_locks."""
+    return (
+        "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks WHERE pid = pg_backend_pid()"
+        " AND locktype = 'advisory' AND granted AND objsubid = 1"
+    )
+
+
 def lock_holder(key_param: str, *, columns: str = "", join: str = "") -> str:
     """A query for the session holding advisory lock `key_param` in this database.
 

@@ -28,9 +28,16 @@ from tests.support.relay_process import RelayProcess, run_cli
 
 DATABASE = "soak"
 OUTBOX = "soak"
-CHECKPOINTS = (  # the outbox's one checkpoint, or one per lane (`soak/0`, ...) when split
-    "SELECT outbox, position FROM relay.checkpoints WHERE outbox = $1 OR outbox LIKE $1 || '/%'"
+SIDE = "side"  # an outbox of nothing: added to, or left alone in, a replica's config
+# The outbox's one checkpoint, or one per lane (`soak/0`, ...) when split; with when its
+# partition count last changed, since a change starts the new lanes afresh.
+CHECKPOINTS = (
+    "SELECT c.outbox, c.position, o.updated_at FROM relay.checkpoints c"
+    " LEFT JOIN relay.outboxes o ON o.outbox = $1"
+    " WHERE c.outbox = $1 OR c.outbox LIKE $1 || '/%'"
 )
+# The outbox's partition count as it runs (its config's before the first claim).
+RECORDED = "SELECT partitions FROM relay.outboxes WHERE outbox = $1"
 
 # Fast enough to see many faults in a short run, within the relay's own rules:
 # check_interval + check_timeout < keepalive budget (1 + 1 x 2 = 3 s), < takeover_after.
@@ -127,6 +134,10 @@ class Replica:
     def hold_out(self, seconds: float) -> None:
         self.away_until = time.monotonic() + seconds
 
+    def reconfigure(self, config: Path) -> None:
+        """The config its next start runs with (a rollout)."""
+        self.config = config
+
     def start(self) -> None:
         self.starts += 1
         log_dir = self.log_root / f"replica-{self.index}-run-{self.starts}"
@@ -183,7 +194,7 @@ class Replicas:
         lanes: int = 1,
     ) -> None:
         self.db = db
-        self.lanes = lanes
+        self.lanes = lanes  # the partitions the fleet's config gives the outbox now
         self.root = root
         self.broker_config = broker_config
         self.rule = rule  # destination (and routing key) of the outbox's messages
@@ -191,10 +202,28 @@ class Replicas:
         host, port = db.address
         for index in range(count):
             proxy = TcpProxy(host, port)
-            config = write_config(root / f"replica-{index}.yaml", self._config(proxy))
-            self.members.append(Replica(index, config, proxy, root / "logs"))
+            self.members.append(Replica(index, Path(), proxy, root / "logs"))
+            self.members[-1].reconfigure(self.config_file(index, lanes))
 
-    def _config(self, proxy: TcpProxy) -> dict[str, Any]:
+    def config_file(self, index: int, lanes: int, outboxes: str = "soak") -> Path:
+        """Replica `index`'s config with `lanes` partitions; `outboxes`: `soak` alone,
+        `both` (with the side outbox added) or `side` (the soak outbox removed)."""
+        proxy = self.members[index].proxy
+        path = self.root / f"replica-{index}-{outboxes}-{lanes}.yaml"
+        return write_config(path, self._config(proxy, lanes, outboxes))
+
+    def _config(self, proxy: TcpProxy, lanes: int, outboxes: str) -> dict[str, Any]:
+        rule = {"type": "soak.item-added.v1", "payload": "data", **self.rule}
+        soak: dict[str, Any] = {
+            "broker": "broker",
+            "messages": {"ItemAdded": rule},
+            "batch": {"max_messages": 200, "linger": "5ms"},
+            "retry": {"initial": "50ms", "max": "1s"},
+            "park_after": 3,
+            "partitions": lanes,
+        }
+        side = {**soak, "messages": {"NeverWritten": rule}}
+        chosen = {"soak": {OUTBOX: soak}, "both": {OUTBOX: soak, SIDE: side}, "side": {SIDE: side}}
         return {
             "database": {
                 "url": with_address(self.db.dsn, proxy.host, proxy.port),
@@ -202,22 +231,7 @@ class Replicas:
             },
             "source": {"poll_interval": "100ms", "barrier_report_after": "500ms"},
             "brokers": {"broker": self.broker_config},
-            "outboxes": {
-                OUTBOX: {
-                    "broker": "broker",
-                    "messages": {
-                        "ItemAdded": {
-                            "type": "soak.item-added.v1",
-                            "payload": "data",
-                            **self.rule,
-                        }
-                    },
-                    "batch": {"max_messages": 200, "linger": "5ms"},
-                    "retry": {"initial": "50ms", "max": "1s"},
-                    "park_after": 3,
-                    "partitions": self.lanes,
-                }
-            },
+            "outboxes": chosen[outboxes],
             "lease": LEASE,
             "http": {"port": 0, "host": "127.0.0.1"},
             "logging": {"level": "info", "format": "json"},

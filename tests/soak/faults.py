@@ -1,4 +1,4 @@
-"""Faults, one at a time, chosen by a seeded generator: the same seed, the same choices.
+"""Faults, one at a time, as the seed's schedule (schedule.py) lists them.
 
 Each fault ends cleanly (a paused process is continued, a black hole is cut and opened
 again, a crashed server is started again), so that once the schedule is over every outbox
@@ -16,20 +16,22 @@ from dataclasses import dataclass
 import asyncpg
 
 from tests.soak.brokers import SoakBroker
-from tests.soak.cluster import TAKEOVER_AFTER, Database, Replica, Replicas
-
-KILL = "kill -9 holder"
-TERM = "SIGTERM holder"
-STOP = "SIGSTOP holder"
-BLACK_HOLE = "black-holed link"
-TERMINATE = "terminate relay sessions"
-BROKER = "broker crash"
-POSTGRES = "postgres crash"
-KINDS = (KILL, TERM, STOP, BLACK_HOLE, TERMINATE, BROKER, POSTGRES)
-# A replica scaled away for a few seconds, then back: the others take its lanes, and give
-# some back when it rejoins. Only for split outboxes, so that older seeds replay as before.
-LEAVE = "replica leaves, rejoins"
-SPLIT_KINDS = (*KINDS, LEAVE)
+from tests.soak.cluster import Database, Replica, Replicas
+from tests.soak.rollouts import Rollouts
+from tests.soak.schedule import (
+    BLACK_HOLE,
+    BROKER,
+    KILL,
+    LEAVE,
+    ROLLOUT_KINDS,
+    STOP,
+    TERM,
+    TERMINATE,
+    Planned,
+    away_for,
+    paused_for,
+    silent_for,
+)
 
 
 @dataclass(frozen=True)
@@ -47,41 +49,33 @@ class Fault:
 
 
 class Chaos:
-    """Injects one fault every few seconds until told to stop."""
+    """Injects the planned faults in order, each after its pause.
+
+    `rng` only picks a running replica when no one holds a lease, which depends on the
+    run's timing: a generator of its own, so that it cannot shift the schedule's draws.
+    """
 
     def __init__(
-        self,
-        rng: random.Random,
-        replicas: Replicas,
-        db: Database,
-        broker: SoakBroker,
-        *,
-        kinds: tuple[str, ...] = KINDS,
-        every: tuple[float, float] = (1.5, 4.0),
+        self, rng: random.Random, replicas: Replicas, db: Database, broker: SoakBroker
     ) -> None:
         self.rng = rng
         self.replicas = replicas
         self.db = db
         self.broker = broker
-        self.kinds = kinds
-        self.every = every
+        self.rollouts = Rollouts(rng, replicas)
         self.log: list[Fault] = []
 
-    async def run(self, seconds: float) -> list[Fault]:
-        deadline = time.monotonic() + seconds
-        while True:
-            pause = self.rng.uniform(*self.every)
-            if time.monotonic() + pause >= deadline:
-                break
-            await asyncio.sleep(pause)
-            kind = self.rng.choice(self.kinds)
-            lasting = self.rng.uniform(0.5, 2.5)  # drawn for every fault: same seed, same draws
+    async def run(self, schedule: list[Planned]) -> list[Fault]:
+        for planned in schedule:
+            await asyncio.sleep(planned.pause)
             started = time.time()
-            detail = await self._inject(kind, lasting)
-            self.log.append(Fault(kind, started, time.time(), detail))
+            detail = await self._inject(planned.kind, planned.lasting)
+            self.log.append(Fault(planned.kind, started, time.time(), detail))
         return self.log
 
     async def _inject(self, kind: str, lasting: float) -> str:
+        if kind in ROLLOUT_KINDS:
+            return await self.rollouts.inject(kind, lasting)
         if kind in (KILL, TERM, STOP, BLACK_HOLE, LEAVE):
             target = await self._target()
             if target is None:
@@ -115,17 +109,17 @@ class Chaos:
             target.signal(signal.SIGTERM)
             return who
         if kind == LEAVE:
-            away = 3.0 + 2 * lasting  # long enough for the others to rebalance without it
+            away = away_for(lasting)
             target.hold_out(away)
             target.signal(signal.SIGTERM)
             return f"{who}, away {away:.1f}s"
         if kind == STOP:
-            paused = TAKEOVER_AFTER + lasting
+            paused = paused_for(lasting)
             target.signal(signal.SIGSTOP)
             await asyncio.sleep(paused)
             target.signal(signal.SIGCONT)
             return f"{who}, paused {paused:.1f}s"
-        silent = 1.5 + lasting
+        silent = silent_for(lasting)
         target.proxy.pause()  # packets vanish; both ends keep their sockets
         await asyncio.sleep(silent)
         target.proxy.cut()  # then the server side is dropped

@@ -14,8 +14,9 @@ from pathlib import Path
 import asyncpg
 
 from tests.soak.brokers import SoakBroker, make_broker
-from tests.soak.cluster import CHECKPOINTS, OUTBOX, Database, Replicas
-from tests.soak.faults import KINDS, LEAVE, Chaos
+from tests.soak.cluster import CHECKPOINTS, OUTBOX, RECORDED, Database, Replicas
+from tests.soak.faults import Chaos
+from tests.soak.schedule import KINDS, LEAVE, ROLLOUT_KINDS, Planned, plan
 from tests.soak.verdict import Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
@@ -24,6 +25,7 @@ from tests.soak.writers import Coordinator, Ledger, Writer
 class Settings:
     seed: int
     seconds: float  # how long faults are injected; writers write meanwhile
+    faults_at_least: int = 0  # faults go on past `seconds` until there are this many
     broker: str = "nats"
     replicas: int = 3
     writers: int = 6
@@ -61,7 +63,6 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
 async def _exercise(
     settings: Settings, db: Database, broker: SoakBroker, replicas: Replicas
 ) -> tuple[Verdict, float]:
-    rng = random.Random(settings.seed)
     ledger = Ledger()
     coordinator = Coordinator(db, ledger)
     writers = [
@@ -80,9 +81,8 @@ async def _exercise(
     ]
     origin = time.time()
     try:
-        kinds = settings.kinds if settings.lanes == 1 else (*settings.kinds, LEAVE)
-        chaos = Chaos(rng, replicas, db, broker, kinds=kinds)
-        faults = await chaos.run(settings.seconds)
+        chaos = Chaos(random.Random(settings.seed + 2), replicas, db, broker)
+        faults = await chaos.run(schedule(settings))
         stop_writing.set()
         await asyncio.gather(*writing, background[0])
         drained = await _drained(db, settings.lanes, settings.drain_timeout)
@@ -104,15 +104,26 @@ async def _exercise(
     return verdict, origin
 
 
+def schedule(settings: Settings) -> list[Planned]:
+    """The seed's faults for this soak; a split outbox also sees replicas leave and rejoin,
+    and rollouts (its partitions changed, its replicas' outbox sets mixed)."""
+    kinds = settings.kinds
+    if settings.lanes > 1:
+        kinds = (*kinds, LEAVE, *ROLLOUT_KINDS)
+    return plan(settings.seed, settings.seconds, kinds, at_least=settings.faults_at_least)
+
+
 async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: ASYNC109
-    """True once every lane's checkpoint has reached the head, with nothing left open."""
+    """True once every lane's checkpoint has reached the head, with nothing left open: the
+    lanes of the partitions the outbox runs with at the end (rollouts may change them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, TimeoutError, asyncpg.PostgresError):
             async with db.connection() as conn:
                 head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
+                count = await conn.fetchval(RECORDED, OUTBOX) or lanes
                 rows = await conn.fetch(CHECKPOINTS, OUTBOX)
-                if len(rows) == lanes and all(row["position"] >= head for row in rows):
+                if len(rows) == count and all(row["position"] >= head for row in rows):
                     return True
         await asyncio.sleep(0.2)
     return False
@@ -125,11 +136,14 @@ async def _committed(db: Database) -> set[str]:
 
 
 class CheckpointSampler:
-    """Reads the checkpoints ten times a second; none may be seen lower than before."""
+    """Reads the checkpoints ten times a second; none may be seen lower than before.
+
+    A change of the outbox's partitions starts new lanes (some of the same names) where
+    the slowest old one stood: a lane is judged against its own partition set's samples."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.highest: dict[str, int] = {}  # by lane
+        self.highest: dict[tuple[str, object], int] = {}  # by lane and partition set
         self.samples = 0
         self.regressions: list[str] = []
 
@@ -139,7 +153,7 @@ class CheckpointSampler:
             try:
                 conn = conn or await asyncpg.connect(self.db.dsn, timeout=2)
                 for row in await conn.fetch(CHECKPOINTS, OUTBOX):
-                    self._sample(row["outbox"], row["position"])
+                    self._sample((row["outbox"], row["updated_at"]), row["position"])
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
                 if conn is not None:
                     conn.terminate()
@@ -149,9 +163,9 @@ class CheckpointSampler:
         if conn is not None:
             conn.terminate()
 
-    def _sample(self, lane: str, position: int) -> None:
+    def _sample(self, lane: tuple[str, object], position: int) -> None:
         self.samples += 1
         highest = self.highest.get(lane, 0)
         if position < highest:
-            self.regressions.append(f"checkpoint of {lane}: {position} after {highest}")
+            self.regressions.append(f"checkpoint of {lane[0]}: {position} after {highest}")
         self.highest[lane] = max(highest, position)

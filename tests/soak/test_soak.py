@@ -4,6 +4,8 @@ The seed is random unless RELAY_SOAK_SEED is set; a failure prints it with the f
 order, and `RELAY_SOAK_SEED=<seed>` (or `python -m tests.soak --seed <seed>`) replays the
 same choices. Odd seeds use a partitioned table whose writers also insert into a partition.
 The second soak splits the outbox into four lanes and also scales replicas away and back.
+Each asks for the faults it asserts: the schedule goes on past its seconds until it has
+them (tests/unit/test_soak_schedule.py checks that over many seeds).
 """
 
 from __future__ import annotations
@@ -18,24 +20,35 @@ from tests.soak.run import Settings, soak
 pytestmark = pytest.mark.integration  # it starts its own Postgres, broker and replicas
 
 
-async def test_short_soak_with_nats_loses_nothing_under_random_faults() -> None:
-    seed = int(os.environ.get("RELAY_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
-    settings = Settings(seed=seed, seconds=50, broker="nats", partitioned=seed % 2 == 1)
+def short(seed: int) -> Settings:
+    """One outbox, 50 s of faults, at least 10 of them."""
+    return Settings(
+        seed=seed, seconds=50, faults_at_least=10, broker="nats", partitioned=seed % 2 == 1
+    )
+
+
+def split(seed: int) -> Settings:
+    """`partitions: 4` over three replicas: 40 s of faults, at least 8 of them."""
+    return Settings(seed=seed, seconds=40, faults_at_least=8, broker="nats", lanes=4)
+
+
+def _seed() -> int:
+    return int(os.environ.get("RELAY_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
+
+
+async def _judged(settings: Settings) -> None:
     verdict, origin = await soak(settings)
     report = verdict.report(origin)
     print(report)
-    assert verdict.ok, f"replay with RELAY_SOAK_SEED={seed}\n{report}"
+    assert verdict.ok, f"replay with RELAY_SOAK_SEED={settings.seed}\n{report}"
     assert verdict.committed > 1000, report  # the writers really wrote through the faults
-    assert len(verdict.faults) >= 10, report
+    assert len(verdict.faults) >= settings.faults_at_least, report
+
+
+async def test_short_soak_with_nats_loses_nothing_under_random_faults() -> None:
+    await _judged(short(_seed()))
 
 
 async def test_short_soak_of_a_split_outbox_with_replicas_leaving_and_rejoining() -> None:
-    """`partitions: 4` over three replicas: lanes move on every fault and on every rejoin."""
-    seed = int(os.environ.get("RELAY_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
-    settings = Settings(seed=seed, seconds=40, broker="nats", lanes=4)
-    verdict, origin = await soak(settings)
-    report = verdict.report(origin)
-    print(report)
-    assert verdict.ok, f"replay with RELAY_SOAK_SEED={seed}\n{report}"
-    assert verdict.committed > 1000, report
-    assert len(verdict.faults) >= 8, report
+    """Lanes move on every fault and on every rejoin."""
+    await _judged(split(_seed()))

@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from tests.soak.brokers import Delivery
-from tests.soak.faults import SPLIT_KINDS, Fault
+from tests.soak.faults import Fault
+from tests.soak.schedule import SPLIT_KINDS
 from tests.soak.writers import Ledger
 
 
