@@ -107,11 +107,14 @@ class Database:
     @contextlib.asynccontextmanager
     async def session(self, role: str) -> AsyncIterator[asyncpg.Connection]:
         """One connection for a one-shot command; a driver error inside becomes one
-        DatabaseError line (the CLI never prints a driver's traceback)."""
+        DatabaseError line (the CLI never prints a driver's traceback): DatabaseUnavailable
+        when the connection was lost, which a command that refreshes may wait out."""
         conn = await self.connect(role)
         try:
             yield conn
-        except (asyncpg.PostgresError, *CONNECTION_LOST) as exc:
+        except CONNECTION_LOST as exc:
+            raise DatabaseUnavailable(describe(exc)) from exc
+        except asyncpg.PostgresError as exc:
             raise DatabaseError(describe(exc)) from exc
         finally:
             try:
