@@ -30,14 +30,14 @@ CONNECTION_LOST = (
     asyncpg.InternalClientError,  # a connection left mid-operation by a cancelled statement
 )
 
-# At connect time these mean "not now" too, and are waited for like an unreachable server:
-# no connection slot free (max_connections, only the reserved slots left, a role's or
+# At connect time these mean "not now" too, and are waited for like an unreachable server
+# (starting up, shutting down and recovering are CannotConnectNowError, above): no
+# connection slot free (max_connections, only the reserved slots left, a role's or
 # database's CONNECTION LIMIT: all SQLSTATE 53300, as in a surge rollout that starts new
-# replicas before the old ones have gone), the server short of memory or disk (the rest of
-# class 53), or shutting down after a crash (57P02; starting up and shutting down are
-# CannotConnectNowError and AdminShutdownError above). During a session, a statement
-# refused for lack of resources is not a lost connection: only connecting treats them so.
-NOT_NOW = (asyncpg.InsufficientResourcesError, asyncpg.CrashShutdownError)
+# replicas before the old ones have gone), or the server short of memory or disk (the rest
+# of class 53). During a session, a statement refused for lack of resources is not a lost
+# connection: only connecting treats them so.
+NOT_NOW = (asyncpg.InsufficientResourcesError,)
 
 # Timeouts set for the database or role are the application's, tuned to its requests: a 20 ms
 # statement_timeout would cancel the relay's reads, an idle_session_timeout would close its
@@ -138,9 +138,7 @@ def describe(exc: BaseException) -> str:
 def _not_now(exc: asyncpg.PostgresError) -> str:
     if isinstance(exc, asyncpg.TooManyConnectionsError):
         return "has no connection slot free for the relay now"
-    if isinstance(exc, asyncpg.InsufficientResourcesError):
-        return "is short of resources now"
-    return "is recovering from a crash"
+    return "is short of resources now"
 
 
 def address(url: str) -> str:
