@@ -50,7 +50,7 @@ class Event:
     data: Any
     metadata: Any
     created_at: datetime | None
-    problem: str | None = None  # a required column is NULL, or the payload is not JSON
+    problem: str | None = None  # a required column is NULL, the payload not JSON or too deep
     metadata_problem: str | None = None  # matters only to an outbox that reads metadata
 
     def envelope(self, created_at: str | None = None) -> dict[str, Any]:
