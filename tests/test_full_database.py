@@ -36,16 +36,22 @@ def small_postgres() -> Iterator[EmbeddedPostgres]:
 
 
 @contextlib.asynccontextmanager
-async def all_slots_taken(dsn: str) -> AsyncIterator[list[asyncpg.Connection]]:
-    """Connections to `dsn` until the server refuses one; all closed on the way out."""
+async def all_slots_taken(dsn: str, slots: int) -> AsyncIterator[None]:
+    """`slots` connections to `dsn`, the server then refusing one more; all closed on the
+    way out. A connection closed just before may hold a slot until its backend has exited:
+    one more is tried until it has."""
     held: list[asyncpg.Connection] = []
+
+    async def one_more() -> bool:
+        with contextlib.suppress(asyncpg.TooManyConnectionsError):
+            held.append(await asyncpg.connect(dsn))
+        return len(held) == slots
+
     try:
-        while True:
-            try:
-                held.append(await asyncpg.connect(dsn))
-            except asyncpg.TooManyConnectionsError:
-                break
-        yield held
+        await eventually(one_more)
+        with pytest.raises(asyncpg.TooManyConnectionsError):
+            held.append(await asyncpg.connect(dsn))
+        yield
     finally:
         for conn in held:
             await conn.close()
@@ -73,8 +79,7 @@ async def test_a_replica_started_on_a_full_database_waits_and_then_relays(
         await append_many(conn, loans(3))
     path = save(tmp_path, config_dict(dsn, nats_url, stream))
     migrate_cli(path)
-    async with all_slots_taken(dsn) as held:
-        assert len(held) == MAX_CONNECTIONS
+    async with all_slots_taken(dsn, MAX_CONNECTIONS):
         relay: RelayProcess = relay_process(["run", "--config", str(path)])
         record = await relay.wait_for_log(_waiting_for_a_slot("too many clients"))
         assert "no connection slot free" in record["error"], record
@@ -121,8 +126,7 @@ async def test_only_reserved_slots_left_is_waited_for_too_and_so_is_a_role_at_it
     path = save(tmp_path, config_dict(own, nats_url, stream))
     migrate_cli(path)
     admin = with_database(small_postgres.dsn, own.rsplit("/", 1)[1])
-    async with all_slots_taken(own) as held:
-        assert len(held) == MAX_CONNECTIONS - 3
+    async with all_slots_taken(own, MAX_CONNECTIONS - 3):
         relay: RelayProcess = relay_process(["run", "--config", str(path)])
         await relay.wait_for_log(_waiting_for_a_slot("remaining connection slots are reserved"))
         assert relay.returncode is None, relay.output()
