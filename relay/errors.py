@@ -58,7 +58,8 @@ class MappingError(PermanentPublishError):
 
 
 class MalformedEventError(MappingError):
-    """A row of the event table that no config can map: a NULL or a payload that is not JSON."""
+    """A row of the event table that no config can map: a NULL, or a payload that is not
+    strict JSON or is nested deeper than the relay reads."""
 
     reason = "malformed"
 

@@ -28,6 +28,7 @@ from relay.config.expressions import (
     may_compute,
 )
 from relay.config.message_schemas import CompiledSchema, compile_schema
+from relay.core.nesting import headroom, room_given
 from relay.core.publishing import Message, to_structured
 from relay.core.rule_code import Values, compile_values
 from relay.core.trace_context import TraceContext
@@ -49,7 +50,7 @@ class Event:
     data: Any
     metadata: Any
     created_at: datetime | None
-    problem: str | None = None  # a required column is NULL, or the payload is not JSON
+    problem: str | None = None  # a required column is NULL, the payload not JSON or too deep
     metadata_problem: str | None = None  # matters only to an outbox that reads metadata
 
     def envelope(self, created_at: str | None = None) -> dict[str, Any]:
@@ -228,6 +229,16 @@ class Mapper:
                 f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
             ) from exc
+        except RecursionError as exc:
+            # A walk over deep data (encoding, a template, JMESPath, a schema) met the
+            # stack's limit: again with room for the depth the relay reads, once.
+            if room_given():
+                raise MappingError(
+                    f"{rule.where}: cannot map event at position {event.position}"
+                    f" ({_where(event)}): its values are nested too deeply for this rule ({exc})"
+                ) from exc
+            with headroom():
+                return self.message(event, rule)
         if envelope is not None and self._trace is not None:
             self._trace.apply(envelope, message, event.metadata_problem)
         if self._structured:

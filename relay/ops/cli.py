@@ -188,13 +188,21 @@ def status(
     terminal = sys.stdout.isatty()
 
     async def refresh() -> None:
+        from relay.postgres.database import DatabaseUnavailable
+
         while True:
-            lanes = await read_status(cfg)
+            try:
+                lanes, down = await read_status(cfg), None
+            except DatabaseUnavailable as exc:  # a restart or a failover: shown, and waited out
+                lanes, down = [], redact(str(exc))
             if terminal:
                 typer.echo("\x1b[H\x1b[2J", nl=False)  # clear, then draw from the top
             elif not as_json:
                 typer.echo(f"-- {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
-            _show_status(cfg, lanes, as_json=as_json, wide=wide, compact=True)
+            if down is None:
+                _show_status(cfg, lanes, as_json=as_json, wide=wide, compact=True)
+            else:  # stdout keeps one JSON array per refresh
+                typer.echo(f"database unreachable: {down}", err=as_json)
             await asyncio.sleep(1.0)
 
     try:

@@ -30,6 +30,14 @@ CONNECTION_LOST = (
     asyncpg.InternalClientError,  # a connection left mid-operation by a cancelled statement
 )
 
+# At connect time these mean "not now" too, and are waited for like an unreachable server
+# (starting up, shutting down and recovering are CannotConnectNowError, above): no
+# connection slot free (max_connections, only the reserved slots left, a role's or
+# database's CONNECTION LIMIT: all SQLSTATE 53300, as in a surge rollout that starts new
+# replicas before the old ones have gone), or the server short of memory or disk (the rest
+# of class 53). During a session, a statement refused for lack of resources is not a lost
+# connection: only connecting treats them so.
+NOT_NOW = (asyncpg.InsufficientResourcesError,)
 
 # Timeouts set for the database or role are the application's, tuned to its requests: a 20 ms
 # statement_timeout would cancel the relay's reads, an idle_session_timeout would close its
@@ -81,6 +89,11 @@ class Database:
             raise DatabaseUnavailable(
                 f"cannot reach the database at {self.address}: {_text(exc)}"
             ) from exc
+        except NOT_NOW as exc:
+            raise DatabaseUnavailable(
+                f"the database at {self.address} {_not_now(exc)}: {_text(exc)}"
+                f" (SQLSTATE {exc.sqlstate})"
+            ) from exc
         except asyncpg.PostgresError as exc:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {_text(exc)}"
@@ -94,11 +107,14 @@ class Database:
     @contextlib.asynccontextmanager
     async def session(self, role: str) -> AsyncIterator[asyncpg.Connection]:
         """One connection for a one-shot command; a driver error inside becomes one
-        DatabaseError line (the CLI never prints a driver's traceback)."""
+        DatabaseError line (the CLI never prints a driver's traceback): DatabaseUnavailable
+        when the connection was lost, which a command that refreshes may wait out."""
         conn = await self.connect(role)
         try:
             yield conn
-        except (asyncpg.PostgresError, *CONNECTION_LOST) as exc:
+        except CONNECTION_LOST as exc:
+            raise DatabaseUnavailable(describe(exc)) from exc
+        except asyncpg.PostgresError as exc:
             raise DatabaseError(describe(exc)) from exc
         finally:
             try:
@@ -117,6 +133,12 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, CONNECTION_LOST):
         return f"lost the connection to the database: {_text(exc)}"
     return f"the database failed the command: {_text(exc)}"
+
+
+def _not_now(exc: asyncpg.PostgresError) -> str:
+    if isinstance(exc, asyncpg.TooManyConnectionsError):
+        return "has no connection slot free for the relay now"
+    return "is short of resources now"
 
 
 def address(url: str) -> str:

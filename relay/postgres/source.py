@@ -38,6 +38,7 @@ import orjson
 from relay.config import ColumnsConfig, SourceConfig
 from relay.core.lanes import Lane
 from relay.core.mapping import Event
+from relay.core.nesting import MAX_DEPTH, TooDeep, headroom, text_depth
 from relay.errors import SourceError
 from relay.postgres import event_table
 from relay.postgres.sql import qualified, quote
@@ -426,21 +427,45 @@ class EventSource:
 # if the text has a run of 20 digits, the standard decoder reads it again, exactly. What
 # orjson refuses goes to the standard decoder too, so that the error is worded the same.
 # (Searching every text instead cost two thirds of the CPU with 64 KiB payloads.)
+# orjson also refuses JSON nested deeper than MAX_DEPTH; the standard decoder is given
+# room for as deep as orjson reads and no deeper, so that both read the same texts.
 _LONG_NUMBER = re.compile(r"[0-9]{20}")
 
 
 def decode_json(text: str) -> Any:
-    """Strict JSON: no NaN, no Infinity, no number out of range; exact integers."""
+    """Strict JSON: no NaN, no Infinity, no number out of range; exact integers; at most
+    MAX_DEPTH levels deep (TooDeep, a ValueError, says how deep it is)."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return _DECODER.decode(text)
-    if _holds_float(value) and _LONG_NUMBER.search(text) is not None:
-        return _DECODER.decode(text)
+        return _decode_standard(text)
+    try:
+        floats = _holds_float(value)
+    except RecursionError:  # as deep as orjson reads, deeper than this stack allows:
+        floats = True  # maybe, then; what counts is whether the text has a long number
+    if floats and _LONG_NUMBER.search(text) is not None:
+        return _decode_standard(text)
     return value
 
 
+def _decode_standard(text: str) -> Any:
+    """The standard decoder, given stack room for the depth orjson reads; deeper is refused
+    before it starts (without room it raised RecursionError, which ended the relay)."""
+    if (depth := text_depth(text)) > MAX_DEPTH:
+        raise TooDeep(depth)
+    try:
+        with headroom():
+            return _DECODER.decode(text)
+    except RecursionError:  # only if the caller was already deep in the stack: still refused
+        raise TooDeep(depth) from None
+
+
 def _holds_float(value: Any) -> bool:
+    """Whether a decoded value holds a float at any depth.
+
+    Recursive, and so it can run out of stack on a value as deep as orjson reads (which
+    decode_json catches): a loop with a stack of its own cost half as much again per call.
+    """
     kind = type(value)
     if kind is dict:
         value = value.values()
@@ -493,5 +518,7 @@ def _event(row: asyncpg.Record, names: ColumnsConfig) -> Event:
 def _json(text: str, column: str | None) -> tuple[Any, str | None]:
     try:
         return decode_json(text), None
+    except TooDeep as exc:
+        return None, f"column {column!r} is JSON {exc}"
     except ValueError as exc:
         return None, f"column {column!r} is not valid JSON: {exc}"

@@ -14,7 +14,6 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client
-from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -101,8 +100,8 @@ async def fetch_all(
                     break
                 try:
                     msgs = await sub.fetch(256, timeout=min(max(remaining, 0.2), 1.0))
-                except (FetchTimeout, TimeoutError):  # nats-py raises either when none came
-                    continue
+                except TimeoutError:  # nats.errors.TimeoutError, or asyncio's when its
+                    continue  # deadline ran out between the two requests of one fetch
                 for msg in msgs:
                     received.append(
                         Received(
