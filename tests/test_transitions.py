@@ -588,3 +588,51 @@ async def test_a_frozen_last_replica_of_the_old_count_does_not_stall_the_change_
     resent = report("frozen last replica of the old count", delivery)
     assert resent <= 2 * 50, "at most the frozen replica's batches in flight"
     assert await lane_rows(events_table) == lane_names(4)
+
+
+async def test_changes_in_quick_succession_send_nothing_twice_and_lose_nothing(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+) -> None:
+    """Two lanes far apart (one stuck behind, say): 2 -> 3, then 3 -> 4 before any new lane
+    moved. The lanes of the second change must still leave out what the lanes of the first
+    count had published, and send everything else once."""
+    stream = copies
+    three = config(
+        tmp_path,
+        events_table,
+        nats_url,
+        stream,
+        "three.yaml",
+        outboxes={"loans": outbox(stream, 3)},
+    )
+    four = config(
+        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
+    )
+    migrate_cli(four)
+    backlog = await append_backlog(events_table, 40, aggregates=40)
+    async with connect(events_table) as conn:
+        lanes = {
+            r["position"]: r["lane"]
+            for r in await conn.fetch(
+                "SELECT position, ((hashtextextended(aggregate_type || '/' || aggregate_id, 0)"
+                " % 2) + 2) % 2 AS lane FROM events"
+            )
+        }
+        # As a relay with two lanes leaves them: loans/0 at 30, loans/1 behind at 6.
+        await conn.execute(
+            "INSERT INTO relay.outboxes (outbox, partitions, start_position)"
+            " VALUES ('loans', 2, 0); INSERT INTO relay.checkpoints (outbox, position)"
+            " VALUES ('loans/0', 30), ('loans/1', 6)"
+        )
+    sent = {p for p, lane in lanes.items() if p <= 6 or (lane == 0 and p <= 30)}
+    for path, k in ((three, 3), (four, 4)):
+        done = run_cli(
+            ["repartition", "loans", "--partitions", str(k), "--json", "--config", str(path)]
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["skipped"] == len(sent - set(range(7))), done.stdout
+    relay_process(["run", "--config", str(four)])
+    expected = {backlog[p] for p in backlog if p not in sent}
+    delivery = await delivered(nats_url, stream, expected)
+    assert report("2 -> 3 -> 4 in quick succession", delivery) == 0
+    assert delivery.unexpected(expected) == [], "what the first lanes had sent is left out"

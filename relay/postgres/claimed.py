@@ -12,7 +12,8 @@ from typing import Protocol
 import asyncpg
 
 from relay.core.delivery import Parking, RetryCount
-from relay.postgres.source import Blocker, Skip
+from relay.postgres.skipping import Skip
+from relay.postgres.source import Blocker
 from relay.postgres.store import Claim, Store
 
 

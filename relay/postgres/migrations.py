@@ -136,10 +136,7 @@ STEPS: tuple[str, ...] = (
     INSERT INTO {schema}.outboxes (outbox, partitions)
       SELECT outbox, 1 FROM {schema}.checkpoints WHERE strpos(outbox, '/') = 0
       ON CONFLICT (outbox) DO NOTHING;
-    ALTER TABLE {schema}.checkpoints
-      ADD COLUMN skip_upto bigint,
-      ADD COLUMN skip_partitions integer,
-      ADD COLUMN skip_positions bigint[];
+    ALTER TABLE {schema}.checkpoints ADD COLUMN skip jsonb;
     ALTER TABLE {schema}.replicas
       ADD COLUMN outboxes jsonb NOT NULL DEFAULT '{{}}',
       ADD COLUMN room integer;

@@ -23,7 +23,8 @@ import asyncpg
 from relay.config import ColumnsConfig
 from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
-from relay.postgres.source import lane_expression, lane_of
+from relay.postgres.skipping import Layer, Skip, predicate, stacked
+from relay.postgres.source import lane_expression
 from relay.postgres.sql import qualified, quote
 
 
@@ -183,8 +184,8 @@ class Partitions:
             if count == before:  # nothing to do: leave checkpoints, epochs and states alone
                 return Repartitioned(outbox, before, count, 0, 0, 0)
             rows = await conn.fetch(
-                f"SELECT outbox, position, epoch, start_xmin, broker FROM {self._checkpoints}"
-                f" WHERE {_of_outbox('outbox')} FOR UPDATE",
+                "SELECT outbox, position, epoch, start_xmin, broker, skip::text AS skip"
+                f" FROM {self._checkpoints} WHERE {_of_outbox('outbox')} FOR UPDATE",
                 outbox,
             )
             old = lanes_of(outbox, before)
@@ -234,49 +235,47 @@ class Partitions:
             int(by_name[lane.name]["position"]) if lane.name in by_name else never_ran
             for lane in old
         ]
-        start, furthest = min(positions), max(positions)
+        start = min(positions)
         unsettled = [r["start_xmin"] for r in rows if r["start_xmin"] is not None]
         if current is not None and current.start_xmin is not None:
             unsettled.append(current.start_xmin)
         xmin = unsettled[0] if unsettled else None
         epoch = max((int(r["epoch"]) for r in rows), default=0) + 1  # never back, per name
         broker = next((r["broker"] for r in rows if r["broker"] is not None), None)
-        skipped = await self._published_after(conn, old, positions, start, columns, table)
+        older = [Skip.from_json(by_name[lane.name]["skip"]) for lane in old if lane.name in by_name]
+        skip = stacked(Layer(len(old), tuple(positions)), older, start)
+        skipped = 0 if skip is None else await self._published(conn, skip, start, columns, table)
         await conn.execute(f"DELETE FROM {self._checkpoints} WHERE {_of_outbox('outbox')}", outbox)
-        skip = (furthest, len(old), positions) if furthest > start else (None, None, None)
         await conn.executemany(
-            f"INSERT INTO {self._checkpoints} (outbox, position, epoch, start_xmin, broker,"
-            " skip_upto, skip_partitions, skip_positions) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            [(lane.name, start, epoch, xmin, broker, *skip) for lane in lanes_of(outbox, count)],
+            f"INSERT INTO {self._checkpoints} (outbox, position, epoch, start_xmin, broker, skip)"
+            " VALUES ($1, $2, $3, $4, $5, $6::jsonb)",
+            [
+                (lane.name, start, epoch, xmin, broker, None if skip is None else skip.as_json())
+                for lane in lanes_of(outbox, count)
+            ],
         )
         moved = await self._move_parked(conn, outbox, count)
         return start, skipped, moved
 
-    async def _published_after(  # noqa: PLR0917
-        self,
-        conn: asyncpg.Connection,
-        old: list[Lane],
-        positions: list[int],
-        start: int,
-        columns: ColumnsConfig,
-        table: str,
+    async def _published(
+        self, conn: asyncpg.Connection, skip: Skip, start: int, columns: ColumnsConfig, table: str
     ) -> int:
-        """Events each old lane had published after `start`: the new lanes skip them."""
+        """Events after `start` that the old lanes had published: the new lanes skip them."""
         pos = quote(columns.position)
-        total = 0
-        for lane, upto in zip(old, positions, strict=True):
-            if upto <= start:
-                continue
-            only = f" AND {lane_of(columns, lane.count)} = {lane.index}" if lane.split else ""
-            total += int(
-                await conn.fetchval(
-                    f"SELECT count(*) FROM {qualified(table)} WHERE {pos} > $1"
-                    f" AND {pos} <= $2{only}",
-                    start,
-                    upto,
-                )
+
+        def lane_by(count: str) -> str:
+            return lane_of_count(columns, count)
+
+        published = predicate(pos, lane_by, 3, len(skip.layers))
+        return int(
+            await conn.fetchval(
+                f"SELECT count(*) FROM {qualified(table)} WHERE {pos} > $1 AND {pos} <= $2"
+                f" AND {published}",
+                start,
+                skip.upto,
+                *skip.arguments(),
             )
-        return total
+        )
 
     async def _move_parked(self, conn: asyncpg.Connection, outbox: str, count: int) -> int:
         """Parked messages follow their aggregate to its new lane."""
@@ -289,6 +288,11 @@ class Partitions:
             f"UPDATE {self._parked} SET outbox = {target} WHERE {_of_outbox('outbox')}", outbox
         )
         return int(status.split()[-1])
+
+
+def lane_of_count(columns: ColumnsConfig, count: str) -> str:
+    """The lane expression of the event table's rows, for a count given as SQL."""
+    return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
 
 
 def _of_outbox(column: str) -> str:

@@ -41,6 +41,8 @@ from relay.core.mapping import Event
 from relay.core.nesting import MAX_DEPTH, TooDeep, headroom, text_depth
 from relay.errors import SourceError
 from relay.postgres import event_table
+from relay.postgres.skipping import Skip
+from relay.postgres.skipping import predicate as skipping_predicate
 from relay.postgres.sql import qualified, quote
 
 # Every transaction that takes a position holds RowExclusiveLock on the sequence from its
@@ -122,17 +124,6 @@ class Blocker:
 OnBlocked = Callable[[Blocker | None], Awaitable[None]]
 
 
-@dataclass(frozen=True, slots=True)
-class Skip:
-    """What a lane made by a repartition must not send again: the events an old lane (by
-    the old count) had published, up to its checkpoint `positions[lane]`. Only positions up
-    to `upto`, the furthest of them, can be such events, so the filter ends there."""
-
-    upto: int
-    partitions: int
-    positions: tuple[int, ...]
-
-
 def lane_of(columns: ColumnsConfig, count: int) -> str:
     """SQL for the lane (0 to count - 1) of a row of the event table."""
     return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
@@ -190,16 +181,15 @@ class EventSource:
                 f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
             )
 
-        def skipping(positions: int) -> str:
-            """A lane made by a repartition, before it passes `Skip.upto`: leave out each
-            event at or below its old lane's checkpoint ($positions: the checkpoints, the
-            next parameter: the old count)."""
-            count = f"${positions + 1}::int4"
-            old = lane_expression(quote(cols.aggregate_type), quote(cols.aggregate_id), count)
-            return page(f" AND NOT {pos} <= (${positions}::int8[])[({old})::int + 1]")
+        def lane_by(count: str) -> str:
+            return lane_expression(quote(cols.aggregate_type), quote(cols.aggregate_id), count)
+
+        def skipping(first: int, layers: int) -> str:
+            """A lane made by a repartition, before it passes `Skip.upto`: leave out what
+            the old lanes had published (skipping.py), parameters from `$first`."""
+            return page(f" AND NOT {skipping_predicate(pos, lane_by, first, layers)}")
 
         self._read_sql = f"SELECT {select} {page()}"
-        self._read_skipping_sql = f"SELECT {select} {skipping(6)}"
         # The same page, cut before the stored payloads pass $6 bytes (the first row always
         # stays, however large): rows beyond it never reach the relay's memory. The size is
         # pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
@@ -219,7 +209,19 @@ class EventSource:
             )
 
         self._read_bounded_sql = bounded(page())
-        self._read_bounded_skipping_sql = bounded(skipping(7))
+        # By the number of layers: the page of a lane made by a repartition.
+        self._skipping_sql: dict[tuple[bool, int], str] = {}
+
+        def skipping_sql(bounded_by_size: bool, layers: int) -> str:
+            key = (bounded_by_size, layers)
+            if key not in self._skipping_sql:
+                if bounded_by_size:
+                    self._skipping_sql[key] = bounded(skipping(7, layers))
+                else:
+                    self._skipping_sql[key] = f"SELECT {select} {skipping(6, layers)}"
+            return self._skipping_sql[key]
+
+        self._skipping = skipping_sql
         self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
         self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
         self._count_sql = (
@@ -371,15 +373,19 @@ class EventSource:
         what the lanes before a repartition had published."""
         args = (after, upto, limit, aggregates, list(types))
         names = self.config.columns
-        skipped = (
-            () if skip is None or after >= skip.upto else (list(skip.positions), skip.partitions)
-        )
+        skipping = None if skip is None else skip.past(after)
         if max_bytes is None:
-            sql = self._read_skipping_sql if skipped else self._read_sql
-            rows = await conn.fetch(sql, *args, *skipped)
+            if skipping is None:
+                rows = await conn.fetch(self._read_sql, *args)
+            else:
+                sql = self._skipping(False, len(skipping.layers))
+                rows = await conn.fetch(sql, *args, *skipping.arguments())
             return [_event(r, names) for r in rows], False
-        sql = self._read_bounded_skipping_sql if skipped else self._read_bounded_sql
-        rows = await conn.fetch(sql, *args, max_bytes, *skipped)
+        if skipping is None:
+            rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
+        else:
+            sql = self._skipping(True, len(skipping.layers))
+            rows = await conn.fetch(sql, *args, max_bytes, *skipping.arguments())
         cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
         return [_event(r, names) for r in rows], cut
 

@@ -18,7 +18,8 @@ import asyncpg
 from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.postgres.source import Blocker, Skip
+from relay.postgres.skipping import Skip
+from relay.postgres.source import Blocker
 from relay.postgres.sql import holds_lock, quote
 
 
@@ -121,7 +122,7 @@ class Store:
             " END, blocking = NULL, updated_at = now()"
             f" WHERE outbox = $1 AND {holds_lock('$3')}"
             " RETURNING epoch, position, halted, retry_position, retry_rule, attempts, rejections,"
-            " start_xmin, broker, skip_upto, skip_partitions, skip_positions",
+            " start_xmin, broker, skip::text",
             outbox,
             holder,
             key,
@@ -133,9 +134,8 @@ class Store:
             retry = RetryCount(
                 row["retry_position"], row["attempts"], row["rejections"], row["retry_rule"]
             )
-        skip = None
-        if row["skip_upto"] is not None and row["position"] < row["skip_upto"]:
-            skip = Skip(row["skip_upto"], row["skip_partitions"], tuple(row["skip_positions"]))
+        skip = Skip.from_json(row["skip"])
+        skip = None if skip is None else skip.past(row["position"])
         return Claim(
             outbox,
             row["epoch"],
@@ -167,7 +167,7 @@ class Store:
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
         previous = await conn.fetchval(
-            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL, skip_upto = NULL,"
+            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL, skip = NULL,"
             " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
             " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now(),"
             " broker = coalesce($5, c.broker)"
