@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -219,3 +221,61 @@ async def test_a_lost_lease_session_loses_every_lane_on_it(
         assert all(r.startswith("lease check") for r in reasons), reasons
         assert len(set(reasons)) == 1, "one proof for all three"
         assert not any(lease.held for lease in held.leases)
+
+
+# Holds the lane's checkpoint row for `hold` seconds from another process, so that a proof
+# sent meanwhile waits for it at the server, then is answered at once.
+ROW_HOLDER = """
+import asyncio, sys, asyncpg
+async def main() -> None:
+    conn = await asyncpg.connect(sys.argv[1])
+    async with conn.transaction():
+        sql = "SELECT 1 FROM relay.checkpoints WHERE outbox = $1 FOR UPDATE"
+        await conn.execute(sql, sys.argv[2])
+        print("held", flush=True)
+        await asyncio.sleep(float(sys.argv[3]))
+    await conn.close()
+asyncio.run(main())
+"""
+
+
+async def test_an_answer_in_time_counts_though_the_event_loop_was_busy_at_the_deadline(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """The server answers the proof 0.2 s after it was sent, within check_timeout (1 s),
+    but the replica's event loop is busy (a long batch on a loaded machine) until 1.5 s:
+    the answer is in the socket when the deadline's timer runs. It proves the lease; it
+    used to be taken for a timeout, which dropped the session and every lane on it."""
+    async with claimed(database, tmp_path, nats_url, ["loans"]) as held:
+        watching = held.watch()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            ROW_HOLDER,
+            database,
+            "loans",
+            "0.2",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        assert (await process.stdout.readline()).strip() == b"held"
+        before = await heartbeat(database, "loans")
+        proving = asyncio.create_task(held.session.prove())
+        async with connect(database) as watch:
+
+            async def waiting_for_the_row() -> bool:
+                waiting = await watch.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND application_name LIKE $1",
+                    f"{IDENTITY}%",
+                )
+                return int(waiting) == 1
+
+            await eventually(waiting_for_the_row)
+            time.sleep(1.5)  # noqa: ASYNC251 - the point: the event loop is blocked
+        await proving  # raised LeaseLost here before
+        assert await process.wait() == 0
+        assert await heartbeat(database, "loans") > before
+        assert held.leases[0].held and not held.session.connection_lost()
+        assert not watching[0].done()
+        await stopped(watching)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import asyncpg
 import structlog
@@ -36,6 +37,7 @@ from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.sql import held_keys, lock_holder, quote
 
 LEASE_CHANNEL = "relay_lease"
+T = TypeVar("T")
 
 _KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
 
@@ -98,6 +100,33 @@ class _Watched:
     def lose(self, reason: str) -> None:
         if not self.lost.done():
             self.lost.set_result(reason)
+
+
+async def answered_within(timeout: float, work: Coroutine[Any, Any, T]) -> T:  # noqa: ASYNC109
+    """`work`'s result, or TimeoutError when it has none after `timeout`.
+
+    An answer the server sent in time, which a busy event loop (64 lanes' batches on two
+    cores, say) had not handed over yet when the deadline's timer ran, still counts: the
+    loop is given a few turns to read it before the work is cancelled. Under
+    `asyncio.timeout` the timer cancelled the work even with the answer in the socket.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+        for _ in range(_TURNS):
+            if task.done():
+                break
+            await asyncio.sleep(0)
+        if not task.done():
+            raise TimeoutError(f"no answer within {timeout:g}s")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+_TURNS = 8  # event-loop turns that read an answer already received
 
 
 class LeaseSession:
@@ -251,11 +280,12 @@ class LeaseSession:
         """Show, on the lease connection and in time, that this backend holds every lock
         it watches, at their lanes' epochs; stamp their heartbeats. A lock it no longer
         holds, or whose lane another replica claimed since, is lost on its own."""
-        try:
-            async with asyncio.timeout(self.config.check_timeout), self.lock:
+
+        async def proof() -> tuple[dict[int, _Watched], list[asyncpg.Record]]:
+            async with self.lock:
                 watched = dict(self._watched)  # now: every claim made before is among them
                 if not watched:
-                    return
+                    return watched, []
                 conn = await self._connection()
                 rows = await conn.fetch(
                     self._heartbeat,
@@ -263,6 +293,12 @@ class LeaseSession:
                     [w.lane for w in watched.values()],
                     [w.epoch for w in watched.values()],
                 )
+                return watched, rows
+
+        try:
+            watched, rows = await answered_within(self.config.check_timeout, proof())
+            if not watched:
+                return
         except (*CONNECTION_LOST, asyncpg.PostgresError, DatabaseError) as exc:
             # Any refusal counts too: a lease that cannot be proven is not held, nor is
             # any other lock on this connection; drop it before another statement uses it.
