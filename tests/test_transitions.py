@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +493,8 @@ async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
         assert await olds[0].wait_async(15) == 0
         await relayed_more(old, writer)
         second = relay_process(["run", "--config", str(new)])
+        await second.wait_for_log("not relaying the outbox: it runs with another partition count")
+        last_old_stopped = time.time()
         olds[1].terminate()
         assert await olds[1].wait_async(15) == 0
         await until(
@@ -502,6 +506,16 @@ async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
         )
         await relayed_more(new, writer)
         assert second.returncode is None
+        taken = [
+            datetime.fromisoformat(r["timestamp"]).timestamp()
+            for replica in (first, second)
+            for r in replica.logs()
+            if r.get("event") == "lease acquired: relaying"
+        ]
+        print(
+            f"{before} -> {after}: every new lane held {max(taken) - last_old_stopped:.2f} s"
+            " after SIGTERM to the last old replica"
+        )
     delivery = await delivered_all(nats_url, stream, writer)
     resent = report(f"rolling deploy {before} -> {after}", delivery)
     assert resent == 0, "the change-over re-sends nothing"
