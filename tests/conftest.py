@@ -145,6 +145,18 @@ async def stream(nats_url: str) -> AsyncIterator[str]:
 
 
 @pytest.fixture
+async def copies(nats_url: str) -> AsyncIterator[str]:
+    """A stream like `stream` that keeps re-sent copies, so that a test can count them: its
+    duplicate window is JetStream's shortest (100 ms)."""
+    name = unique_name("copies")
+    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
+    try:
+        yield name
+    finally:
+        await delete_stream(nats_url, name)
+
+
+@pytest.fixture
 def nats_factory(tmp_path: Path) -> Iterator[Callable[[], NatsServer]]:
     """Start private NATS servers a test may stop, kill or restart: `server = nats_factory()`."""
     servers: list[NatsServer] = []

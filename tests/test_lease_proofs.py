@@ -26,10 +26,9 @@ from relay.postgres.lease import Lease, LeaseSession
 from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, unique_name
-from tests.support.lanes import status
+from tests.support.lanes import MESSAGES, status
 from tests.support.relay_process import RelayProcess
 from tests.support.scenario import config_dict, eventually, load_and_migrate, migrate_cli, save
-from tests.test_partitions import MESSAGES
 
 Start = Callable[..., RelayProcess]
 LANES = 64

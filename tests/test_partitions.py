@@ -14,7 +14,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,11 +30,19 @@ from tests.support.db import connect
 from tests.support.delivery import Writer
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.lanes import (
+    LEASE,
+    MESSAGES,
+    held_by,
+    relayed_more,
+    report,
+    shape,
+    status,
+    until,
+)
 from tests.support.lanes import delivered_all as delivered
-from tests.support.lanes import held_by, relayed_more, report, shape, status, until
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import (
-    LIBRARY_MESSAGES,
     config_dict,
     eventually,
     load_and_migrate,
@@ -43,20 +51,6 @@ from tests.support.scenario import (
 )
 
 Start = Callable[..., RelayProcess]
-MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
-LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
-
-
-@pytest.fixture
-async def copies(nats_url: str) -> AsyncIterator[str]:
-    """A stream that keeps re-sent copies, so that a test can count them: its duplicate
-    window is JetStream's shortest (100 ms)."""
-    name = unique_name("lanes")
-    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
-    try:
-        yield name
-    finally:
-        await delete_stream(nats_url, name)
 
 
 async def _stream() -> str:

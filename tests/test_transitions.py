@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ from relay.core.lanes import lanes_of
 from tests.support.db import append_many, connect
 from tests.support.delivery import Writer, append_backlog, book_lent, event_id
 from tests.support.http import get, http_port
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.jetstream import fetch_all
 from tests.support.lanes import (
+    LEASE,
+    MESSAGES,
     Rows,
     delivered,
     delivered_all,
@@ -37,22 +40,9 @@ from tests.support.lanes import (
     until,
 )
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, migrate_cli, save
+from tests.support.scenario import config_dict, eventually, migrate_cli, save
 
 Start = Callable[..., RelayProcess]
-MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
-LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
-
-
-@pytest.fixture
-async def copies(nats_url: str) -> AsyncIterator[str]:
-    """A stream that keeps re-sent copies (JetStream's shortest duplicate window)."""
-    name = unique_name("moves")
-    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
-    try:
-        yield name
-    finally:
-        await delete_stream(nats_url, name)
 
 
 def outbox(stream: str, k: int, **options: Any) -> dict[str, Any]:
@@ -63,20 +53,41 @@ def outbox(stream: str, k: int, **options: Any) -> dict[str, Any]:
     return loans
 
 
-def config(
-    tmp_path: Path,
-    dsn: str,
-    nats_url: str,
-    stream: str,
-    name: str,
-    *,
-    outboxes: dict[str, dict[str, Any]],
-    lease: dict[str, Any] | None = None,
-) -> Path:
-    data = config_dict(dsn, nats_url, stream, messages=MESSAGES)
-    data["outboxes"] = outboxes
-    data["lease"] = {**LEASE, **(lease or {})}
-    return save(tmp_path, data, name)
+@dataclass
+class Configs:
+    """Config files of one test's fleet: one database, one stream (`copies`)."""
+
+    tmp_path: Path
+    dsn: str
+    nats_url: str
+    stream: str
+    made: int = 0
+
+    def loans(self, k: int, *, lease: dict[str, Any] | None = None, **options: Any) -> Path:
+        """A config with the `loans` outbox only, of K partitions."""
+        self.made += 1
+        outboxes = {"loans": outbox(self.stream, k, **options)}
+        return self.of(f"loans-{self.made}-k{k}.yaml", outboxes, lease)
+
+    def of(
+        self, name: str, outboxes: dict[str, dict[str, Any]], lease: dict[str, Any] | None = None
+    ) -> Path:
+        data = config_dict(self.dsn, self.nats_url, self.stream, messages=MESSAGES)
+        data["outboxes"] = outboxes
+        data["lease"] = {**LEASE, **(lease or {})}
+        return save(self.tmp_path, data, name)
+
+    def side(self) -> dict[str, Any]:
+        """An outbox `y` of the same events, its ids marked `/y`."""
+        y = outbox(self.stream, 1)
+        rule = y["messages"]["BookLent"]
+        y["messages"] = {"BookLent": {**rule, "id": "{aggregate_type}/{aggregate_id}@{version}/y"}}
+        return y
+
+
+@pytest.fixture
+def configs(tmp_path: Path, events_table: str, nats_url: str, copies: str) -> Configs:
+    return Configs(tmp_path, events_table, nats_url, copies)
 
 
 async def lane_rows(dsn: str, name: str = "loans") -> list[str]:
@@ -111,23 +122,13 @@ async def caught_up(dsn: str, rows: Rows) -> bool:
 
 
 async def test_repartition_counts_a_lane_that_never_ran_from_where_it_would_have_started(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """K = 4 on one replica capped at two lanes: two lanes never run and have no row.
     `relay repartition` to 2 must not start the new lanes past their events."""
     stream = copies
-    four = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "four.yaml",
-        outboxes={"loans": outbox(stream, 4)},
-        lease={"max_per_replica": 2},
-    )
-    two = config(
-        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
-    )
+    four = configs.loans(4, lease={"max_per_replica": 2})
+    two = configs.loans(2)
     migrate_cli(four)
     backlog = await append_backlog(events_table, 400, aggregates=40)
     replica = relay_process(["run", "--config", str(four)])
@@ -152,30 +153,14 @@ async def test_repartition_counts_a_lane_that_never_ran_from_where_it_would_have
 
 
 async def test_a_replica_with_the_old_count_never_relays_a_repartitioned_outbox(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """The holder's lease session is cut; while it rests, the outbox goes from 4 to 2
     partitions. The replica, still configured for 4, must not relay it with 4."""
     stream = copies
     slow = {"retry_interval": "2s", "takeover_after": "5s"}
-    four = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "four.yaml",
-        outboxes={"loans": outbox(stream, 4)},
-        lease=slow,
-    )
-    two = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "two.yaml",
-        outboxes={"loans": outbox(stream, 2)},
-        lease=slow,
-    )
+    four = configs.loans(4, lease=slow)
+    two = configs.loans(2, lease=slow)
     migrate_cli(four)
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         old = relay_process(["run", "--config", str(four)])
@@ -213,27 +198,14 @@ async def test_a_replica_with_the_old_count_never_relays_a_repartitioned_outbox(
 
 
 async def test_a_rollout_that_adds_a_split_outbox_publishes_everything_after_its_first_claim(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """An old replica runs only `y`; a new one runs `y` and a new `loans` (K = 4,
     start: end). Every event committed after the new outbox's first claim goes out."""
     stream = copies
-    y = outbox(stream, 1)
-    y["messages"] = {
-        "BookLent": {
-            **y["messages"]["BookLent"],
-            "id": "{aggregate_type}/{aggregate_id}@{version}/y",
-        }
-    }
-    old_config = config(tmp_path, events_table, nats_url, stream, "old.yaml", outboxes={"y": y})
-    new_config = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "new.yaml",
-        outboxes={"y": y, "loans": outbox(stream, 4, start="end")},
-    )
+    y = configs.side()
+    old_config = configs.of("y.yaml", {"y": y})
+    new_config = configs.of("both.yaml", {"y": y, "loans": outbox(stream, 4, start="end")})
     migrate_cli(new_config)
     old = relay_process(["run", "--config", str(old_config)])
     await until(old_config, lambda rows: all(row["holder"] for row in rows))
@@ -270,24 +242,14 @@ async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
     second: int,
     events_table: str,
     nats_url: str,
-    tmp_path: Path,
     relay_process: Start,
     copies: str,
+    configs: Configs,
 ) -> None:
     """Replicas of two counts start on a fresh outbox, released at the same instant: one
     count wins, the other replica relays nothing of it and creates no lane row."""
     stream = copies
-    paths = {
-        k: config(
-            tmp_path,
-            events_table,
-            nats_url,
-            stream,
-            f"k{k}.yaml",
-            outboxes={"loans": outbox(stream, k)},
-        )
-        for k in (first, second)
-    }
+    paths = {k: configs.loans(k) for k in (first, second)}
     migrate_cli(paths[first])
     backlog = await append_backlog(events_table, 200, aggregates=20)
     async with connect(events_table) as gate, connect(events_table) as watch:
@@ -327,22 +289,14 @@ async def test_two_counts_started_at_the_same_moment_never_relay_side_by_side(
 
 
 async def test_lanes_stay_held_while_the_fleet_runs_different_outbox_sets(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """Replica A runs `loans` (K = 4); replica B, in the same namespace, runs only `y`.
     B does not run `loans`, so A keeps all four of its lanes."""
     stream = copies
-    y = outbox(stream, 1)
-    y["messages"] = {
-        "BookLent": {
-            **y["messages"]["BookLent"],
-            "id": "{aggregate_type}/{aggregate_id}@{version}/y",
-        }
-    }
-    a = config(
-        tmp_path, events_table, nats_url, stream, "a.yaml", outboxes={"loans": outbox(stream, 4)}
-    )
-    b = config(tmp_path, events_table, nats_url, stream, "b.yaml", outboxes={"y": y})
+    y = configs.side()
+    a = configs.loans(4)
+    b = configs.of("y.yaml", {"y": y})
     migrate_cli(a)
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         relay_process(["run", "--config", str(a)])
@@ -356,28 +310,13 @@ async def test_lanes_stay_held_while_the_fleet_runs_different_outbox_sets(
 
 
 async def test_a_replica_at_its_cap_leaves_no_lane_unheld_while_another_has_room(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """K = 4 over A (max_per_replica 1) and B (no cap): B holds three, above its share of
     two, because nobody else can; no lane stays unheld."""
     stream = copies
-    capped = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "capped.yaml",
-        outboxes={"loans": outbox(stream, 4)},
-        lease={"max_per_replica": 1},
-    )
-    roomy = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "roomy.yaml",
-        outboxes={"loans": outbox(stream, 4)},
-    )
+    capped = configs.loans(4, lease={"max_per_replica": 1})
+    roomy = configs.loans(4)
     migrate_cli(capped)
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         a = relay_process(["run", "--config", str(capped)])
@@ -392,15 +331,11 @@ async def test_a_replica_at_its_cap_leaves_no_lane_unheld_while_another_has_room
 
 
 async def test_cli_commands_act_on_the_recorded_partitions_whatever_the_config_says(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     stream = copies
-    two = config(
-        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
-    )
-    four = config(
-        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
-    )
+    two = configs.loans(2)
+    four = configs.loans(4)
     migrate_cli(two)
     backlog = await append_backlog(events_table, 100, aggregates=10)
     replica = relay_process(["run", "--config", str(two)])
@@ -447,30 +382,16 @@ async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
     after: int,
     events_table: str,
     nats_url: str,
-    tmp_path: Path,
     relay_process: Start,
     copies: str,
+    configs: Configs,
 ) -> None:
     """Two replicas of the old count; new ones come up one at a time, old ones leave one at
     a time (SIGTERM). The new replicas wait, Ready, until no replica runs the old count,
     then change the outbox over; no hand-run step, nothing lost, order kept."""
     stream = copies
-    old = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "old.yaml",
-        outboxes={"loans": outbox(stream, before)},
-    )
-    new = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "new.yaml",
-        outboxes={"loans": outbox(stream, after)},
-    )
+    old = configs.loans(before)
+    new = configs.loans(after)
     migrate_cli(old)
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         olds = [relay_process(["run", "--config", str(old)]) for _ in range(2)]
@@ -526,17 +447,13 @@ async def test_a_rolling_deploy_that_changes_partitions_changes_over_by_itself(
 
 
 async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instead_of_reverting(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """The operator's repartition stands: a replica started with the old count does not
     change it back, and says what to do; one with the new count relays."""
     stream = copies
-    four = config(
-        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
-    )
-    two = config(
-        tmp_path, events_table, nats_url, stream, "two.yaml", outboxes={"loans": outbox(stream, 2)}
-    )
+    four = configs.loans(4)
+    two = configs.loans(2)
     migrate_cli(four)
     backlog = await append_backlog(events_table, 100, aggregates=10)
     first = relay_process(["run", "--config", str(four)])
@@ -560,31 +477,15 @@ async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instea
 
 
 async def test_a_frozen_last_replica_of_the_old_count_does_not_stall_the_change_over(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """The last replica of the old count is paused (SIGSTOP) while it holds every lane: its
     heartbeat goes stale, so it is no longer live, and the new replicas end its session,
     as a standby ends a silent holder's, then change the outbox over."""
     stream = copies
     quick = {"takeover_after": "2s"}
-    old = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "old.yaml",
-        outboxes={"loans": outbox(stream, 2)},
-        lease=quick,
-    )
-    new = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "new.yaml",
-        outboxes={"loans": outbox(stream, 4)},
-        lease=quick,
-    )
+    old = configs.loans(2, lease=quick)
+    new = configs.loans(4, lease=quick)
     migrate_cli(old)
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         frozen = relay_process(["run", "--config", str(old)])
@@ -605,23 +506,14 @@ async def test_a_frozen_last_replica_of_the_old_count_does_not_stall_the_change_
 
 
 async def test_changes_in_quick_succession_send_nothing_twice_and_lose_nothing(
-    events_table: str, nats_url: str, tmp_path: Path, relay_process: Start, copies: str
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
     """Two lanes far apart (one stuck behind, say): 2 -> 3, then 3 -> 4 before any new lane
     moved. The lanes of the second change must still leave out what the lanes of the first
     count had published, and send everything else once."""
     stream = copies
-    three = config(
-        tmp_path,
-        events_table,
-        nats_url,
-        stream,
-        "three.yaml",
-        outboxes={"loans": outbox(stream, 3)},
-    )
-    four = config(
-        tmp_path, events_table, nats_url, stream, "four.yaml", outboxes={"loans": outbox(stream, 4)}
-    )
+    three = configs.loans(3)
+    four = configs.loans(4)
     migrate_cli(four)
     backlog = await append_backlog(events_table, 40, aggregates=40)
     async with connect(events_table) as conn:

@@ -18,9 +18,13 @@ from typing import Any
 from tests.support.delivery import Delivery, Writer, analyse
 from tests.support.jetstream import fetch_all
 from tests.support.relay_process import RelayProcess, run_cli
-from tests.support.scenario import eventually
+from tests.support.scenario import LIBRARY_MESSAGES, eventually
 
 Rows = list[dict[str, Any]]
+# Loans of every aggregate on one subject; leases that move quickly (a standby tries every
+# 300 ms) within the relay's rules.
+MESSAGES = {"BookLent": {**LIBRARY_MESSAGES["BookLent"], "destination": "{subject}.loans"}}
+LEASE = {"retry_interval": "300ms", "check_interval": "500ms", "check_timeout": "500ms"}
 
 
 async def status(config: Path) -> Rows:
