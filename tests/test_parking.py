@@ -57,6 +57,30 @@ async def test_oversized_message_is_parked_and_the_rest_flows(
         await delete_stream(nats_url, subject)
 
 
+async def test_headers_larger_than_jetstream_takes_are_parked_not_retried_for_ever(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """A 70 KB aggregate id puts more than 64 KB in the headers (the id goes in Nats-Msg-Id
+    and ce-id): JetStream answers err 10097, which no retry can fix. It was taken for a
+    transient failure and retried for ever, holding the lane back."""
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    config = await load_and_migrate(tmp_path, config_dict(events_table, nats_url, subject))
+    try:
+        async with connect(events_table) as conn:
+            poison = await append(conn, "book", "i" * 70_000, 1, "BookLent", {"loanId": "l"})
+            await append(conn, "book", "b1", 1, "BookLent", {"loanId": "ok-1", "memberId": "m"})
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=1)
+            await eventually(lambda: _parked_count(events_table, 1))
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
+        (row,) = await parked_rows(events_table)
+        assert (row["position"], row["reason"], row["attempts"]) == (poison, "rejected", 3)
+        assert "header" in str(row["error"])
+    finally:
+        await delete_stream(nats_url, subject)
+
+
 async def test_mapping_failure_at_run_time_is_parked(
     events_table: str, nats_url: str, tmp_path: Path
 ) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 
 from relay.core.lanes import lanes_of
-from tests.support.db import append_many, connect
+from tests.support.db import append, append_many, connect
 from tests.support.delivery import Writer, append_backlog, book_lent, event_id
 from tests.support.http import get, http_port
 from tests.support.jetstream import fetch_all
@@ -542,3 +543,97 @@ async def test_changes_in_quick_succession_send_nothing_twice_and_lose_nothing(
     delivery = await delivered(nats_url, stream, expected)
     assert report("2 -> 3 -> 4 in quick succession", delivery) == 0
     assert delivery.unexpected(expected) == [], "what the first lanes had sent is left out"
+
+
+async def test_a_stray_replica_of_another_count_does_not_flip_the_fleet_when_sessions_are_cut(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """Two replicas run K = 4, a stray one K = 1. Every relay session is ended: the
+    replicas reconnect one by one, and the stray one, first back, must not take the
+    others' fresh heartbeats for gone and change the outbox to 1."""
+    four, one = configs.loans(4), configs.loans(1)
+    migrate_cli(four)
+    async with Writer(events_table, rate=60, aggregates=12) as writer:
+        fleet = [relay_process(["run", "--config", str(four)]) for _ in range(2)]
+        await until(four, lambda rows: all(row["holder"] for row in rows))
+        stray = relay_process(["run", "--config", str(one)])
+        await stray.wait_for_log("not relaying the outbox: it runs with another partition count")
+        for _ in range(3):
+            async with connect(events_table) as conn:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name LIKE 'relay:%' AND pid <> pg_backend_pid()"
+                )
+            await relayed_more(four, writer)
+    assert await recorded(events_table) == 4
+    assert not any(r.get("event", "").startswith("partitions changed over") for r in stray.logs())
+    assert all(replica.returncode is None for replica in (*fleet, stray))
+    await delivered_all(nats_url, copies, writer)
+
+
+async def test_a_replay_waiting_for_a_holder_when_the_outbox_changes_over_reaches_every_event(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """`relay replay --from-start` is waiting for the holder to take it when the holder
+    leaves and the outbox changes over to another count: the command expires with the old
+    lanes, and the CLI carries it out on the new ones, so every event goes out again."""
+    old, new = configs.loans(2), configs.loans(3)
+    migrate_cli(old)
+    backlog = await append_backlog(events_table, 120, aggregates=12)
+    holder = relay_process(["run", "--config", str(old)])
+    await delivered(nats_url, copies, set(backlog.values()))
+    await until(old, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
+    waiting = relay_process(["run", "--config", str(new)])
+    await waiting.wait_for_log("not relaying the outbox: it runs with another partition count")
+    holder.pause()  # it takes no command
+    replay = relay_process(["replay", "loans", "--from-start", "--json", "--config", str(old)])
+    async with connect(events_table) as conn:
+
+        async def submitted() -> bool:
+            return bool(await conn.fetchval("SELECT count(*) FROM relay.commands"))
+
+        await eventually(submitted)
+    holder.resume()
+    holder.terminate()  # it leaves: the waiting replica changes the outbox over
+    assert await replay.wait_async(60) == 0, replay.output()
+    assert json.loads(replay.stdout_path.read_text())["events"] == 120
+
+    async def sent_twice() -> bool:
+        return len(await fetch_all(nats_url, copies)) >= 240
+
+    await eventually(sent_twice, timeout=30)
+    received = Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, copies))
+    assert set(received.values()) == {2}, "every event once more, none left out"
+    assert await recorded(events_table) == 3
+
+
+async def test_a_message_being_retried_keeps_its_count_of_failures_across_a_change(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """A message NATS refuses (2 MB: above max_payload) is retried; the outbox goes from 2
+    to 3 partitions meanwhile. Its failures so far still count towards `park_after`."""
+    slow: dict[str, Any] = {"retry": {"initial": "100ms", "max": "100ms"}, "park_after": 1000}
+    two, three = configs.loans(2, **slow), configs.loans(3, **slow)
+    migrate_cli(two)
+    async with connect(events_table) as conn:
+        poison = await append(conn, "book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})
+    replica = relay_process(["run", "--config", str(two)])
+
+    async def failures() -> int:
+        async with connect(events_table) as conn:
+            value = await conn.fetchval(
+                "SELECT max(attempts) FROM relay.checkpoints WHERE retry_position = $1", poison
+            )
+        return int(value or 0)
+
+    await eventually(lambda: _at_least(failures(), 5), timeout=30)
+    replica.terminate()
+    assert await replica.wait_async(15) == 0
+    before = await failures()
+    done = run_cli(["repartition", "loans", "--partitions", "3", "--config", str(three)])
+    assert done.returncode == 0, done.stderr
+    assert await failures() == before, "the count moved to the lane that owns the aggregate"
+
+
+async def _at_least(value: Awaitable[int], least: int) -> bool:
+    return await value >= least

@@ -51,6 +51,7 @@ log = structlog.get_logger("relay.brokers.nats")
 # JetStream API error codes that no retry can fix.
 _PERMANENT_CODES = {
     10054,  # message size exceeds the stream's maximum
+    10097,  # header size exceeds the maximum allowed (64 KiB): an id or key that long
 }
 
 # A token of a publish subject: not empty, and free of the separator, the wildcards,

@@ -268,6 +268,7 @@ def replay(
     from relay.ops.identity import identity
     from relay.ops.operator import Operator, ReplayFrom
     from relay.ops.progress import follow_replay
+    from relay.ops.recorded import as_recorded
     from relay.postgres.command_queue import CommandKind
 
     chosen = [from_position is not None, from_start, from_time is not None]
@@ -305,9 +306,8 @@ def replay(
                 detail=outcome.detail,
             )
             if follow and outcome.ok:
-                wait = follow_replay(
-                    recorded, outbox, head, outcome.detail, view=view, unheld=timeout
-                )
+                now, _ = await as_recorded(cfg, [outbox])  # its lanes may have changed since
+                wait = follow_replay(now, outbox, head, outcome.detail, view=view, unheld=timeout)
                 result.update(await wait)
         return result
 

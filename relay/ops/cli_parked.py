@@ -32,7 +32,10 @@ def parked_list(
     from relay.ops.parked import summary
 
     cfg = load_config_or_exit(config)
-    rows = [summary(parked) for parked in run_or_exit(lambda: read(cfg, outbox))]
+    parked, notes = run_or_exit(lambda: read(cfg, outbox))
+    for note in notes:
+        typer.echo(note, err=True)
+    rows = [summary(message) for message in parked]
     if as_json:
         typer.echo(pretty(rows))
         return

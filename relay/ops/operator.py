@@ -31,7 +31,7 @@ from relay.postgres.command_queue import CommandKind, CommandQueue, CommandReque
 from relay.postgres.database import Database
 from relay.postgres.lease import Lease, LeaseSession
 from relay.postgres.migrations import ensure_migrated
-from relay.postgres.partitions import Partitions
+from relay.postgres.partitions import PARTITIONS_CHANGED, Partitions, PartitionsChanged
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 
@@ -63,6 +63,13 @@ class CommandRefused(UsageError):
     """The command makes no sense for this outbox (e.g. a replay forwards)."""
 
 
+class PartitionsMoved(RelayError):
+    """The outbox's partitions changed while the command was carried out on its lanes."""
+
+
+_ATTEMPTS = 3  # a command whose lanes changed under it is carried out on the new ones
+
+
 class Operator:
     """The CLI's side: hand a command to each lane's holder, or do it under the lease itself."""
 
@@ -92,17 +99,41 @@ class Operator:
         session = LeaseSession(
             self.db, self.config.lease, self.config.database.schema_, self.identity
         )
+        earlier: list[CommandResult] = []  # lanes done before their partitions changed
+        asked = args
         try:
-            per_lane = await self._lane_args(kind, args)
-            results = {
-                lane.name: await self._on_lane(
-                    session, lane, kind, lane_args, deadline=deadline, wait=wait, patient=patient
-                )
-                for lane, lane_args in per_lane
-            }
+            for attempt in range(1, _ATTEMPTS + 1):
+                await self.resolve()
+                results: dict[str, CommandResult] = {}
+                try:
+                    for lane, lane_args in await self._lane_args(kind, args):
+                        results[lane.name] = await self._on_lane(
+                            session, lane, kind, lane_args, deadline=deadline, wait=wait,
+                            patient=patient,
+                        )  # fmt: skip
+                except PartitionsMoved as exc:
+                    if attempt == _ATTEMPTS:
+                        raise
+                    earlier += results.values()
+                    args = _still_to_do(kind, args, earlier)
+                    log.warning(
+                        "the outbox's partitions changed during the command: carrying it out"
+                        " on its new lanes",
+                        kind=kind,
+                        outbox=self.outbox,
+                        reason=str(exc),
+                    )
+                    continue
+                return merged(self.lanes, kind, asked, results, earlier)
         finally:
             await session.close()
-        return merged(self.lanes, kind, args, results)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def resolve(self) -> None:
+        """The lanes the outbox runs with now, whatever the config says (recorded.py)."""
+        async with self.db.session("cli") as conn:
+            count = await self.partitions.count(conn, self.outbox, self.outbox_config.partitions)
+        self.lanes = lanes_of(self.outbox, count)
 
     async def _lane_args(
         self, kind: CommandKind, args: dict[str, Any]
@@ -161,6 +192,8 @@ class Operator:
             command_id = await self.queue.submit(conn, request)
             while time.monotonic() < deadline:
                 state = await self.queue.result(conn, command_id)
+                if (state.outcome or {}).get(PARTITIONS_CHANGED):
+                    raise PartitionsMoved(str((state.outcome or {}).get("error")))
                 if state.finished:
                     ok = state.state == "done"
                     return CommandResult(ok, state.executed_by, state.outcome or {}, False)
@@ -196,7 +229,10 @@ class Operator:
             claimant = holding.Claimant(
                 lane, outbox.start, source, self.store, self.queue, self.partitions, broker
             )
-            claimed = await holding.claim(lease, claimant, reader)
+            try:
+                claimed = await holding.claim(lease, claimant, reader)
+            except PartitionsChanged as exc:
+                raise PartitionsMoved(str(exc)) from exc
             holding.warn_if_broker_changed(log, self.outbox, claimed.claim)
             log.info(
                 "no holder: carrying out the command under the lease",
@@ -237,6 +273,7 @@ class Operator:
 
     async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
         """(the position to move back to, the furthest checkpoint of the outbox's lanes)."""
+        await self.resolve()
         async with self.db.session("cli") as conn:
             await ensure_migrated(conn, self.config.database.schema_)
             positions = await self._positions(conn)
@@ -285,22 +322,45 @@ class Operator:
         return found
 
 
+def _still_to_do(
+    kind: CommandKind, args: dict[str, Any], done: list[CommandResult]
+) -> dict[str, Any]:
+    """What is left of the command once `done` lanes were carried out: a replay goes again
+    on every new lane; a retry of given ids, without those already published."""
+    ids = args.get("ids")
+    if kind is not CommandKind.RETRY_PARKED or ids is None:
+        return args
+    published = {i for r in done for i in r.detail.get("published", [])}
+    return {**args, "ids": [i for i in ids if i not in published]}
+
+
 def merged(
-    lanes: list[Lane], kind: CommandKind, args: dict[str, Any], results: dict[str, CommandResult]
+    lanes: list[Lane],
+    kind: CommandKind,
+    args: dict[str, Any],
+    results: dict[str, CommandResult],
+    earlier: list[CommandResult] | None = None,
 ) -> CommandResult:
-    """One result for the outbox; an outbox with one lane reports its lane's as it is."""
-    if len(lanes) == 1:
+    """One result for the outbox; an outbox with one lane reports its lane's as it is.
+
+    `earlier`: lanes carried out before the partitions changed under the command; a retry's
+    messages they published count as published."""
+    if len(lanes) == 1 and not earlier:
         return next(iter(results.values()))
+    every = [*(earlier or []), *results.values()]
     ok = all(r.ok for r in results.values())
-    by = sorted({r.executed_by for r in results.values() if r.executed_by})
+    by = sorted({r.executed_by for r in every if r.executed_by})
     detail: dict[str, Any] = {"lanes": {name: r.detail for name, r in results.items()}}
     if kind is CommandKind.RETRY_PARKED:
-        published = [i for r in results.values() for i in r.detail.get("published", [])]
+        published = [i for r in every for i in r.detail.get("published", [])]
         still = {
-            k: v for r in results.values() for k, v in r.detail.get("still_parked", {}).items()
+            k: v
+            for r in results.values()
+            for k, v in r.detail.get("still_parked", {}).items()
+            if int(k) not in published
         }
         outcomes = sorted(
-            (o for r in results.values() for o in r.detail.get("outcomes", [])),
+            (o for r in every for o in r.detail.get("outcomes", [])),
             key=lambda o: (o["position"], o["id"]),
         )
         detail.update(published=published, still_parked=still, outcomes=outcomes)

@@ -14,12 +14,14 @@ from relay.postgres.migrations import ensure_migrated
 from relay.postgres.store import ParkedMessage, Store
 
 
-async def parked_list(config: RelayConfig, outbox: str) -> list[ParkedMessage]:
-    config, _ = await as_recorded(config, [outbox])
+async def parked_list(config: RelayConfig, outbox: str) -> tuple[list[ParkedMessage], list[str]]:
+    """The outbox's parked messages, of the partitions it runs with, and a note when the
+    config says another count (recorded.py)."""
+    config, notes = await as_recorded(config, [outbox])
     lanes = lane_names(config, outbox)
     async with Database(config.database, identity()).session("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
-        return await Store(config.database.schema_).parked(conn, lanes)
+        return await Store(config.database.schema_).parked(conn, lanes), notes
 
 
 async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:

@@ -155,7 +155,7 @@ async def follow_replay(
     Returns the result's fields about the wait: `head`, `caught_up`, and `progress`,
     or `wait_error` when the outbox will not catch up by itself.
     """
-    starts = lane_checkpoints(outbox, config.outbox(outbox).partitions, detail)
+    starts = lane_checkpoints(outbox, detail)
     watch = CatchUp(config, outbox, head, starts, unheld)
     try:
         async with Database(config.database, identity()).session("cli") as conn:
@@ -199,8 +199,9 @@ async def follow_retry(
     return result, progress
 
 
-def lane_checkpoints(outbox: str, partitions: int, detail: dict[str, Any]) -> dict[str, int]:
-    """Each lane's checkpoint after a replay, from the command's outcome."""
-    if partitions == 1:
+def lane_checkpoints(outbox: str, detail: dict[str, Any]) -> dict[str, int]:
+    """Each lane's checkpoint after a replay, from the command's outcome (which has them by
+    lane for a split outbox, or one whose partitions changed during the command)."""
+    if "lanes" not in detail:
         return {outbox: int(detail["checkpoint"])}
     return {name: int(lane["checkpoint"]) for name, lane in detail["lanes"].items()}

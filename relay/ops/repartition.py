@@ -28,21 +28,21 @@ class RepartitionRefused(UsageError):
     """A replica holds one of the outbox's lanes, or the count makes no sense."""
 
 
+def _change_lock(session: LeaseSession, outbox: str) -> Lease:
+    """The outbox's change lock: whoever changes its count holds it first, alone, so that
+    of two replicas (or a replica and the CLI) trying at once, one gets every lane rather
+    than each a part, and the count it read under it stays the count."""
+    return Lease(session, f"{outbox}#partitions")  # `#` is in no outbox's name
+
+
 async def _every_lane(
     session: LeaseSession, outbox: str, before: int, after: int
 ) -> tuple[list[Lease], list[Lease]]:
-    """The outbox's change lock, then the lock of every lane of both counts in one
-    statement: (taken, busy). The change lock comes first and alone, so that of two
-    replicas (or a replica and the CLI) trying at the same moment, one gets everything
-    rather than each a part."""
-    change = Lease(session, f"{outbox}#partitions")  # `#` is in no outbox's name
-    if not await change.try_acquire():
-        return [], [change]
+    """The lock of every lane of both counts, in one statement: (taken, busy)."""
     names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
     leases = [Lease(session, name) for name in names]
     taken = set(await session.try_locks([lease.key for lease in leases], len(leases)))
-    mine = [change, *(le for le in leases if le.key in taken)]
-    return mine, [le for le in leases if le.key not in taken]
+    return [le for le in leases if le.key in taken], [le for le in leases if le.key not in taken]
 
 
 async def change_over(
@@ -56,7 +56,11 @@ async def change_over(
 ) -> Repartitioned | None:
     """A replica's change of count; None if a lane is still held (try again later) or
     another change came first. Every lock it took is let go again, with NOTIFY."""
+    change = _change_lock(session, outbox)
+    if not await change.try_acquire():
+        return None
     taken, busy = await _every_lane(session, outbox, expect, count)
+    taken.append(change)
     try:
         if busy:
             return None
@@ -90,17 +94,14 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
     try:
         async with session.statement() as conn:
             await ensure_migrated(conn, schema)
+        change = _change_lock(session, outbox)
+        if not await change.try_acquire():
+            raise await _refused(change, f"a change of outbox {outbox!r}'s partitions")
+        async with session.statement() as conn:  # under the change lock: it stays the count
             before = await partitions.count(conn, outbox, configured)
         _, busy = await _every_lane(session, outbox, before, count)
         if busy:
-            holder = await busy[0].holder()
-            who = holder.identity if holder else "another session"
-            what = "changing its partitions" if "#" in busy[0].outbox else f"lane {busy[0].outbox}"
-            raise RepartitionRefused(
-                f"{what} of outbox {outbox!r} is held by {who}: stop the outbox's replicas"
-                " first (a replica with another count waits until this has run), then run"
-                " the command again"
-            )
+            raise await _refused(busy[0], f"lane {busy[0].outbox} of outbox {outbox!r}")
         async with session.statement() as conn:
             return await partitions.repartition(
                 conn,
@@ -110,6 +111,16 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
                 table=config.source.table,
                 by=f"relay repartition ({db.identity})",
                 pinned=True,
+                expect=before,
             )
     finally:
         await session.close()
+
+
+async def _refused(busy: Lease, what: str) -> RepartitionRefused:
+    holder = await busy.holder()
+    who = holder.identity if holder else "another session"
+    return RepartitionRefused(
+        f"{what} is held by {who}: stop the outbox's replicas first (a replica with another"
+        " count waits until this has run), then run the command again"
+    )

@@ -233,7 +233,11 @@ class OutboxReplica:
         if record is not None and record.partitions != self.count:
             return await self._mismatched(record, members)
         self._matched()
-        sharing = {m.identity: m.room for m in members if m.outboxes.get(self.name) == self.count}
+        sharing = {
+            m.identity: m.room
+            for m in members
+            if m.connected and m.outboxes.get(self.name) == self.count
+        }
         if len(sharing) < self._live:  # one left: what was handed over may be needed back
             self._handed.clear()
         self._live = len(sharing)
@@ -274,6 +278,9 @@ class OutboxReplica:
         over once every live replica that runs it says this replica's count (True then)."""
         self._hand_over(len(self._held))  # none: a change needs every lane's lock
         reason = mismatch(self.name, record, self.count)
+        # Every fresh row speaks, connected or not: a replica reconnecting after its
+        # sessions were cut must not be taken for gone, or one stray replica of another
+        # count that reconnected first would change the fleet's outbox over.
         others = sorted(
             (m.identity, m.outboxes[self.name])
             for m in members

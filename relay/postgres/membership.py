@@ -9,6 +9,10 @@ Each row also says which outboxes the replica runs, with which partition count, 
 many more lanes it may take (`lease.max_per_replica`): an outbox's lanes are shared among
 the replicas that run it with its count, never with one that runs other outboxes only or
 another count, and a replica at its cap leaves the rest to those with room.
+
+A fresh row whose session is gone (the replica is reconnecting: its sessions were ended,
+or the database restarted) still speaks for its configured counts until it goes stale:
+changing an outbox's count waits for it, where sharing lanes does not.
 """
 
 from __future__ import annotations
@@ -29,27 +33,29 @@ class Member:
     identity: str
     outboxes: Mapping[str, int]  # outbox -> the partition count its config gives it
     room: int | None  # more lanes it may take, of any outbox; None: no cap
+    connected: bool = True  # the session that wrote its row is still there
 
 
 def members_query(table: str) -> str:
-    """Live rows of namespace $1 but identity $2, silent for less than $3 seconds."""
+    """Rows of namespace $1 but identity $2, silent for less than $3 seconds, and whether
+    the session that wrote each is still there."""
     return (
-        f"SELECT r.identity, r.outboxes::text AS outboxes, r.room FROM {table} r"
-        " WHERE r.namespace = $1 AND r.identity <> $2"
+        f"SELECT r.identity, r.outboxes::text AS outboxes, r.room,"
+        " EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
+        " AND a.datname = current_database()) AS connected"
+        f" FROM {table} r WHERE r.namespace = $1 AND r.identity <> $2"
         " AND r.seen_at > now() - make_interval(secs => $3)"
-        " AND EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
-        " AND a.datname = current_database())"
     )
 
 
 def _member(row: asyncpg.Record) -> Member:
-    return Member(row["identity"], json.loads(row["outboxes"]), row["room"])
+    return Member(row["identity"], json.loads(row["outboxes"]), row["room"], row["connected"])
 
 
 async def live_members(
     conn: asyncpg.Connection, schema: str, namespace: str, stale_after: float
 ) -> list[Member]:
-    """Every live replica of the namespace, for `relay status` and the CLI."""
+    """Every replica of the namespace whose row is fresh, for `relay status` and the CLI."""
     rows = await conn.fetch(members_query(f"{quote(schema)}.replicas"), namespace, "", stale_after)
     return sorted((_member(r) for r in rows), key=lambda m: m.identity)
 
@@ -86,8 +92,8 @@ class Membership:
         return Member(self.identity, self.outboxes, self.room())
 
     async def beat(self, conn: asyncpg.Connection, stale_after: float) -> list[Member]:
-        """Say this replica is alive (on its lease session); return the live ones, itself
-        included."""
+        """Say this replica is alive (on its lease session); return the fresh rows, its own
+        included (`connected` says which are live for sharing lanes)."""
         args = (self.namespace, self.identity, stale_after)
         if self.left:
             rows = await conn.fetch(self._members, *args)

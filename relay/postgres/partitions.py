@@ -16,6 +16,7 @@ skipped that was not sent, and nothing is sent twice.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import asyncpg
@@ -26,6 +27,9 @@ from relay.errors import RelayError
 from relay.postgres.skipping import Layer, Skip, predicate, stacked
 from relay.postgres.source import lane_expression
 from relay.postgres.sql import qualified, quote
+
+# In the outcome of an operator's command that a change of partitions ended.
+PARTITIONS_CHANGED = "partitions_changed"
 
 
 class PartitionsChanged(RelayError):
@@ -176,7 +180,8 @@ class Partitions:
                 f"SELECT {_RECORD} FROM {self._outboxes} WHERE outbox = $1 FOR UPDATE", outbox
             )
             current = None if record is None else _record(record)
-            before = 1 if current is None else current.partitions
+            # No record: the outbox never ran, so any count is its count, with no lane yet.
+            before = (expect or 1) if current is None else current.partitions
             if expect is not None and before != expect:
                 raise PartitionsChanged(
                     f"outbox {outbox!r} went to {before} partition(s) meanwhile", before, expect
@@ -184,7 +189,8 @@ class Partitions:
             if count == before:  # nothing to do: leave checkpoints, epochs and states alone
                 return Repartitioned(outbox, before, count, 0, 0, 0)
             rows = await conn.fetch(
-                "SELECT outbox, position, epoch, start_xmin, broker, skip::text AS skip"
+                "SELECT outbox, position, epoch, start_xmin, broker, skip::text AS skip,"
+                " retry_position, attempts, rejections, retry_rule"
                 f" FROM {self._checkpoints} WHERE {_of_outbox('outbox')} FOR UPDATE",
                 outbox,
             )
@@ -196,10 +202,19 @@ class Partitions:
                 )
             else:  # never claimed: no lane has anything to carry over
                 start, skipped = 0, 0
+            # A command for an old lane can no longer be carried out there: the CLI that
+            # waits for it reads this outcome and carries it out on the new lanes.
             await conn.execute(
-                f"UPDATE {self._commands} SET state = 'expired', finished_at = now()"
-                f" WHERE {_of_outbox('outbox')} AND state = 'pending'",
+                f"UPDATE {self._commands} SET finished_at = now(), outcome = $2::jsonb,"
+                " state = CASE state WHEN 'pending' THEN 'expired' ELSE 'failed' END"
+                f" WHERE {_of_outbox('outbox')} AND state IN ('pending', 'running')",
                 outbox,
+                json.dumps(
+                    {
+                        "error": f"the outbox's partitions changed to {count}",
+                        PARTITIONS_CHANGED: True,
+                    }
+                ),
             )
             await conn.execute(
                 f"INSERT INTO {self._outboxes} AS o (outbox, partitions, pinned, changed_by)"
@@ -254,8 +269,44 @@ class Partitions:
                 for lane in lanes_of(outbox, count)
             ],
         )
+        retried = [by_name[lane.name] for lane in old if lane.name in by_name]
+        await self._carry_retries(conn, outbox, count, retried, columns, table)
         moved = await self._move_parked(conn, outbox, count)
         return start, skipped, moved
+
+    async def _carry_retries(  # noqa: PLR0917
+        self,
+        conn: asyncpg.Connection,
+        outbox: str,
+        count: int,
+        rows: list[asyncpg.Record],
+        columns: ColumnsConfig,
+        table: str,
+    ) -> None:
+        """A message an old lane was retrying keeps its count of failures in the new lane
+        that owns its aggregate now, so that `park_after` counts across the change. (Two in
+        one new lane: the first it will meet keeps its count.)"""
+        pos = quote(columns.position)
+        lane = lane_of_count(columns, str(count))
+        for row in sorted(
+            (r for r in rows if r["retry_position"] is not None),
+            key=lambda r: -int(r["retry_position"]),
+        ):
+            index = await conn.fetchval(
+                f"SELECT ({lane})::int FROM {qualified(table)} WHERE {pos} = $1",
+                row["retry_position"],
+            )
+            if index is None:  # the row is gone: nothing to count
+                continue
+            await conn.execute(
+                f"UPDATE {self._checkpoints} SET retry_position = $2, attempts = $3,"
+                " rejections = $4, retry_rule = $5 WHERE outbox = $1",
+                outbox if count == 1 else f"{outbox}/{index}",
+                row["retry_position"],
+                row["attempts"],
+                row["rejections"],
+                row["retry_rule"],
+            )
 
     async def _published(
         self, conn: asyncpg.Connection, skip: Skip, start: int, columns: ColumnsConfig, table: str
