@@ -20,9 +20,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from relay.config import DatabaseConfig, LeaseConfig
 from relay.postgres.database import Database
-from relay.postgres.lease import Lease, LeaseSession
+from relay.postgres.lease import Lease, LeaseLost, LeaseSession
 from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, unique_name
@@ -277,4 +279,36 @@ async def test_an_answer_in_time_counts_though_the_event_loop_was_busy_at_the_de
         assert await heartbeat(database, "loans") > before
         assert held.leases[0].held and not held.session.connection_lost()
         assert not watching[0].done()
+        await stopped(watching)
+
+
+async def test_a_proof_that_times_out_drops_its_connection_before_a_queued_statement_meets_it(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """The proof waits at the server (its lane's row is held) past check_timeout and is
+    cancelled; a checkpoint write queued behind it must get a new connection, never the
+    old one half way through the cancelled proof ("another operation is in progress")."""
+    async with claimed(database, tmp_path, nats_url, ["loans"]) as held:
+        watching = held.watch()
+        async with held.leases[0].statement() as conn:
+            old_pid = await conn.fetchval("SELECT pg_backend_pid()")
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-c", ROW_HOLDER, database, "loans", "3"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        assert (await process.stdout.readline()).strip() == b"held"
+        proving = asyncio.create_task(held.session.prove())
+        await asyncio.sleep(0.2)  # the proof holds the connection, waiting at the server
+
+        async def queued() -> int:
+            async with held.leases[0].statement() as conn:
+                return int(await conn.fetchval("SELECT pg_backend_pid()"))
+
+        pid = await queued()
+        with pytest.raises(LeaseLost, match="TimeoutError"):
+            await proving
+        assert pid != old_pid, "the queued statement ran on a new session"
+        assert not held.leases[0].held, "the new session holds nothing"
+        assert await process.wait() == 0
         await stopped(watching)

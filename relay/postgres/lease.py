@@ -103,7 +103,8 @@ class _Watched:
 
 
 async def answered_within(timeout: float, work: Coroutine[Any, Any, T]) -> T:  # noqa: ASYNC109
-    """`work`'s result, or TimeoutError when it has none after `timeout`.
+    """`work`'s result, or TimeoutError when it has none after `timeout` (the work is then
+    cancelled, and done with, before this returns).
 
     An answer the server sent in time, which a busy event loop (64 lanes' batches on two
     cores, say) had not handed over yet when the deadline's timer ran, still counts: the
@@ -281,31 +282,33 @@ class LeaseSession:
         it watches, at their lanes' epochs; stamp their heartbeats. A lock it no longer
         holds, or whose lane another replica claimed since, is lost on its own."""
 
-        async def proof() -> tuple[dict[int, _Watched], list[asyncpg.Record]]:
-            async with self.lock:
-                watched = dict(self._watched)  # now: every claim made before is among them
-                if not watched:
-                    return watched, []
-                conn = await self._connection()
-                rows = await conn.fetch(
+        started = _now()
+        try:
+            # Waiting only for the statement in progress: a proof goes ahead of the line.
+            async with asyncio.timeout(self.config.check_timeout):
+                await self.lock.acquire()
+        except TimeoutError as exc:
+            raise self._unproven(exc) from exc
+        try:
+            watched = dict(self._watched)  # now: every claim made before is among them
+            if not watched:
+                return
+            conn = await self._connection()
+            rows = await answered_within(
+                max(0.0, started + self.config.check_timeout - _now()),
+                conn.fetch(
                     self._heartbeat,
                     list(watched),
                     [w.lane for w in watched.values()],
                     [w.epoch for w in watched.values()],
-                )
-                return watched, rows
-
-        try:
-            watched, rows = await answered_within(self.config.check_timeout, proof())
-            if not watched:
-                return
+                ),
+            )
         except (*CONNECTION_LOST, asyncpg.PostgresError, DatabaseError) as exc:
-            # Any refusal counts too: a lease that cannot be proven is not held, nor is
-            # any other lock on this connection; drop it before another statement uses it.
-            reason = f"lease check failed: {type(exc).__name__}: {exc}"
-            if self.conn is not None:
-                self._broken(self.conn, reason)
-            raise LeaseLost(reason) from exc
+            # Dropped while the lock is still held: no statement may meet the connection
+            # half way through a cancelled proof.
+            raise self._unproven(exc) from exc
+        finally:
+            self.lock.release()
         proven, now = {int(r[0]) for r in rows}, _now()
         for key, lock in watched.items():
             if key in proven:
@@ -313,6 +316,14 @@ class LeaseSession:
             else:
                 self.held.discard(key)
                 self._lose(key, lock, NOT_HELD)
+
+    def _unproven(self, exc: BaseException) -> LeaseLost:
+        """Any refusal counts too: a lease that cannot be proven is not held, nor is any
+        other lock on this connection; drop it before another statement uses it."""
+        reason = f"lease check failed: {type(exc).__name__}: {exc}"
+        if self.conn is not None:
+            self._broken(self.conn, reason)
+        return LeaseLost(reason)
 
     def _lose(self, key: int, watched: _Watched, reason: str) -> None:
         if self._watched.get(key) is watched:
