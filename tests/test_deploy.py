@@ -499,6 +499,10 @@ def test_checksum_follows_the_config_only(chart: Any) -> None:
     assert checksum(custom(logging={"level": "debug", "format": "json"})) != base
     assert checksum({**custom(), "replicaCount": 5, "resources": {}}) == base
     assert checksum({}) != base
+    # A new `partitions` rolls the pods: the fleet changes the outbox over by itself once
+    # the last old pod has gone (docs/scaling.md), with no hook and no hand-run step.
+    orders = {**CUSTOM_CONFIG["outboxes"]["orders"], "partitions": 4}
+    assert checksum(custom(outboxes={"orders": orders})) != base
 
 
 # -- What the chart refuses ---------------------------------------------------------------------

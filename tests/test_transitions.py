@@ -322,8 +322,18 @@ async def test_a_replica_at_its_cap_leaves_no_lane_unheld_while_another_has_room
     async with Writer(events_table, rate=60, aggregates=12) as writer:
         a = relay_process(["run", "--config", str(capped)])
         await until(capped, lambda rows: len(held_by(rows, a)) == 1)
-        relay_process(["run", "--config", str(roomy)])
+        joined = time.time()
+        b = relay_process(["run", "--config", str(roomy)])
         await until(roomy, lambda rows: shape(rows) == [3, 1])
+        taken = [
+            datetime.fromisoformat(r["timestamp"]).timestamp()
+            for r in b.logs()
+            if r.get("event") == "lease acquired: relaying"
+        ]
+        print(
+            f"the lane nobody else could take was held {max(taken) - joined:.2f} s after the"
+            " second replica started (retry_interval 300 ms)"
+        )
         await relayed_more(roomy, writer)
     await delivered_all(nats_url, stream, writer)
 
