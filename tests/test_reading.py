@@ -14,12 +14,21 @@ from collections import defaultdict
 from pathlib import Path
 
 import asyncpg
+import pytest
 
+from relay.config import NOTIFY_CHANNEL_MAX
 from relay.core.state import OutboxState
 from relay.ops.runner import Relay
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
-from tests.support.scenario import config_dict, eventually, load_and_migrate, running, status
+from tests.support.scenario import (
+    config_dict,
+    eventually,
+    load_and_migrate,
+    migrate,
+    running,
+    status,
+)
 
 LENT = "BookLent"
 
@@ -256,12 +265,20 @@ async def test_start_end_skips_the_existing_log(
         await delete_stream(nats_url, subject)
 
 
+@pytest.mark.parametrize(
+    "channel",
+    [
+        "relay_events",
+        "relay$$$$events$$relay$$",  # relay$$events$relay$ (the file writes $ as $$)
+        "c" * NOTIFY_CHANNEL_MAX,  # the longest whose trigger name Postgres does not cut
+    ],
+)
 async def test_notify_trigger_wakes_the_relay_without_polling(
-    events_table: str, nats_url: str, tmp_path: Path
+    events_table: str, nats_url: str, tmp_path: Path, channel: str
 ) -> None:
     subject = await stream_for(nats_url)
     data = config_dict(events_table, nats_url, subject)
-    data["source"] = {"poll_interval": "60s", "notify_trigger": True}
+    data["source"] = {"poll_interval": "60s", "notify_trigger": True, "notify_channel": channel}
     config = await load_and_migrate(tmp_path, data)
     try:
         async with connect(events_table) as conn:
@@ -270,6 +287,11 @@ async def test_notify_trigger_wakes_the_relay_without_polling(
                 " AND NOT tgisinternal"
             )
             assert triggers == 1
+            await migrate(config)  # a second migrate finds it unchanged, not a second trigger
+            assert triggers == await conn.fetchval(
+                "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events'::regclass"
+                " AND NOT tgisinternal"
+            )
             async with running(config) as relay:
                 await eventually(lambda: _state(relay).activity == "idle")
                 await append(conn, "book", "b1", 1, LENT, lent("x"))

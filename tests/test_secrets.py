@@ -327,3 +327,18 @@ async def test_percent_encoded_credentials_connect(tmp_path: Path, database: str
             await admin.execute(f"DROP ROLE {quoted_user}")
     finally:
         await admin.close()
+
+
+@pytest.mark.integration  # runs `relay check --offline` as a process
+def test_a_duplicated_url_in_the_file_prints_neither_password(tmp_path: Path) -> None:
+    """A merge mistake leaves two `url:` lines; the error goes to CI and pod logs."""
+    old, new = password("a"), password("b")
+    text = config_text(f"postgresql://relay:{old}@{NOWHERE}/app").replace(
+        "database:\n", f"database:\n  url: 'postgresql://relay:{new}@{NOWHERE}/app'\n", 1
+    )
+    result = run_cli(["check", "--offline", "--config", str(write(tmp_path, text))])
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert 'relay.yaml:3: invalid YAML: the key "url" appears twice in one mapping' in output
+    assert_hidden(output, old)
+    assert_hidden(output, new)

@@ -126,6 +126,9 @@ def _poll_floor(value: float) -> float:
 PollInterval = Annotated[PositiveDuration, AfterValidator(_poll_floor)]
 
 
+NOTIFY_CHANNEL_MAX = 63 - len("relay_notify_")
+
+
 class SourceConfig(Model):
     table: Annotated[
         str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_$]*\.)?[A-Za-z_][A-Za-z0-9_$]*$")
@@ -136,6 +139,18 @@ class SourceConfig(Model):
     notify_trigger: bool = False  # `relay migrate` installs a NOTIFY trigger
     poll_interval: PollInterval = 1.0
     barrier_report_after: Duration = 1.0
+
+    @field_validator("notify_channel")
+    @classmethod
+    def _channel_names_fit(cls, channel: str) -> str:
+        """The trigger is named relay_notify_<channel>; Postgres cuts names at 63 bytes."""
+        if len(channel) > NOTIFY_CHANNEL_MAX:
+            raise ValueError(
+                f"at most {NOTIFY_CHANNEL_MAX} characters (it has {len(channel)}): the "
+                "trigger relay migrate installs, relay_notify_<channel>, must fit Postgres's "
+                "63-byte names"
+            )
+        return channel
 
 
 class BatchConfig(Model):

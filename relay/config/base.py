@@ -99,20 +99,33 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
+class EncryptedKeyError(ValueError):
+    """The key file is encrypted and no `key_password` was given."""
+
+
 class TlsConfig(Model):
     """Files for TLS; absent means the system's trust store and no client certificate."""
 
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+    key_password: SecretStr | None = Field(
+        None, description="Decrypts an encrypted key_file; write it as ${VAR}."
+    )
 
     @model_validator(mode="after")
     def _files_load(self) -> TlsConfig:
         """A file that is missing or unreadable fails at load, not at every connect."""
         try:
             self.context()
+        except EncryptedKeyError:
+            raise ValueError(
+                "key_file is encrypted: give its passphrase in tls.key_password "
+                "(write it as ${VAR})"
+            ) from None
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot load the TLS files: {exc}") from None
+            hint = "; is tls.key_password right?" if self.key_password is not None else ""
+            raise ValueError(f"cannot load the TLS files: {exc}{hint}") from None
         return self
 
     def context(self) -> ssl.SSLContext:
@@ -120,8 +133,15 @@ class TlsConfig(Model):
         context = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
         if self.cert_file:
             key = str(self.key_file) if self.key_file else None
-            context.load_cert_chain(str(self.cert_file), key)
+            # Always a callable: without one, OpenSSL asks for a passphrase on the terminal.
+            context.load_cert_chain(str(self.cert_file), key, password=self._passphrase)
         return context
+
+    def _passphrase(self) -> bytes:
+        """Called by OpenSSL only for an encrypted key."""
+        if self.key_password is None:
+            raise EncryptedKeyError("key_file is encrypted")
+        return self.key_password.get_secret_value().encode()
 
 
 # -- connection URLs --------------------------------------------------------------------------
@@ -150,6 +170,7 @@ _KEYWORD_DSN = re.compile(r"^\s*[A-Za-z_]+\s*=")
 
 @dataclass(frozen=True)
 class _UrlParts:
+    userinfo: str
     hostspec: str
     query: str
 
@@ -189,7 +210,7 @@ def _split(url: str, schemes: tuple[str, ...]) -> _UrlParts:
         raise _broken("the user or password contains a '[', ']' or '\\'")
     if _BAD_ESCAPE.search(userinfo):
         raise _broken("the user or password has a '%' that does not start a %XX escape")
-    return _UrlParts(hostspec=hostspec, query=tail.partition("?")[2])
+    return _UrlParts(userinfo=userinfo, hostspec=hostspec, query=tail.partition("?")[2])
 
 
 def _check_port(port: str) -> None:
@@ -243,6 +264,31 @@ def check_postgres_url(url: str) -> None:
 def check_amqp_url(url: str) -> None:
     """Raise UrlError unless yarl (and so aiormq) would read `url` as written."""
     _check_host(_split(url, ("amqp", "amqps")).hostspec)
+
+
+_NATS_CREDENTIALS = (
+    "nats-py reads a user and password in a NATS URL without decoding %XX escapes, so write "
+    "them in the broker's user: and password: keys instead"
+)
+
+
+def check_nats_url(url: str, schemes: tuple[str, ...]) -> None:
+    """Raise UrlError unless nats-py would read `url` (`host:port` means nats://) as written.
+
+    nats-py splits with urllib and says "invalid connect url option" only when it connects,
+    which would look like an outage and be retried for ever.
+    """
+    text = url.strip()
+    try:
+        parts = _split(text if "://" in text else f"nats://{text}", schemes)
+        if not parts.hostspec or parts.hostspec.startswith(":"):
+            raise _broken("it names no host")
+        _check_host(parts.hostspec)
+    except UrlError as exc:
+        what = str(exc).removeprefix("not a valid URL: ").partition("; ")[0]
+        raise UrlError(f"not a valid NATS URL: {what}; {_NATS_CREDENTIALS}") from None
+    if "%" in parts.userinfo:
+        raise UrlError(f"the user or password has a %XX escape; {_NATS_CREDENTIALS}")
 
 
 def _postgres(value: SecretStr) -> SecretStr:

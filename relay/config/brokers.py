@@ -22,7 +22,14 @@ from pydantic import (
     model_validator,
 )
 
-from relay.config.base import AmqpUrl, Model, PositiveDuration, TlsConfig
+from relay.config.base import (
+    AmqpUrl,
+    Model,
+    PositiveDuration,
+    TlsConfig,
+    UrlError,
+    check_nats_url,
+)
 
 _NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 _HTTP = re.compile(r"^https?://", re.IGNORECASE)
@@ -41,6 +48,10 @@ class NatsStreamConfig(Model):
     create: bool = True
     storage: Literal["file", "memory"] = "file"
     duplicate_window: PositiveDuration = 120.0
+
+
+def _scheme(server: str) -> str:
+    return server.partition("://")[0].lower() if "://" in server else "nats"
 
 
 class TlsCapable(Model):
@@ -66,14 +77,19 @@ class NatsBrokerConfig(TlsCapable):
     @field_validator("servers")
     @classmethod
     def _servers_are_nats_urls(cls, servers: list[str]) -> list[str]:
-        for server in servers:
-            # Only the scheme is read (and quoted): the rest may hold a password.
-            scheme = server.partition("://")[0].lower() if "://" in server else "nats"
+        for index, server in enumerate(servers):
+            scheme = _scheme(server)  # only the scheme is quoted: the rest may hold a password
             if scheme not in _NATS_SCHEMES:
                 raise ValueError(
                     f"{scheme}:// is not a NATS URL scheme; use"
                     f" {', '.join(s + '://' for s in _NATS_SCHEMES)}"
                 )
+            try:
+                check_nats_url(server, _NATS_SCHEMES)
+            except UrlError as exc:
+                raise ValueError(f"servers.{index}: {exc}") from None
+        if len({scheme in ("ws", "wss") for scheme in map(_scheme, servers)}) > 1:
+            raise ValueError("websocket (ws://, wss://) and other URLs cannot be mixed")
         return servers
 
     @field_validator("creds_file")

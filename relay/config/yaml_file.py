@@ -7,12 +7,18 @@ raw text, so a value can never inject YAML structure.
 Expansion is parsed, not matched with a regex: a default may itself hold
 `${...}` (`${A:-${B:-x}}`), and a regex that stops at the first `}` would turn
 that into the literal text `${B}` without a word.
+
+No error quotes the file's values: any of them may be a password. The parser's own text for a
+duplicated key quotes both values, so that one is worded here; its warnings quote whole lines,
+so they are silenced. Aliases are shared by the parser but walked once per use here, so a few
+lines of aliases of aliases would expand to billions of values: the walk has a budget.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +26,17 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from relay.errors import ConfigError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FORMS = "write ${NAME} or ${NAME:-default}, and $$ for a literal $"
+_DUPLICATE = re.compile(r'found duplicate key "(?P<key>.*?)" with value "')
+# A real config holds hundreds of values a few levels deep; these bounds are far past that.
+MAX_VALUES = 100_000
+MAX_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -60,30 +71,76 @@ def load_yaml(path: Path, environ: Mapping[str, str] | None = None) -> YamlDocum
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
-    try:
-        tree = YAML(typ="rt").load(text)
-    except MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{line}: invalid YAML: {exc.problem or exc}") from exc
-    except YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    tree = _parse_yaml(path, text)
     if tree is None:
         tree = CommentedMap()
     if not isinstance(tree, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     doc = YamlDocument(path=path, data={}, tree=tree)
-    data = _expand(tree, (), doc, env)
+    data = _Expansion(doc, env).expand(tree, ())
     return YamlDocument(path=path, data=data, tree=tree)
 
 
-def _expand(
+def _parse_yaml(path: Path, text: str) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ruamel's warnings quote the file's lines
+            return YAML(typ="rt").load(text)
+    except DuplicateKeyError as exc:
+        # Its text quotes both values; `from None` keeps them out of any traceback too.
+        raise ConfigError(f"{path}{_line(exc)}: invalid YAML: {_duplicate(exc)}") from None
+    except MarkedYAMLError as exc:
+        raise ConfigError(f"{path}{_line(exc)}: invalid YAML: {exc.problem or exc}") from exc
+    except YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(
+            f"{path}: invalid YAML: nested too deeply to read (a config needs a few levels)"
+        ) from None
+
+
+def _line(exc: MarkedYAMLError) -> str:
+    mark = exc.problem_mark
+    return f":{mark.line + 1}" if mark is not None else ""
+
+
+def _duplicate(exc: DuplicateKeyError) -> str:
+    """Name the key, never its values."""
+    found = _DUPLICATE.match(str(exc.problem or ""))
+    key = f' "{found.group("key")}"' if found else ""
+    return f"the key{key} appears twice in one mapping (values not shown); keep one"
+
+
+class _Expansion:
+    """One walk of the parsed tree: `${VAR}` expanded, within MAX_VALUES and MAX_DEPTH."""
+
+    def __init__(self, doc: YamlDocument, env: Mapping[str, str]) -> None:
+        self.doc, self.env, self.values = doc, env, 0
+
+    def expand(self, node: Any, loc: tuple[str | int, ...]) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise ConfigError(
+                f"{self.doc.path}: the file expands to more than {MAX_VALUES:,} values "
+                "(aliases that repeat aliases?); a config needs far fewer"
+            )
+        if len(loc) > MAX_DEPTH:
+            key = ".".join(str(p) for p in loc[:3])
+            raise ConfigError(
+                f"{self.doc.where(loc)}: {key}...: nested more than {MAX_DEPTH} levels deep"
+            )
+        if isinstance(node, Mapping):
+            return {str(k): self.expand(v, (*loc, str(k))) for k, v in node.items()}
+        if isinstance(node, list):
+            return [self.expand(v, (*loc, i)) for i, v in enumerate(node)]
+        return _expand_scalar(node, loc, self.doc, self.env)
+
+
+def _expand_scalar(
     node: Any, loc: tuple[str | int, ...], doc: YamlDocument, env: Mapping[str, str]
 ) -> Any:
-    if isinstance(node, Mapping):
-        return {str(k): _expand(v, (*loc, str(k)), doc, env) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_expand(v, (*loc, i), doc, env) for i, v in enumerate(node)]
     if isinstance(node, str):
         try:
             return expand_vars(node, env, lambda name: _missing(name, loc, doc))

@@ -30,7 +30,7 @@ def load_config_or_exit(path: Path | None) -> RelayConfig:
     try:
         config = load_config(path)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(2) from None
     configure(config.logging.level, config.logging.format)
     return config

@@ -273,11 +273,20 @@ async def _sync_notify_trigger(
     if present is not None and present["prosrc"] == body and present["tgfoid"] == wanted:
         return "unchanged"
     # Replacing a function locks no table.
+    quoted = dollar_quote(body)
     await conn.execute(
-        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $${body}$$"
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS {quoted}"
     )
     await _on_table(conn, table, [drop, create], on_wait)
     return "installed" if present is None else "replaced"
+
+
+def dollar_quote(body: str) -> str:
+    """`body` between dollar quotes whose tag it does not contain (a channel may hold `$$`)."""
+    tag = "$relay$"
+    while (body + tag).find(tag) != len(body):  # the first tag after the opening one ends it
+        tag = tag[:-1] + "_$"
+    return f"{tag}{body}{tag}"
 
 
 async def _on_table(
