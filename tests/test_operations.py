@@ -226,3 +226,69 @@ async def test_two_operators_at_once_are_serialised_by_the_lease(
         assert "running" not in states and "pending" not in states
     finally:
         await delete_stream(nats_url, stream)
+
+
+HOSTILE_ARGS = [
+    ("replay", '{"to": "abc"}', "to: Input should be a valid integer"),
+    ("replay", '{"to": -5}', "to: Input should be greater than or equal to 0"),
+    ("replay", '{"to": 1.5}', "to: Input should be a valid integer"),
+    ("replay", '{"to": 99999999999999999999}', "to: Input should be less than or equal to"),
+    ("replay", "{}", "to: Field required"),
+    ("replay", '"abc"', "args: Input should be an object"),
+    ("replay", '{"to": 1, "also": "x"}', "also: Extra inputs are not permitted"),
+    ("retry-parked", '{"ids": "abc"}', "ids: Input should be a valid array"),
+    ("retry-parked", '{"ids": [1, "x"]}', "ids.1: Input should be a valid integer"),
+    ("retry-parked", '{"ids": [0]}', "ids.0: Input should be greater than or equal to 1"),
+]
+
+
+async def test_a_bad_command_row_fails_and_the_holder_carries_on(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Rows written by hand, not by the CLI: each fails with its reason; none stops the relay."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(6))
+        holder = relay_process(["run", "--config", str(config)])
+        await relayed_up_to(config, positions[-1])
+        async with connect(events_table) as conn:
+            ids = [
+                await conn.fetchval(
+                    "INSERT INTO relay.commands (outbox, kind, args, requested_by)"
+                    " VALUES ('loans', $1, $2::jsonb, 'someone') RETURNING id",
+                    kind,
+                    args,
+                )
+                for kind, args, _ in HOSTILE_ARGS
+            ]
+            await conn.execute("SELECT pg_notify('relay_commands', 'loans')")
+
+            async def all_finished() -> bool:
+                states = await conn.fetch(
+                    "SELECT state FROM relay.commands WHERE id = ANY($1)", ids
+                )
+                return all(r["state"] in ("done", "failed") for r in states)
+
+            await eventually(all_finished, timeout=30)
+            rows = await conn.fetch(
+                "SELECT id, state, outcome FROM relay.commands WHERE id = ANY($1) ORDER BY id",
+                ids,
+            )
+            for row, (kind, args, reason) in zip(rows, HOSTILE_ARGS, strict=True):
+                assert row["state"] == "failed", (kind, args)
+                error = json.loads(row["outcome"])["error"]
+                assert error.startswith(f"bad args for {kind}: "), error
+                assert reason in error, (args, error)
+            more = await append_many(
+                conn,
+                [NewEvent("book", f"later{i}", 1, "BookLent", {"loanId": "L"}) for i in range(6)],
+            )
+        await relayed_up_to(config, more[-1])
+        assert holder.returncode is None, "the holder stopped"
+        assert not [r for r in holder.logs() if r.get("event") == "task died, stopping the relay"]
+        done = cli(config, "replay", "loans", "--from", str(positions[3]))
+        assert done["ok"] is True and done["direct"] is False
+        assert len(await fetch_all(nats_url, stream, expected=12)) == 12
+    finally:
+        await delete_stream(nats_url, stream)

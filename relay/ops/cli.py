@@ -269,7 +269,7 @@ def replay(
     from relay.ops.operator import Operator, ReplayFrom
     from relay.ops.progress import follow_replay
     from relay.ops.recorded import as_recorded
-    from relay.postgres.command_queue import CommandKind
+    from relay.postgres.command_queue import CommandKind, ReplayArgs
 
     chosen = [from_position is not None, from_start, from_time is not None]
     if sum(chosen) != 1:
@@ -297,7 +297,7 @@ def replay(
         if not dry_run:
             head = await controller.head()
             outcome = await controller.run(
-                CommandKind.REPLAY, {"to": target}, timeout, patient=follow
+                CommandKind.REPLAY, ReplayArgs(to=target).as_row(), timeout, patient=follow
             )
             result.update(
                 ok=outcome.ok,
@@ -351,7 +351,7 @@ def retry_parked(
     from relay.ops.identity import identity
     from relay.ops.operator import Operator
     from relay.ops.progress import follow_retry
-    from relay.postgres.command_queue import CommandKind
+    from relay.postgres.command_queue import CommandKind, RetryParkedArgs
 
     ids_or_all(ids, all_, "--id ID (repeatable)")
     cfg = load_config_or_exit(config)
@@ -360,7 +360,10 @@ def retry_parked(
     async def work() -> dict[str, Any]:
         recorded = await on_recorded_partitions(cfg, outbox)
         command = Operator(recorded, outbox, identity()).run(
-            CommandKind.RETRY_PARKED, {"ids": ids or None}, timeout, patient=follow
+            CommandKind.RETRY_PARKED,
+            RetryParkedArgs(ids=ids or None).as_row(),
+            timeout,
+            patient=follow,
         )
         extra: dict[str, Any] = {}
         if follow:

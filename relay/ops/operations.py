@@ -17,7 +17,13 @@ from relay.core.mapping import CompiledRule, Event, Mapper
 from relay.core.publishing import Message, Outcome, Publisher
 from relay.errors import PublishError, RelayError, TransientPublishError
 from relay.postgres.claimed import ClaimedOutbox
-from relay.postgres.command_queue import CommandKind
+from relay.postgres.command_queue import (
+    Arguments,
+    CommandKind,
+    ReplayArgs,
+    RetryParkedArgs,
+    arguments,
+)
 from relay.postgres.source import EventSource
 from relay.postgres.store import ParkedMessage, Store
 
@@ -33,7 +39,7 @@ class Done:
     moved_to: int | None = None
 
 
-Handler = Callable[[ClaimedOutbox, asyncpg.Connection, dict[str, Any]], Awaitable[Done]]
+Handler = Callable[[ClaimedOutbox, asyncpg.Connection, Any], Awaitable[Done]]
 
 
 class Operations:
@@ -60,21 +66,23 @@ class Operations:
     async def carry_out(
         self,
         kind: CommandKind,
-        args: dict[str, Any],
+        args: object,
         claimed: ClaimedOutbox,
         reader: asyncpg.Connection,
     ) -> Done:
-        """Run one command under the lease; a RelayError is a failed command, not a crash."""
+        """Run one command under the lease; a RelayError (bad args, say) is a failed command,
+        not a crash."""
         try:
-            return await self._handlers[kind](claimed, reader, args)
+            checked: Arguments = arguments(kind, args)
+            return await self._handlers[kind](claimed, reader, checked)
         except RelayError as exc:
             return Done(ok=False, detail={"error": str(exc)})
 
     async def _replay(
-        self, claimed: ClaimedOutbox, _reader: asyncpg.Connection, args: dict[str, Any]
+        self, claimed: ClaimedOutbox, _reader: asyncpg.Connection, args: ReplayArgs
     ) -> Done:
         """Move the checkpoint back to `to`; events after it are published again."""
-        to = int(args["to"])
+        to = args.to
         if claimed.position < to:  # a lane of a split outbox that is not that far yet
             here = claimed.position
             return Done(ok=True, detail={"checkpoint": here, "previous_checkpoint": here})
@@ -90,7 +98,7 @@ class Operations:
         )
 
     async def _retry_parked(
-        self, claimed: ClaimedOutbox, reader: asyncpg.Connection, args: dict[str, Any]
+        self, claimed: ClaimedOutbox, reader: asyncpg.Connection, args: RetryParkedArgs
     ) -> Done:
         """Map each parked event again with the current config and publish them, in order.
 
@@ -99,7 +107,7 @@ class Operations:
         The lease connection is taken per write, never across a publish, so that the
         lease check is not held up by a slow broker.
         """
-        ids: list[int] | None = args.get("ids")
+        ids = args.ids
         outbox = claimed.claim.outbox
         parked = await self.store.parked(reader, outbox, ids)
         unknown = sorted(set(ids or []) - {p.id for p in parked})

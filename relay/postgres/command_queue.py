@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 import asyncpg
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from relay.errors import RelayError
 from relay.postgres.sql import holds_lock, quote
 from relay.postgres.store import Claim
 
 COMMAND_CHANNEL = "relay_commands"
+_BIGINT = 2**63 - 1
 
 
 class CommandKind(StrEnum):
@@ -27,12 +30,60 @@ class CommandKind(StrEnum):
     RETRY_PARKED = "retry-parked"
 
 
+class _Arguments(BaseModel):
+    # strict: a row is written by the CLI or by hand; "5" or true for a position is a mistake.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    def as_row(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class ReplayArgs(_Arguments):
+    """Move the checkpoint back to `to`: the events after it are published again."""
+
+    to: Annotated[int, Field(ge=0, le=_BIGINT)]
+
+
+class RetryParkedArgs(_Arguments):
+    """Publish these parked messages again (None: all of the lane's)."""
+
+    ids: list[Annotated[int, Field(ge=1, le=_BIGINT)]] | None = None
+
+
+Arguments = ReplayArgs | RetryParkedArgs
+_MODELS: dict[CommandKind, type[_Arguments]] = {
+    CommandKind.REPLAY: ReplayArgs,
+    CommandKind.RETRY_PARKED: RetryParkedArgs,
+}
+
+
+class BadArguments(RelayError):
+    """A command row whose args the relay cannot carry out: it fails, the relay goes on."""
+
+
+def arguments(kind: CommandKind, raw: object) -> Arguments:
+    """The command's args, checked by the models the CLI builds them with.
+
+    Anyone who can INSERT a row writes them, so they are checked when read, not trusted.
+    """
+    try:
+        # As JSON, so that the messages speak of objects and lists, as the row does.
+        parsed = _MODELS[kind].model_validate_json(json.dumps(raw))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadArguments(f"bad args for {kind.value}: {problems}") from None
+    assert isinstance(parsed, ReplayArgs | RetryParkedArgs)
+    return parsed
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     id: int
     outbox: str
     kind: CommandKind
-    args: dict[str, Any]
+    args: Any  # as the row holds them: checked by `arguments` before they are used
     requested_by: str
 
 
