@@ -22,6 +22,7 @@ from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
 from tests.support.nats_server import NatsServerWithAuth
+from tests.support.postgres import as_role
 from tests.support.rabbitmq_server import QueueReader, create_topology, delete_topology
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
@@ -36,11 +37,6 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA relay TO {role};
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA relay TO {role};
 GRANT pg_read_all_stats, pg_signal_backend TO {role};
 """
-
-
-def as_role(dsn: str, role: str) -> str:
-    parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
 
 
 async def admin(dsn: str, sql: str) -> None:

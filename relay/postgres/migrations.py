@@ -141,6 +141,22 @@ STEPS: tuple[str, ...] = (
       ADD COLUMN outboxes jsonb NOT NULL DEFAULT '{{}}',
       ADD COLUMN room integer;
     """,
+    # Who asked for a command is the session that wrote it, not the text it wrote: anyone
+    # who may INSERT a command could otherwise sign it with any name. An UPDATE keeps it.
+    """
+    CREATE FUNCTION {schema}.command_requested_by() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+      IF TG_OP = 'UPDATE' THEN
+        NEW.requested_by := OLD.requested_by;
+      ELSE
+        NEW.requested_by := session_user::text || coalesce(
+          ' (' || nullif(current_setting('application_name', true), '') || ')', '');
+      END IF;
+      RETURN NEW;
+    END $$;
+    CREATE TRIGGER requested_by BEFORE INSERT OR UPDATE OF requested_by
+      ON {schema}.commands FOR EACH ROW EXECUTE FUNCTION {schema}.command_requested_by();
+    """,
 )
 
 LATEST = len(STEPS)

@@ -53,6 +53,12 @@ def with_address(dsn: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def as_role(dsn: str, role: str) -> str:
+    """The same database, logged in as `role` (no password: the test server trusts)."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+
+
 def address(dsn: str) -> tuple[str, int]:
     """The host and port of a TCP DSN."""
     parts = urlsplit(dsn)
