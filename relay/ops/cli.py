@@ -24,7 +24,7 @@ from relay.ops.cli_common import (
     run_or_exit,
 )
 from relay.ops.cli_parked import parked_app
-from relay.ops.console import progress_view, table
+from relay.ops.console import printable, progress_view, say, table
 from relay.ops.logs import configure
 from relay.redaction import redact
 
@@ -67,14 +67,14 @@ def migrate(config: ConfigOption = None) -> None:
 
     cfg = load_config_or_exit(config)
     db = Database(cfg.database, identity())
-    done = run_or_exit(lambda: migrate_database(db, cfg, lambda text: typer.echo(text, err=True)))
+    done = run_or_exit(lambda: migrate_database(db, cfg, lambda text: say(text, err=True)))
     schema = cfg.database.schema_
     if done.applied:
-        typer.echo(f"schema {schema!r}: applied migration(s) {', '.join(map(str, done.applied))}")
+        say(f"schema {schema!r}: applied migration(s) {', '.join(map(str, done.applied))}")
     else:
-        typer.echo(f"schema {schema!r}: up to date")
+        say(f"schema {schema!r}: up to date")
     trigger = f"relay_notify_{cfg.source.notify_channel}"
-    typer.echo(f"NOTIFY trigger {trigger} on {cfg.source.table}: {done.trigger}")
+    say(f"NOTIFY trigger {trigger} on {cfg.source.table}: {done.trigger}")
 
 
 @app.command()
@@ -93,36 +93,38 @@ def check(
     cfg = load_config_or_exit(config)
     report = run_or_exit(lambda: run_check(cfg, last, offline=offline))
     for warning in report.warnings:
-        typer.echo(f"warning: {redact(warning)}", err=True)
+        say(f"warning: {redact(warning)}", err=True)
     for problem in report.problems:
-        typer.echo(f"error: {redact(problem)}", err=True)
+        say(f"error: {redact(problem)}", err=True)
     if as_json:
-        typer.echo(json.dumps(report.rows, indent=2, default=str))
+        say(json.dumps(report.rows, indent=2, default=str))
     else:
         for note in report.notes:
-            typer.echo(f"note: {note}", err=True)
+            say(f"note: {note}", err=True)
         if not report.problems:
-            typer.echo(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
+            say(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
         _preview(report.rows)
     if report.problems:
         raise typer.Exit(1)
 
 
 def _preview(rows: list[dict[str, Any]]) -> None:
-    for row in rows:
+    """What `relay check` makes of the last events: every value from the event, printable."""
+    for found in rows:
+        row = {key: printable(value) for key, value in found.items()}
         head = f"#{row['position']} {row['event']} [{row['outbox']}]"
-        if row.get("rule"):
+        if found.get("rule"):
             head += f" ({row['rule']})"
-        if row.get("skipped"):
-            typer.echo(f"{head}: skipped ({row['skipped']})")
-        elif row.get("violations"):
-            typer.echo(f"{head}: would be parked (schema), {len(row['violations'])} violation(s):")
-            for violation in row["violations"]:
-                typer.echo(f"    {violation}")
-        elif row.get("error"):
-            typer.echo(f"{head}: would be parked ({row['parked']}): {row['error']}")
+        if found.get("skipped"):
+            say(f"{head}: skipped ({row['skipped']})")
+        elif found.get("violations"):
+            say(f"{head}: would be parked (schema), {len(found['violations'])} violation(s):")
+            for violation in found["violations"]:
+                say(f"    {printable(violation)}")
+        elif found.get("error"):
+            say(f"{head}: would be parked ({row['parked']}): {row['error']}")
         else:
-            typer.echo(
+            say(
                 f"{head} -> {row['destination']} type={row['type']} id={row['id']} "
                 f"key={row['key']}\n    {row['body']}"
             )
@@ -156,14 +158,14 @@ def contract(
     document = contract_document(cfg, config_path(config), title=title, version=api_version)
     text = render(document, format_.value)
     if output is None:
-        typer.echo(text, nl=False)
+        say(text, nl=False)
         return
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        typer.echo(f"error: cannot write {output}: {exc.strerror or exc}", err=True)
+        say(f"error: cannot write {output}: {exc.strerror or exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"wrote {output}", err=True)
+    say(f"wrote {output}", err=True)
 
 
 @app.command()
@@ -198,11 +200,11 @@ def status(
             if terminal:
                 typer.echo("\x1b[H\x1b[2J", nl=False)  # clear, then draw from the top
             elif not as_json:
-                typer.echo(f"-- {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
+                say(f"-- {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
             if down is None:
                 _show_status(cfg, lanes, as_json=as_json, wide=wide, compact=True)
             else:  # stdout keeps one JSON array per refresh
-                typer.echo(f"database unreachable: {down}", err=as_json)
+                say(f"database unreachable: {down}", err=as_json)
             await asyncio.sleep(1.0)
 
     try:
@@ -220,12 +222,12 @@ def _show_status(
 
     rows = [row.as_json() for row in lanes]
     if as_json:
-        typer.echo(json.dumps(rows, default=str) if compact else pretty(rows))
+        say(json.dumps(rows, default=str) if compact else pretty(rows))
         return
     for line in [*summary(cfg, lanes), *table(rows, TABLE_COLUMNS, wide=wide)]:
-        typer.echo(line)
+        say(line)
     if not wide and cut(rows, "last_error"):
-        typer.echo("(last_error cut short: --wide shows it whole, and so does --json)")
+        say("(last_error cut short: --wide shows it whole, and so does --json)")
 
 
 TimeoutOption = Annotated[
@@ -273,7 +275,7 @@ def replay(
 
     chosen = [from_position is not None, from_start, from_time is not None]
     if sum(chosen) != 1:
-        typer.echo("error: give exactly one of --from, --from-start, --from-time", err=True)
+        say("error: give exactly one of --from, --from-start, --from-time", err=True)
         raise typer.Exit(2)
     if from_time is not None and from_time.tzinfo is None:
         from_time = from_time.replace(tzinfo=UTC)
@@ -313,9 +315,9 @@ def replay(
 
     result = run_or_exit(work)
     if as_json:
-        typer.echo(json.dumps(result, default=str) if follow else pretty(result))
+        say(json.dumps(result, default=str) if follow else pretty(result))
     elif dry_run:
-        typer.echo(
+        say(
             f"dry run: {result['events']} event(s) of {outbox} would be published again "
             f"(positions {result['from_position']}..{result['checkpoint']})"
         )
@@ -326,14 +328,14 @@ def replay(
             f"{result['events']} event(s) will be published again",
         )
         if result.get("caught_up"):
-            typer.echo(
+            say(
                 f"{outbox} caught up with position {result['head']}:"
                 f" {result['progress']['done']} event(s) published"
             )
     if not dry_run and not result["ok"]:
         raise typer.Exit(1)
     if result.get("wait_error"):
-        typer.echo(f"error: {result['wait_error']}", err=True)
+        say(f"error: {result['wait_error']}", err=True)
         raise typer.Exit(1)
 
 
@@ -383,7 +385,7 @@ def retry_parked(
     result = run_or_exit(work)
     detail = result["detail"] or {}
     if as_json:
-        typer.echo(json.dumps(result, default=str) if follow else pretty(result))
+        say(json.dumps(result, default=str) if follow else pretty(result))
     else:
         _say_outcome(
             result,
@@ -393,10 +395,13 @@ def retry_parked(
         for item in detail.get("outcomes", []):
             said = item["outcome"] + (f": {item['error']}" if item["error"] else "")
             rule = f" ({item['rule']})" if item.get("rule") else ""
-            typer.echo(f"  #{item['id']} position {item['position']} {item['event']}{rule}: {said}")
+            said = printable(
+                f"#{item['id']} position {item['position']} {item['event']}{rule}: {said}"
+            )
+            say(f"  {said}")
     if detail.get("not_found"):
         ids_text = ", ".join(map(str, detail["not_found"]))
-        typer.echo(f"error: no parked message of {outbox} with id {ids_text}", err=True)
+        say(f"error: no parked message of {outbox} with id {ids_text}", err=True)
     if not result["ok"] or detail.get("still_parked") or detail.get("not_found"):
         raise typer.Exit(1)
 
@@ -408,16 +413,16 @@ async def on_recorded_partitions(cfg: RelayConfig, outbox: str | None) -> RelayC
 
     recorded, notes = await as_recorded(cfg, None if outbox is None else [outbox])
     for note in notes:
-        typer.echo(note, err=True)
+        say(note, err=True)
     return recorded
 
 
 def _say_outcome(result: dict[str, Any], text: str) -> None:
     who = "this command (no replica held the lease)" if result["direct"] else result["executed_by"]
     if result["ok"]:
-        typer.echo(f"{text}; carried out by {who}")
+        say(f"{text}; carried out by {who}")
     else:
-        typer.echo(f"failed, carried out by {who}: {result['detail']}", err=True)
+        say(f"failed, carried out by {who}: {result['detail']}", err=True)
 
 
 @app.command()
@@ -435,19 +440,19 @@ def repartition(
     cfg = load_config_or_exit(config)
     done = run_or_exit(lambda: do_repartition(cfg, outbox, partitions))
     if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(done)))
+        say(json.dumps(dataclasses.asdict(done)))
         return
     if done.before == done.after:
-        typer.echo(f"{outbox} already has {done.after} partition(s): nothing changed")
+        say(f"{outbox} already has {done.after} partition(s): nothing changed")
     else:
-        typer.echo(
+        say(
             f"{outbox}: {done.before} -> {done.after} partition(s); every lane starts after"
             f" position {done.start} and skips the {done.skipped} event(s) after it that the"
             f" old lanes had published; {done.resent} event(s) already published will be sent"
             f" again; {done.parked_moved} parked message(s) moved to their new lanes"
         )
     if cfg.outboxes[outbox].partitions != partitions:
-        typer.echo(
+        say(
             f"now set outboxes.{outbox}.partitions to {partitions} in the config before the"
             f" replicas start again: replicas with another count wait, and say so",
             err=True,
@@ -480,13 +485,13 @@ def config_schema() -> None:
     from relay.config.schema import config_schema as schema
     from relay.config.schema import render
 
-    typer.echo(render(schema()), nl=False)
+    say(render(schema()), nl=False)
 
 
 @app.command()
 def version() -> None:
     """Print the relay's version."""
-    typer.echo(__version__)
+    say(__version__)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import typer
 
 from relay.config import RelayConfig, load_config
 from relay.errors import ConfigError, RelayError, UsageError
+from relay.ops.console import say
 from relay.ops.logs import configure
 from relay.redaction import redact
 
@@ -30,7 +31,7 @@ def load_config_or_exit(path: Path | None) -> RelayConfig:
     try:
         config = load_config(path)
     except ConfigError as exc:
-        typer.echo(f"error: {redact(str(exc))}", err=True)
+        say(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(2) from None
     configure(config.logging.level, config.logging.format)
     return config
@@ -41,13 +42,13 @@ def run_or_exit(work: Callable[[], Awaitable[T]]) -> T:
     try:
         return asyncio.run(work())  # type: ignore[arg-type]
     except (ConfigError, UsageError) as exc:
-        typer.echo(f"error: {redact(str(exc))}", err=True)
+        say(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(2) from None
     except RelayError as exc:
-        typer.echo(f"error: {redact(str(exc))}", err=True)
+        say(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
-        typer.echo(f"error: {redact(cause(exc))}", err=True)
+        say(f"error: {redact(cause(exc))}", err=True)
         structlog.get_logger("relay.cli").debug("the error's traceback", exc_info=exc)
         raise typer.Exit(1) from None
 
@@ -76,5 +77,5 @@ def pretty(value: Any) -> str:
 def ids_or_all(ids: list[int] | None, all_: bool, what: str) -> None:
     """Exactly one of the two, or a usage error (exit 2)."""
     if bool(ids) == all_:
-        typer.echo(f"error: give {what} or --all", err=True)
+        say(f"error: give {what} or --all", err=True)
         raise typer.Exit(2)

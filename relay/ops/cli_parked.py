@@ -16,7 +16,7 @@ from relay.ops.cli_common import (
     pretty,
     run_or_exit,
 )
-from relay.ops.console import table
+from relay.ops.console import printable, say, table
 
 parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)
 
@@ -34,15 +34,15 @@ def parked_list(
     cfg = load_config_or_exit(config)
     parked, notes = run_or_exit(lambda: read(cfg, outbox))
     for note in notes:
-        typer.echo(note, err=True)
+        say(note, err=True)
     rows = [summary(message) for message in parked]
     if as_json:
-        typer.echo(pretty(rows))
+        say(pretty(rows))
         return
     for line in table(
         rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"]
     ):
-        typer.echo(line)
+        say(line)
 
 
 @parked_app.command("show")
@@ -58,10 +58,10 @@ def parked_show(
     cfg = load_config_or_exit(config)
     row = whole(run_or_exit(lambda: read(cfg, id_)))
     if as_json:
-        typer.echo(pretty(row))
+        say(pretty(row))
         return
     for key, value in row.items():
-        typer.echo(f"{key}: {value}")
+        say(f"{key}: {printable(value)}")
 
 
 @parked_app.command("drop")
@@ -88,21 +88,21 @@ def parked_drop(
         going = [summary(p) for p in run_or_exit(lambda: parked_to_drop(cfg, ids or None, outbox))]
         if dry_run:
             if as_json:
-                typer.echo(pretty({"dry_run": True, "would_drop": going}))
+                say(pretty({"dry_run": True, "would_drop": going}))
             else:
-                typer.echo(f"dry run: {len(going)} parked message(s) would be dropped")
+                say(f"dry run: {len(going)} parked message(s) would be dropped")
                 for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
-                    typer.echo(line)
+                    say(line)
             return
         _confirm_drop(going, outbox)
     dropped = run_or_exit(lambda: drop(cfg, ids or None, outbox))
     if as_json:
-        typer.echo(json.dumps({"dropped": dropped}))
+        say(json.dumps({"dropped": dropped}))
         return
-    typer.echo(f"dropped {len(dropped)} parked message(s): {', '.join(map(str, dropped)) or '-'}")
+    say(f"dropped {len(dropped)} parked message(s): {', '.join(map(str, dropped)) or '-'}")
     if ids and len(dropped) < len(ids):
         missing = sorted(set(ids) - set(dropped))
-        typer.echo(f"error: no parked message with id {', '.join(map(str, missing))}", err=True)
+        say(f"error: no parked message with id {', '.join(map(str, missing))}", err=True)
         raise typer.Exit(1)
 
 
@@ -110,14 +110,14 @@ def _confirm_drop(going: list[dict[str, Any]], outbox: str | None) -> None:
     """--all without --yes: ask on a terminal; refuse elsewhere (exit 2, nothing dropped)."""
     which = f"of {outbox}" if outbox else "of every outbox"
     if not sys.stdin.isatty():
-        typer.echo(
+        say(
             f"error: parked drop --all deletes {len(going)} parked message(s) {which} for good;"
             " off a terminal add --yes to confirm (--dry-run lists them); nothing was dropped",
             err=True,
         )
         raise typer.Exit(2)
     for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
-        typer.echo(line)
+        say(line)
     if not typer.confirm(f"Drop these {len(going)} parked message(s) {which} for good?"):
-        typer.echo("nothing was dropped", err=True)
+        say("nothing was dropped", err=True)
         raise typer.Exit(1)

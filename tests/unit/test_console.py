@@ -6,7 +6,9 @@ import io
 import json
 from typing import Any
 
-from relay.ops.console import ProgressView, cut, table
+import pytest
+
+from relay.ops.console import ProgressView, cut, printable, say, table
 
 
 class Clock:
@@ -69,3 +71,15 @@ def test_table_cuts_long_values_unless_wide() -> None:
     assert cut(rows, "last_error") and not cut(rows, "name")
     assert error in table(rows, ["name", "last_error"], wide=True)[1]
     assert table([{"e": "two\nlines"}], ["e"])[1] == "two lines"  # one row stays one line
+
+
+def test_printable_escapes_every_control_character_and_bidi_override() -> None:
+    assert printable("a\x1b]0;T\x07b\nc\td\x7f\x9b\u202e\u2066z") == (
+        "a\\x1b]0;T\\x07b\\x0ac\\x09d\\x7f\\x9b\\u202e\\u2066z"
+    )
+    assert printable("Łódź/ü 書 😀") == "Łódź/ü 書 😀"  # printable text passes as it is
+
+
+def test_say_keeps_its_own_line_breaks_and_tabs(capsys: pytest.CaptureFixture[str]) -> None:
+    say("one\ttwo\nthree\x1b[2J\r")
+    assert capsys.readouterr().out == "one\ttwo\nthree\\x1b[2J\\x0d\n"
