@@ -39,6 +39,15 @@ def nats(extra: str) -> str:
     )
 
 
+def servers(text: str) -> str:
+    """A NATS broker whose `servers:` is `text`, as written."""
+    return (
+        HEAD
+        + f"brokers:\n  nats:\n    type: nats\n    servers: {text}\n"
+        + OUTBOX.format(broker="nats")
+    )
+
+
 def kafka(extra: str) -> str:
     return (
         HEAD
@@ -109,35 +118,25 @@ BROKEN: dict[str, tuple[str, str]] = {
         "RELAY_TEST_UNSET_VARIABLE is not set",
     ),
     "a secret where a list belongs": (
-        HEAD
-        + f"brokers:\n  nats:\n    type: nats\n    servers: nats://relay:{SECRET}@h:4222\n"
-        + OUTBOX.format(broker="nats"),
+        servers(f"nats://relay:{SECRET}@h:4222"),
         "brokers.nats.servers",
     ),
     "a secret under a misspelled key": (nats(f"    pasword: {SECRET}\n"), "unknown key"),
     "a secret as a mapping": (nats(f"    token: {{{SECRET}: 1}}\n"), "brokers.nats.token"),
     "a NATS URL with a raw [ in the password": (
-        HEAD
-        + f"brokers:\n  nats:\n    type: nats\n    servers: ['nats://relay:{SECRET}[@h:4222']\n"
-        + OUTBOX.format(broker="nats"),
+        servers(f"['nats://relay:{SECRET}[@h:4222']"),
         "brokers.nats.servers: servers.0: not a valid NATS URL",
     ),
     "a NATS URL with a raw / in the password": (
-        HEAD
-        + f"brokers:\n  nats:\n    type: nats\n    servers: ['nats://relay:{SECRET}/@h']\n"
-        + OUTBOX.format(broker="nats"),
+        servers(f"['nats://relay:{SECRET}/@h']"),
         "not a valid NATS URL",
     ),
     "a NATS URL with a raw # in the password": (
-        HEAD
-        + f"brokers:\n  nats:\n    type: nats\n    servers: ['nats://relay:{SECRET}#@h']\n"
-        + OUTBOX.format(broker="nats"),
+        servers(f"['nats://relay:{SECRET}#@h']"),
         "not a valid NATS URL",
     ),
     "a NATS URL with a %-escape in the password": (
-        HEAD
-        + f"brokers:\n  nats:\n    type: nats\n    servers: ['nats://relay:{SECRET}%40@h']\n"
-        + OUTBOX.format(broker="nats"),
+        servers(f"['nats://relay:{SECRET}%40@h']"),
         "write them in the broker's user: and password: keys",
     ),
     "a bad database URL": (
