@@ -334,6 +334,48 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
         await delete_stream(nats_url, subject)
 
 
+# Ids a user may choose that nats-py would send altered, with what the reason names.
+REWRITTEN = {
+    "alice\nsmith": "ce-id holds a line feed (\\x0a)",
+    "alice\rsmith": "ce-id holds a carriage return (\\x0d)",
+    "alice smith ": "ce-partitionkey starts or ends with whitespace",
+    "\talice smith": "ce-id holds a tab (\\x09)",
+    "alice\x01smith": "ce-id holds a control character (\\x01)",
+}
+
+
+async def test_ids_nats_would_rewrite_are_parked_not_taken_for_duplicates(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """`alice\\nsmith` went out as `alice smith`: JetStream dropped the real `alice smith`."""
+    subject = unique_name("rewrite")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    config = await load_and_migrate(tmp_path, config_dict(events_table, nats_url, subject))
+    ids = [*REWRITTEN, "alice smith", "al\u00a0ice", "Łódź ok"]
+    try:
+        async with db.connect(events_table) as conn:
+            await db.append_many(conn, [("book", i, 1, "BookLent", {"loanId": i}) for i in ids])
+        async with running(config):
+
+            async def all_parked() -> bool:
+                return len(await parked(events_table)) == len(REWRITTEN)
+
+            await eventually(all_parked)
+            received = await fetch_all(nats_url, subject, expected=3)
+        assert [m.headers["Nats-Msg-Id"] for m in received] == [
+            "book/alice smith@1",
+            "book/al\u00a0ice@1",
+            "book/Łódź ok@1",
+        ]
+        rows = await parked(events_table)
+        assert [row["message_id"] for row in rows] == [f"book/{i}@1" for i in REWRITTEN]
+        assert {row["reason"] for row in rows} == {"rejected"}
+        for row, said in zip(rows, REWRITTEN.values(), strict=True):
+            assert f"broker 'nats': header {said}" in str(row["error"]), row["error"]
+    finally:
+        await delete_stream(nats_url, subject)
+
+
 async def parked(dsn: str) -> list[dict[str, object]]:
     async with db.connect(dsn) as conn:
         return [asdict(p) for p in await Store("relay").parked(conn, "loans")]

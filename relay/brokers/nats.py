@@ -14,7 +14,9 @@ server read the batch, not that anyone received it. The relay warns at start.
 
 Each subject is checked before it is sent. The server would store a message
 on a wildcard subject, and answers an empty token as if no stream captured
-it: a transient error that would hold the outbox back for ever.
+it: a transient error that would hold the outbox back for ever. So are the
+header values: nats-py rewrites CR, LF and whitespace at either end, which
+would give two events one `Nats-Msg-Id` (see `_header_values`).
 
 With TLS configured, the client refuses a server that does not require TLS
 before it sends CONNECT, so credentials never cross the network in cleartext.
@@ -41,6 +43,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
 from relay.brokers._batch import connect_or_fail, connected, not_sent
+from relay.brokers._header_values import altered
 from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
@@ -220,34 +223,41 @@ class NatsPublisher:
             )
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        # Only what comes before the first invalid subject is sent, so order is kept.
-        sendable = next(
-            (i for i, m in enumerate(messages) if not _VALID_SUBJECT.fullmatch(m.destination)),
-            len(messages),
-        )
-        outcomes = await self._send(messages[:sendable]) if sendable else []
-        if sendable < len(messages):
-            subject = messages[sendable].destination
-            refused = PermanentPublishError(
-                f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
-            )
+        # Only what comes before the first message that cannot be sent as written is sent,
+        # so order is kept; that one is refused for good, the rest retried after it.
+        headers: list[dict[str, str]] = []
+        refused: PermanentPublishError | None = None
+        for message in messages:
+            if not _VALID_SUBJECT.fullmatch(subject := message.destination):
+                refused = PermanentPublishError(
+                    f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
+                )
+                break
+            these = _headers(message)
+            if problem := altered(these):
+                refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
+                break
+            headers.append(these)
+        sendable = len(headers)
+        outcomes = await self._send(messages[:sendable], headers) if sendable else []
+        if refused is not None:
             outcomes += [refused, *not_sent(len(messages) - sendable - 1)]
         return outcomes
 
-    async def _send(self, messages: Sequence[Message]) -> list[Outcome]:
+    async def _send(
+        self, messages: Sequence[Message], headers: Sequence[dict[str, str]]
+    ) -> list[Outcome]:
         if failed := await connect_or_fail(self.connect, len(messages)):
             return failed
         if not self._config.jetstream:
-            return await self._publish_core(messages)
+            return await self._publish_core(messages, headers)
         nc, replies = connected(self._nc), connected(self._replies)
         acks = replies.expect(len(messages))
         publish, reply_to, first = nc.publish, replies.subject, acks.first
         for i, message in enumerate(messages):
             try:
                 # nats-py's public publish(subject, payload, reply, headers), positionally.
-                await publish(
-                    message.destination, message.body, reply_to(first + i), _headers(message)
-                )
+                await publish(message.destination, message.body, reply_to(first + i), headers[i])
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 # Nothing after a failed message is sent, so order is kept on retry.
                 acks.sent(i)
@@ -258,7 +268,9 @@ class NatsPublisher:
                 ]
         return await self._acks(acks)
 
-    async def _publish_core(self, messages: Sequence[Message]) -> list[Outcome]:
+    async def _publish_core(
+        self, messages: Sequence[Message], headers: Sequence[dict[str, str]]
+    ) -> list[Outcome]:
         """Core NATS: written in order, then one PING/PONG proves the server read them.
 
         A message the client refuses (too large, say) fails alone: those written before
@@ -268,7 +280,7 @@ class NatsPublisher:
         written, refused = len(messages), None
         for i, message in enumerate(messages):
             try:
-                await nc.publish(message.destination, message.body, headers=_headers(message))
+                await nc.publish(message.destination, message.body, headers=headers[i])
             except Exception as exc:  # noqa: BLE001 - classified, not swallowed
                 written, refused = i, self._classify(exc)
                 break
