@@ -151,3 +151,32 @@ async def test_permanent_rejection_is_parked_and_the_rest_flows(
     assert row["reason"] == "rejected"
     assert row["message_id"] == "book/big@1"
     assert row["attempts"] == 3
+
+
+# Aggregate ids a user may choose that a client library could rewrite on the way (nats-py
+# turns CR and LF into spaces and strips header values), so that two events share an id.
+AWKWARD_IDS = ["alice\nsmith", "alice\r\nsmith", "alice smith ", "\talice smith", "alice smith"]
+
+
+async def test_an_id_arrives_as_written_or_is_parked_never_altered(
+    broker: BrokerHarness, events_table: str, tmp_path: Path
+) -> None:
+    config = await load_and_migrate(tmp_path, relay_config(events_table, broker))
+    events = [NewEvent("book", i, 1, "BookLent", {"loanId": "L"}) for i in AWKWARD_IDS]
+    async with connect(events_table) as conn:
+        await append_many(conn, events)
+        async with running(config):
+
+            async def settled() -> bool:  # each event published or parked
+                return bool((await status(config))[0]["lag_events"] == 0)
+
+            await eventually(settled, timeout=30)
+            parked = {r["message_id"] for r in await conn.fetch("SELECT * FROM relay.parked")}
+            received = await broker.consume(expected=len(events) - len(parked))
+    written = {f"book/{i}@1" for i in AWKWARD_IDS}
+    ids = [m.id for m in received]
+    assert set(ids) <= written, f"ids altered on the way: {set(ids) - written}"
+    assert set(ids) | parked == written, "an event neither arrived nor was parked"
+    assert "book/alice smith@1" in ids  # never dropped as the duplicate of another id
+    for message in received:
+        assert broker.cloudevent(message).get_id() == message.id
