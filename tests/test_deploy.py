@@ -434,6 +434,7 @@ def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.Monke
         "RelayParkedMessages",
         "RelayOutboxHalted",
         "RelayPartitionsMismatch",
+        "RelayUnexpectedDuplicates",
         "RelayPublishErrors",
         "RelayBarrierStuck",
     }
@@ -784,7 +785,7 @@ def test_alert_rules_pass_promtool(chart: Any, tmp_path: Path) -> None:
 
     checked = run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 10 rules found" in checked.stdout
+    assert "SUCCESS: 11 rules found" in checked.stdout
 
     tested = run(promtool, "test", "rules", str(tmp_path / "alerts.test.yaml"))
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -806,6 +807,7 @@ def test_every_alert_has_a_unit_test() -> None:
         "RelayParkedMessages",
         "RelayOutboxHalted",
         "RelayPartitionsMismatch",
+        "RelayUnexpectedDuplicates",
         "RelayPublishErrors",
         "RelayBarrierStuck",
     }

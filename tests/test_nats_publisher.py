@@ -539,3 +539,37 @@ async def test_tls_url_without_tls_block_verifies_with_the_system_trust_store(
         assert await pub.publish([message(f"{name}.loans", 1)]) == [None]
     finally:
         await pub.close()
+
+
+async def test_an_id_template_that_is_not_unique_is_warned_about(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """JetStream drops the second event of an aggregate as a duplicate of the first."""
+    subject = unique_name("collide")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    messages = {
+        "BookLent": {
+            "type": "library.book-lent.v1",
+            "destination": f"{subject}.loans",
+            "id": "{aggregate_type}/{aggregate_id}",  # no version: not unique per event
+        }
+    }
+    config = await load_and_migrate(
+        tmp_path, config_dict(events_table, nats_url, subject, messages=messages)
+    )
+    try:
+        async with db.connect(events_table) as conn:
+            await db.append_many(
+                conn, [("book", "b1", v, "BookLent", {"loanId": f"L{v}"}) for v in (1, 2, 3)]
+            )
+        async with running(config) as relay:
+
+            def unexpected() -> float:
+                sample = relay.metrics.registry.get_sample_value
+                return sample("relay_unexpected_duplicates_total", {"outbox": "loans"}) or 0.0
+
+            await eventually(lambda: unexpected() == 2)
+        received = await fetch_all(nats_url, subject, expected=1)
+        assert [m.headers["Nats-Msg-Id"] for m in received] == ["book/b1"]
+    finally:
+        await delete_stream(nats_url, subject)

@@ -65,7 +65,7 @@ async def roles(events_table: str, pg_admin_dsn: str, outbox: Outbox) -> AsyncIt
     """The docs' three roles under fresh names, with exactly the docs' GRANTs."""
     tag = uuid.uuid4().hex[:8]
     names = {"outbox_relay": f"relay_{tag}", "alice": f"alice_{tag}"}
-    names["relay_reader"] = f"reader_{tag}"
+    names["outbox_reader"] = f"reader_{tag}"
     sql = doc_sql("### 1. Database rights") + doc_sql("#### Operators and readers")
     for doc_name, name in names.items():
         sql = re.sub(rf"\b{doc_name}\b", name, sql)
@@ -77,7 +77,7 @@ async def roles(events_table: str, pg_admin_dsn: str, outbox: Outbox) -> AsyncIt
     made = Roles(
         names["outbox_relay"],
         names["alice"],
-        names["relay_reader"],
+        names["outbox_reader"],
         {name: as_role(events_table, name) for name in names.values()},
         outbox,
     )

@@ -141,6 +141,7 @@ class KafkaPublisher:
         self._log = log.bind(broker=name)
         self._stage = "connecting"  # what publish was waiting for, should ack_timeout expire
         self.duplicates = 0  # Kafka does not say when it dropped a duplicate
+        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
         self._ssl = _check(config)
         if config.transactional_id is not None and not config.enable_idempotence:
             self._log.warning(

@@ -72,6 +72,7 @@ class NatsPublisher:
         self._js: JetStreamContext | None = None
         self._replies: _Replies | None = None
         self.duplicates = 0
+        self.last_duplicates: list[int] = []
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -225,6 +226,7 @@ class NatsPublisher:
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         # Only what comes before the first message that cannot be sent as written is sent,
         # so order is kept; that one is refused for good, the rest retried after it.
+        self.last_duplicates = []
         headers: list[dict[str, str]] = []
         refused: PermanentPublishError | None = None
         for message in messages:
@@ -306,11 +308,13 @@ class NatsPublisher:
                     await self.close()
         missing = TransientPublishError(f"no PubAck within {self._config.ack_timeout}s")
         outcomes: list[Outcome] = []
-        for reply in acks.replies[: acks.expected]:
+        self.last_duplicates = []
+        for index, reply in enumerate(acks.replies[: acks.expected]):
             if reply is None:
                 outcomes.append(missing)
             elif reply is _DUPLICATE:
                 self.duplicates += 1
+                self.last_duplicates.append(index)
                 outcomes.append(None)
             elif isinstance(reply, BaseException):
                 outcomes.append(self._classify(reply))

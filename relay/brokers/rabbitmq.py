@@ -83,6 +83,7 @@ class RabbitMqPublisher:
         self._probe = False  # the last batch failed
         self._prefix = config.header_prefix
         self.duplicates = 0
+        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
 
     async def connect(self) -> None:
         if self._usable():

@@ -133,6 +133,7 @@ class SqsPublisher:
         self._queues: dict[str, _Queue] = {}
         self._accepted: OrderedDict[Message, float] = OrderedDict()
         self.duplicates = 0
+        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
 
     async def connect(self) -> None:
         """Create the client; no request is made, so an unreachable SQS shows at publish."""

@@ -87,6 +87,12 @@ class Metrics:
             "Failed publish attempts (the batch's first unacknowledged message), by reason.",
             [*OUTBOX, "reason"],
         )
+        self.unexpected_duplicates = self._counter(
+            "relay_unexpected_duplicates",
+            "Messages the broker dropped as duplicates though this relay had not sent them:"
+            " another event's message had the same id.",
+            OUTBOX,
+        )
         self.publish_duration = self._histogram(
             "relay_publish_duration_seconds", "Time to publish a batch and await its acks."
         )

@@ -116,6 +116,11 @@ class Publisher(Protocol):
     duplicates: int
     """Messages the broker said it already had (deduplicated); 0 where it cannot tell."""
 
+    @property
+    def last_duplicates(self) -> Sequence[int]:
+        """Which of the last `publish` call's messages those were, by index; empty where the
+        broker cannot tell. The core warns when one was not a message it had sent before."""
+
     async def connect(self) -> None:
         """Open connections; raise TransientPublishError if the broker is unreachable."""
 

@@ -20,7 +20,7 @@ from relay.config import OutboxConfig
 from relay.core.delivery import Delivery, Item, Parking, RetryCount
 from relay.core.mapping import Event
 from relay.core.metrics import Metrics
-from relay.core.publishing import Message, Outcome
+from relay.core.publishing import Message, Outcome, Publisher
 from relay.core.state import OutboxState
 from relay.errors import MappingError, PermanentPublishError, PublishError, TransientPublishError
 
@@ -35,6 +35,7 @@ class ScriptedPublisher:
     script: Script
     name: str = "fake"
     duplicates: int = 0
+    last_duplicates: tuple[int, ...] = ()
     batches: list[list[str]] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
     short_by: int = 0  # return this many outcomes too few (an adapter's bug)
@@ -142,7 +143,7 @@ TWO_RULES = OutboxConfig.model_validate(
 
 
 def delivery(
-    publisher: ScriptedPublisher, config: OutboxConfig = CONFIG, **events: asyncio.Event
+    publisher: Publisher, config: OutboxConfig = CONFIG, **events: asyncio.Event
 ) -> Delivery:
     return Delivery(
         "loans",
@@ -354,3 +355,87 @@ async def test_published_counts_each_rules_destination() -> None:
     for destination in ("library.loans", "library.loans.v2"):
         labels = {"outbox": "loans", "destination": destination}
         assert sample("relay_messages_published_total", labels) == 2
+
+
+@dataclass
+class DedupBroker:
+    """A broker with a deduplication store, as JetStream's: an id it has is a duplicate.
+
+    `lose_ack_of`: the message is stored, but its acknowledgement never comes (once).
+    """
+
+    stored: set[str] = field(default_factory=set)
+    lose_ack_of: set[str] = field(default_factory=set)
+    name: str = "fake"
+    duplicates: int = 0
+    last_duplicates: list[int] = field(default_factory=list)
+
+    async def connect(self) -> None:
+        """Nothing to connect."""
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        self.last_duplicates = []
+        outcomes: list[Outcome] = []
+        for index, message in enumerate(messages):
+            if message.id in self.stored:
+                self.duplicates += 1
+                self.last_duplicates.append(index)
+            self.stored.add(message.id)
+            if message.id in self.lose_ack_of:
+                self.lose_ack_of.discard(message.id)
+                held = TransientPublishError("no PubAck")
+                return [*outcomes, *[held] * (len(messages) - index)]
+            outcomes.append(None)
+        return outcomes
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+
+def same_id(position: int, message_id: str) -> Item:
+    """An event whose message has `message_id`: an id template that is not unique per event."""
+    found = item(position)
+    assert found.message is not None
+    found.message.id = message_id
+    return found
+
+
+SMALL_BATCHES = CONFIG.model_copy(
+    update={"batch": CONFIG.batch.model_copy(update={"max_messages": 2})}
+)
+
+
+async def unexpected(broker: DedupBroker, batches: list[list[Item]], stored: set[str]) -> float:
+    """Deliver `batches` after a claim at 0, with `stored` already in the broker."""
+    broker.stored |= stored
+    run = delivery(broker, SMALL_BATCHES)
+    run.claimed(0)
+    for batch in batches:
+        assert await run.deliver(MemoryCheckpoint(), batch)
+    value = run.metrics.registry.get_sample_value(
+        "relay_unexpected_duplicates_total", {"outbox": "loans"}
+    )
+    return value or 0.0
+
+
+async def test_a_re_send_after_a_lost_ack_is_an_expected_duplicate() -> None:
+    broker = DedupBroker(lose_ack_of={"m2"})
+    assert await unexpected(broker, [[item(1), item(2), item(3)]], set()) == 0
+    assert broker.duplicates == 1  # m2, sent again
+
+
+async def test_the_previous_holders_batch_in_flight_is_an_expected_duplicate() -> None:
+    broker = DedupBroker()
+    assert await unexpected(broker, [[item(1), item(2)]], {"m1", "m2"}) == 0
+
+
+async def test_a_duplicate_of_an_id_this_relay_never_sent_is_counted() -> None:
+    """Past the first batch after the claim, a first send taken for a duplicate is a collision."""
+    broker = DedupBroker()
+    batches = [[item(1)], [item(2)], [same_id(3, "m1")], [item(4)]]
+    assert await unexpected(broker, batches, set()) == 1
+
+
+async def test_two_events_with_one_id_in_a_batch_are_counted_even_right_after_a_claim() -> None:
+    broker = DedupBroker()
+    assert await unexpected(broker, [[same_id(1, "x"), same_id(2, "x")]], set()) == 1

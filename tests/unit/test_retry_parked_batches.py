@@ -23,6 +23,7 @@ class Broker:
     down: bool = False
     name: str = "fake"
     duplicates: int = 0
+    last_duplicates: tuple[int, ...] = ()
     batches: list[list[int]] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
 
