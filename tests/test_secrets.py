@@ -26,6 +26,7 @@ from relay.errors import ConfigError, DatabaseError
 from relay.ops.logs import configure
 from relay.postgres.database import Database, DatabaseUnavailable
 from relay.redaction import redact
+from tests.support import hostile_configs
 from tests.support.relay_process import run_cli
 
 RESERVED = ["/", "@", ":", "#", "%", "?", "[", "]", "\\"]
@@ -342,3 +343,18 @@ def test_a_duplicated_url_in_the_file_prints_neither_password(tmp_path: Path) ->
     assert 'relay.yaml:3: invalid YAML: the key "url" appears twice in one mapping' in output
     assert_hidden(output, old)
     assert_hidden(output, new)
+
+
+@pytest.mark.integration  # runs `relay check --offline` as a process, once per broken file
+@pytest.mark.parametrize(
+    "text",
+    [*hostile_configs.DUPLICATED.values(), *(t for t, _ in hostile_configs.BROKEN.values())],
+    ids=[*hostile_configs.DUPLICATED, *hostile_configs.BROKEN],
+)
+def test_no_broken_config_prints_a_secret(tmp_path: Path, text: str) -> None:
+    """Every error path of loading a config, as an operator's terminal or a pod's log sees it."""
+    result = run_cli(["check", "--offline", "--config", str(write(tmp_path, text))])
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert output.startswith("error: "), output
+    assert not hostile_configs.leaked(output), output
