@@ -8,6 +8,7 @@ written here. Every error names the file, the line and the dotted key.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from relay.config.base import (
     ByteSize,
@@ -456,6 +458,26 @@ def load_config(path: str | Path | None = None) -> RelayConfig:
         return RelayConfig(**doc.data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, doc)) from None
+    except SettingsError as exc:
+        raise ConfigError(_override_error(exc, doc)) from None
+
+
+def _override_error(exc: SettingsError, doc: YamlDocument) -> str:
+    """A RELAY_* override that is not JSON where a list or a mapping goes; never its value."""
+    found = re.search(r'field "([^"]+)"', str(exc))
+    field = found.group(1) if found else ""
+    prefix = f"RELAY_{field.upper()}"
+    names = sorted(
+        name
+        for name in os.environ
+        if name.upper() == prefix or name.upper().startswith(prefix + "__")
+    )
+    which = ", ".join(names) or f"a {prefix}__* variable"
+    return (
+        f"{doc.path}: {which}: a RELAY_* override of a list or a mapping must be JSON, for "
+        """example RELAY_BROKERS__NATS__SERVERS='["nats://nats-1:4222"]' """
+        "(see configuration.md, RELAY_* overrides)"
+    )
 
 
 def _describe(exc: ValidationError, doc: YamlDocument) -> str:

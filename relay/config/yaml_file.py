@@ -34,6 +34,10 @@ from relay.errors import ConfigError
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FORMS = "write ${NAME} or ${NAME:-default}, and $$ for a literal $"
 _DUPLICATE = re.compile(r'found duplicate key "(?P<key>.*?)" with value "')
+# What the parser quotes in its problem text: a token of its own (`'<stream end>'`, `','`),
+# or a piece of the file (an alias, a tag, a character), which may be part of a password.
+_QUOTED = re.compile(r"""(['"])(.*?)\1""")
+_PARSER_TOKEN = re.compile(r"<[a-z ]+>|[^\w\s]{1,3}|\\[tnr0]")
 # A real config holds hundreds of values a few levels deep; these bounds are far past that.
 MAX_VALUES = 100_000
 MAX_DEPTH = 100
@@ -92,9 +96,11 @@ def _parse_yaml(path: Path, text: str) -> Any:
         # Its text quotes both values; `from None` keeps them out of any traceback too.
         raise ConfigError(f"{path}{_line(exc)}: invalid YAML: {_duplicate(exc)}") from None
     except MarkedYAMLError as exc:
-        raise ConfigError(f"{path}{_line(exc)}: invalid YAML: {exc.problem or exc}") from exc
-    except YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+        problem = _unquoted(str(exc.problem or "the parser gave no reason"))
+        raise ConfigError(f"{path}{_line(exc)}: invalid YAML: {problem}") from None
+    except YAMLError as exc:  # a reader's error: an unacceptable byte, at a position
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path}: invalid YAML: {_unquoted(first)}") from None
     except RecursionError:
         raise ConfigError(
             f"{path}: invalid YAML: nested too deeply to read (a config needs a few levels)"
@@ -104,6 +110,16 @@ def _parse_yaml(path: Path, text: str) -> Any:
 def _line(exc: MarkedYAMLError) -> str:
     mark = exc.problem_mark
     return f":{mark.line + 1}" if mark is not None else ""
+
+
+def _unquoted(problem: str) -> str:
+    """The parser's problem with every quoted piece of the file replaced by `…`."""
+
+    def hide(match: re.Match[str]) -> str:
+        quote, text = match.group(1), match.group(2)
+        return match.group() if _PARSER_TOKEN.fullmatch(text) else f"{quote}…{quote}"
+
+    return _QUOTED.sub(hide, problem)
 
 
 def _duplicate(exc: DuplicateKeyError) -> str:
@@ -219,9 +235,10 @@ def _parse_var(text: str, pos: int) -> tuple[_Var, int]:
             "${ must be followed by a variable name: letters, digits and _, not starting "
             f"with a digit ({_FORMS})"
         )
+    # The name is not quoted: this `${` may be a raw `$` in a password, and what follows it
+    # a piece of the password.
     raise ExpansionError(
-        f"in ${{{match.group()}...}}, the variable name must be followed by }} or by "
-        f":-default}} ({_FORMS})"
+        f"after ${{ and a variable name comes }} or :-default}}, and here it does not ({_FORMS})"
     )
 
 

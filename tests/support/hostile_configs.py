@@ -78,6 +78,19 @@ BROKEN: dict[str, tuple[str, str]] = {
         nats(f"    user: &a relay\n    password: &a {SECRET}\n    stream: 3\n"),
         "brokers.nats.stream",
     ),
+    "an alias named like the secret": (nats(f"    password: *{SECRET}\n"), "undefined alias"),
+    "a tag named like the secret": (
+        nats(f"    password: !{SECRET[:6]}!{SECRET[6:]} x\n"),
+        "undefined tag handle",
+    ),
+    "a raw ${ in the secret": (
+        nats(f'    password: "x${{{SECRET}:9}}z"\n'),
+        "after ${ and a variable name comes } or :-default}",
+    ),
+    "a raw ${ with a dash in the secret": (
+        nats(f'    password: "${{{SECRET}-x}}"\n'),
+        "after ${ and a variable name comes } or :-default}",
+    ),
     "an unterminated ${": (nats(f"    token: {SECRET}${{TOKEN\n"), "unterminated ${"),
     "an unset variable": (
         nats(f"    token: {SECRET}${{RELAY_TEST_UNSET_VARIABLE}}\n"),

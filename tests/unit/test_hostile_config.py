@@ -156,3 +156,19 @@ def test_an_encrypted_key_loads_with_its_passphrase(tmp_path: Path) -> None:
     assert isinstance(broker, NatsBrokerConfig) and broker.tls is not None
     broker.tls.context()  # the context the adapters connect with
     assert SECRET not in repr(broker)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("RELAY_BROKERS__NATS__SERVERS", f"nats://relay:{SECRET}@nats-1:4222"),
+        ("RELAY_DATABASE__RETRY", f"fast{SECRET}"),
+    ],
+)
+def test_an_override_that_is_not_json_is_named_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """A list or a mapping set from the environment must be JSON; the error names the variable."""
+    monkeypatch.setenv(name, value)
+    message = refused(tmp_path, nats(""))
+    assert f"{name}: a RELAY_* override of a list or a mapping must be JSON" in message
