@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from nats.js.api import DiscardPolicy, StreamConfig
 
-from relay.brokers.nats import NatsPublisher
+from relay.brokers.nats import MAX_SUBJECT_BYTES, NatsPublisher
 from relay.config import NatsBrokerConfig
 from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
@@ -66,6 +66,36 @@ async def test_publishes_in_order_with_cloudevents_headers(nats_url: str) -> Non
         assert await pub.publish(batch[:10]) == [None] * 10
         assert pub.duplicates == 10
         assert len(await fetch_all(nats_url, stream)) == 300
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, stream)
+
+
+@pytest.mark.parametrize("key", ["Nats-Msg-Id", "x Nats-Msg-Id: forged"])
+async def test_a_header_name_inside_a_value_does_not_hide_the_dedup_id(
+    nats_url: str, key: str
+) -> None:
+    """nats-server 2.9 finds a header by the first occurrence of its name in the block: a
+    value holding `Nats-Msg-Id` ahead of the real one turned deduplication off for it."""
+    stream = unique_name("adapter")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    pub = publisher(nats_url)
+    sent = Message(
+        id=f"user/{key}@1",
+        type="library.user-named.v1",
+        destination=f"{stream}.users",
+        key=key,
+        body=b"{}",
+        source="/outbox-relay/users",
+        time=None,
+        position=1,
+    )
+    try:
+        assert await pub.publish([sent]) == [None]
+        assert await pub.publish([sent]) == [None]  # a re-send, as after a lost PubAck
+        assert pub.duplicates == 1
+        received = await fetch_all(nats_url, stream)
+        assert [m.headers["Nats-Msg-Id"] for m in received] == [sent.id]
     finally:
         await pub.close()
         await delete_stream(nats_url, stream)
@@ -308,8 +338,9 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
     config = await load_and_migrate(
         tmp_path, config_dict(events_table, nats_url, subject, messages=messages)
     )
-    ids = ["ok-1", "*", ">", "ok-2", "star*", "gt>", "a..b", "ok-3"]
-    invalid = [i for i in ids if not i.startswith("ok-")]
+    longest = "ok-" + "x" * (MAX_SUBJECT_BYTES - len(f"{subject}.books.ok-"))
+    ids = ["ok-1", "*", ">", "ok-2", "star*", "gt>", "a..b", "ok-3", longest, longest + "y"]
+    invalid = [i for i in ids if not i.startswith("ok-") or len(i) > len(longest)]
     try:
         async with db.connect(events_table) as conn:
             await db.append_many(conn, [("book", i, 1, "BookLent", {}) for i in ids])
@@ -319,11 +350,12 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
                 return len(await parked(events_table)) == len(invalid)
 
             await eventually(all_parked)
-            received = await fetch_all(nats_url, subject, expected=3)
+            received = await fetch_all(nats_url, subject, expected=4)
         assert [m.subject for m in received] == [
             f"{subject}.books.ok-1",
             f"{subject}.books.ok-2",
             f"{subject}.books.ok-3",
+            f"{subject}.books.{longest}",  # as long as a subject may be
         ]
         assert not any("*" in m.subject or ">" in m.subject for m in received)
         rows = await parked(events_table)
@@ -336,11 +368,11 @@ async def test_relay_parks_events_whose_id_makes_an_invalid_subject(
 
 # Ids a user may choose that nats-py would send altered, with what the reason names.
 REWRITTEN = {
-    "alice\nsmith": "ce-id holds a line feed (\\x0a)",
-    "alice\rsmith": "ce-id holds a carriage return (\\x0d)",
+    "alice\nsmith": "Nats-Msg-Id holds a line feed (\\x0a)",
+    "alice\rsmith": "Nats-Msg-Id holds a carriage return (\\x0d)",
     "alice smith ": "ce-partitionkey starts or ends with whitespace",
-    "\talice smith": "ce-id holds a tab (\\x09)",
-    "alice\x01smith": "ce-id holds a control character (\\x01)",
+    "\talice smith": "Nats-Msg-Id holds a tab (\\x09)",
+    "alice\x01smith": "Nats-Msg-Id holds a control character (\\x01)",
 }
 
 

@@ -62,6 +62,11 @@ _PERMANENT_CODES = {
 # match per message keeps the check cheap on the hot path.
 _TOKEN = r"[^.*>\s\x00-\x1f\x7f-\x9f]+"
 _VALID_SUBJECT = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")
+# The server reads a publish's protocol line (HPUB, subject, reply inbox, sizes) up to
+# max_control_line, 4 KiB by default, and closes the connection on a longer one: a failure
+# that would look transient and hold the outbox back for ever. The inbox and sizes take
+# under 128 bytes.
+MAX_SUBJECT_BYTES = 4096 - 128
 
 
 class NatsPublisher:
@@ -173,8 +178,8 @@ class NatsPublisher:
         return None
 
     async def _probe_subject(self, js: JetStreamContext, subject: str) -> str | None:
-        if not _VALID_SUBJECT.fullmatch(subject):
-            return f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
+        if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
+            return f"broker {self.name!r}: {_invalid(subject)}"
         wanted = self._config.stream
         if (
             wanted is not None
@@ -230,10 +235,9 @@ class NatsPublisher:
         headers: list[dict[str, str]] = []
         refused: PermanentPublishError | None = None
         for message in messages:
-            if not _VALID_SUBJECT.fullmatch(subject := message.destination):
-                refused = PermanentPublishError(
-                    f"broker {self.name!r}: invalid subject {subject!r}: {_broken_rule(subject)}"
-                )
+            subject = message.destination
+            if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
+                refused = PermanentPublishError(f"broker {self.name!r}: {_invalid(subject)}")
                 break
             these = _headers(message)
             if problem := altered(these):
@@ -457,10 +461,25 @@ class _NoTlsError(nats.errors.Error):
     """A nats-py error, so that connect() fails the way it does for any refused server."""
 
 
+def _invalid(subject: str) -> str:
+    shown = subject if len(subject) <= 80 else subject[:60] + "..."
+    return f"invalid subject {shown!r}: {_broken_rule(subject)}"
+
+
+def _too_long(subject: str) -> bool:
+    """Over MAX_SUBJECT_BYTES once encoded; encoded only when it could be (UTF-8: 4 a char)."""
+    return len(subject) * 4 > MAX_SUBJECT_BYTES and len(subject.encode()) > MAX_SUBJECT_BYTES
+
+
 def _broken_rule(subject: str) -> str:
     """Why a subject that failed _VALID_SUBJECT cannot be published to; off the hot path."""
     if not subject:
         return "it is empty"
+    if _too_long(subject):
+        return (
+            f"it is {len(subject.encode()):,} bytes long; NATS reads a publish's protocol line up"
+            f" to 4 KiB (max_control_line), so a subject may have {MAX_SUBJECT_BYTES:,}"
+        )
     if subject.startswith(".") or subject.endswith("."):
         return "it starts or ends with '.'"
     if ".." in subject:
@@ -482,9 +501,14 @@ def captures(pattern: str, subject: str) -> bool:
 
 
 def _headers(message: Message) -> dict[str, str]:
-    """CloudEvents NATS binding (binary mode), plus JetStream's dedup id."""
-    headers = cloudevent_attributes(message, "ce-")
-    headers["Nats-Msg-Id"] = message.id
+    """JetStream's dedup id, then the CloudEvents NATS binding (binary mode).
+
+    The id comes first: nats-server 2.9 looks a header up by the first occurrence of its
+    name in the whole block, so an aggregate id holding `Nats-Msg-Id` in an earlier value
+    (`ce-partitionkey`) hid the real one, and the message was stored again on every re-send.
+    """
+    headers = {"Nats-Msg-Id": message.id}
+    headers.update(cloudevent_attributes(message, "ce-"))
     headers["content-type"] = message.content_type
     return headers
 
