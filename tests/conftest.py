@@ -7,12 +7,14 @@ embedded ones. pytest runs with warnings as errors: every fixture closes what it
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+import structlog
 
 from tests.support import postgres
 from tests.support.jetstream import create_stream, delete_stream, unique_name
@@ -205,3 +207,15 @@ def relay_process(
     for process in processes:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Put the process's logging back as it was after a test that calls `configure`."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers, root.level = handlers, level
+        structlog.reset_defaults()

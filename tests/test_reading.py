@@ -193,7 +193,7 @@ async def test_idle_in_transaction_session_holds_relay_back_and_is_named(
                 assert row["blocking_transaction"]["application_name"] == "billing-job"
                 assert row["blocking_transaction"]["age_seconds"] >= 0
                 assert relay.states["loans"].blocked_by is not None
-                assert f"pid {pid} (billing-job" in relay.states["loans"].blocked_by
+                assert f"pid {pid} ('billing-job'" in relay.states["loans"].blocked_by
                 # Nothing after the open transaction's position is published meanwhile.
                 assert await fetch_all(nats_url, subject) == []
                 await tx.commit()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -218,18 +217,6 @@ def test_redact_hides_the_whole_userinfo(scheme: str, char: str) -> None:
 def test_redact_keeps_urls_without_credentials() -> None:
     text = "servers nats://127.0.0.1:4222 and postgresql://db/app"
     assert redact(text) == text
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    """Put the process's logging back as it was after a test that calls `configure`."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers, root.level = handlers, level
-        structlog.reset_defaults()
 
 
 @pytest.mark.usefixtures("restore_logging")

@@ -24,8 +24,9 @@ from relay.ops.cli_common import (
     run_or_exit,
 )
 from relay.ops.cli_parked import parked_app
-from relay.ops.console import printable, progress_view, say, table
+from relay.ops.console import progress_view, say, table
 from relay.ops.logs import configure
+from relay.printable import printable
 from relay.redaction import redact
 
 app = typer.Typer(

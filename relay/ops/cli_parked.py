@@ -16,7 +16,8 @@ from relay.ops.cli_common import (
     pretty,
     run_or_exit,
 )
-from relay.ops.console import printable, say, table
+from relay.ops.console import say, table
+from relay.printable import printable
 
 parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)
 

@@ -4,16 +4,13 @@ A terminal gets a bar redrawn in place with `\\r`; a log file or a CI job gets a
 every few seconds or every tenth of the way; `--json` gets one JSON object a line.
 No dependency: this is all it takes.
 
-Event data and errors reach the terminal through `say` and `printable`: an aggregate id may
-hold an escape sequence (`\\x1b]0;TITLE\\x07` sets the window's title, `\\x1b[2J` clears it)
-or a newline that forges a line of output. Every control character, and the bidirectional
-overrides that reorder what a line appears to say, are shown as `\\xNN` or `\\uNNNN`.
+Event data and errors reach the terminal through `say` and `printable` (relay/printable.py):
+control characters are shown escaped, never obeyed.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -22,31 +19,17 @@ from typing import Any, Literal, TextIO
 
 import typer
 
+from relay.printable import printable, printable_lines
+
 CELL_WIDTH = 60  # a longer value is cut in the default table; --wide shows it whole
 BAR_WIDTH = 30
 
 Mode = Literal["bar", "lines", "json"]
 
 
-# C0 and C1 controls, and the bidirectional marks, overrides and isolates (Trojan Source).
-_OTHERS = r"\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-_ANY_CONTROL = re.compile(rf"[\x00-\x1f{_OTHERS}]")
-_CONTROL_BUT_NEWLINE = re.compile(rf"[\x00-\x08\x0b-\x1f{_OTHERS}]")  # tabs are harmless
-
-
-def _escaped(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(value: Any) -> str:
-    """`value` as text on one line: every control character escaped, newlines too."""
-    return _ANY_CONTROL.sub(_escaped, str(value))
-
-
 def say(message: str = "", *, err: bool = False, nl: bool = True) -> None:
     """Print `message` with its control characters escaped, but its line breaks and tabs."""
-    typer.echo(_CONTROL_BUT_NEWLINE.sub(_escaped, message), err=err, nl=nl)
+    typer.echo(printable_lines(message), err=err, nl=nl)
 
 
 def table(rows: list[dict[str, Any]], columns: list[str], *, wide: bool = False) -> list[str]:
@@ -65,7 +48,7 @@ def cell(value: Any, *, wide: bool = False) -> str:
         return f"{value:.1f}"
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
-    text = printable(" ".join(str(value).split()))  # a multi-line error stays on its row
+    text = printable(value)  # a newline shown as \\x0a: `a\\nb` and `a b` stay apart
     return text if wide or len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 3] + "..."
 
 

@@ -17,6 +17,7 @@ import structlog
 import structlog.tracebacks
 
 from relay.ops.log_noise import RepeatFilter
+from relay.printable import printable, printable_lines
 from relay.redaction import redact
 
 
@@ -43,6 +44,19 @@ def _redact_event(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
     return event
 
 
+def _escape_for_terminal(
+    _: Any, __: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """On a console, event data is shown, never obeyed (relay/printable.py); a traceback
+    keeps its lines. JSON lines need nothing: the encoder escapes every such character."""
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = printable_lines(value) if key == "exception" else printable(value)
+        elif isinstance(value, list):
+            event[key] = [printable(v) if isinstance(v, str) else v for v in value]
+    return event
+
+
 def configure(level: str = "info", fmt: str = "auto") -> None:
     """Route structlog to stderr; `auto` means console on a TTY, JSON elsewhere."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
@@ -51,6 +65,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         if use_json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    terminal: list[Any] = [] if use_json else [_escape_for_terminal]
     shared: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -72,6 +87,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 _redact_event,
+                *terminal,
                 renderer,
             ],
             # format_exc_info: a library's traceback becomes text before _redact_event, not
@@ -94,6 +110,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
             *shared,
             exceptions,
             _redact_event,
+            *terminal,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

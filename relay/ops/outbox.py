@@ -9,6 +9,7 @@ that went below the checkpoint halts the outbox until an operator's replay.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ class OutboxRelay:
             if command is None:
                 return moved
             log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
-            log.info("carrying out command", args=command.args)
+            log.info("carrying out command", args=_shortened(command.args))
             done = await self.ctx.operations.carry_out(
                 command.kind, command.args, s.claimed, s.reader
             )
@@ -376,3 +377,9 @@ def _within(max_bytes: int, per_event: list[list[Item]]) -> tuple[list[Item], in
             return items, i
         items += event_items
     return items, len(per_event)
+
+
+def _shortened(args: object, limit: int = 200) -> str:
+    """A command's args for the log: anyone may write a row, with 300,000 ids in it."""
+    text = json.dumps(args, default=str)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"

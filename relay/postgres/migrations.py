@@ -17,6 +17,7 @@ import asyncpg
 from relay.config import RelayConfig, SourceConfig
 from relay.errors import DatabaseError, NotMigratedError
 from relay.postgres.database import Database
+from relay.postgres.source import Blocker
 from relay.postgres.sql import qualified, quote
 
 # Each entry is applied once, in order, in its own transaction. Never edit a
@@ -337,8 +338,7 @@ async def _who_holds(conn: asyncpg.Connection, table: str) -> str:
     if not rows:
         return "another session held a lock on it"
     named = [
-        f"pid {r['pid']} ({r['application_name'] or 'no application_name'}, {r['state']},"
-        f" transaction open {(r['xact_age'] or 0.0):.1f}s)"
+        Blocker(r["pid"], r["application_name"], r["state"], r["xact_age"] or 0.0, 0.0).describe()
         for r in rows[:3]
     ]
     return "held by " + ", ".join(named)

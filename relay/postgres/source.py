@@ -109,10 +109,11 @@ class Blocker:
                 f"prepared transaction {self.gid!r} (owner {self.owner}, prepared "
                 f"{self.transaction_age:.1f}s ago; COMMIT PREPARED or ROLLBACK PREPARED ends it)"
             )
-        return (
-            f"pid {self.pid} ({self.application_name or 'no application_name'}, {self.state}, "
-            f"transaction open {self.transaction_age:.1f}s)"
-        )
+        # Quoted: the client chose its application_name, and could make it look like more
+        # fields of this line (`x, idle, transaction open 0.0s`).
+        name = repr(self.application_name) if self.application_name else "no application_name"
+        age = f"transaction open {self.transaction_age:.1f}s"
+        return f"pid {self.pid} ({name}, {self.state}, {age})"
 
     def fields(self) -> dict[str, object]:
         """What status shows and the log says about it."""

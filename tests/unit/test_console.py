@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from relay.ops.console import ProgressView, cut, printable, say, table
+from relay.ops.console import ProgressView, cut, say, table
+from relay.printable import printable
 
 
 class Clock:
@@ -70,7 +71,8 @@ def test_table_cuts_long_values_unless_wide() -> None:
     assert narrow[1].endswith("...") and len(narrow[1]) < 80 and narrow[2].endswith("-")
     assert cut(rows, "last_error") and not cut(rows, "name")
     assert error in table(rows, ["name", "last_error"], wide=True)[1]
-    assert table([{"e": "two\nlines"}], ["e"])[1] == "two lines"  # one row stays one line
+    # One row stays one line, and `a\nb` does not pass for `a b`.
+    assert table([{"e": "two\nlines"}], ["e"])[1] == "two\\x0alines"
 
 
 def test_printable_escapes_every_control_character_and_bidi_override() -> None:
@@ -83,3 +85,23 @@ def test_printable_escapes_every_control_character_and_bidi_override() -> None:
 def test_say_keeps_its_own_line_breaks_and_tabs(capsys: pytest.CaptureFixture[str]) -> None:
     say("one\ttwo\nthree\x1b[2J\r")
     assert capsys.readouterr().out == "one\ttwo\nthree\\x1b[2J\\x0d\n"
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_logs_show_event_data_escaped_never_obeyed(
+    fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`logging.format: console` is what `auto` picks on a terminal."""
+    import structlog
+
+    from relay.ops.logs import configure
+
+    configure("info", fmt)
+    hostile = "u/\x1b]0;PWNED\x07\x1b[2J\u2028dave\x9b31m@1"
+    structlog.get_logger("relay.test").error("message parked", aggregate=hostile, ids=[hostile])
+    err = capsys.readouterr().err
+    for raw in ("\x1b", "\x07", "\u2028", "\x9b"):
+        assert raw not in err, (raw, err)
+    shown = "\\x1b]0;PWNED\\x07\\x1b[2J\\u2028dave\\x9b31m" if fmt == "console" else "PWNED"
+    assert shown in err
