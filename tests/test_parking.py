@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from relay.config import RelayConfig
 from relay.ops.operator import Operator
@@ -13,6 +14,7 @@ from relay.postgres.store import Store
 from tests.support.db import append, connect
 from tests.support.delivery import checkpoint
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.operator_cli import setup_outbox
 from tests.support.scenario import (
     LIBRARY_MESSAGES,
     config_dict,
@@ -55,6 +57,34 @@ async def test_oversized_message_is_parked_and_the_rest_flows(
         assert (await status(config))[0]["parked"] == 1
     finally:
         await delete_stream(nats_url, subject)
+
+
+async def test_a_huge_aggregate_id_is_parked_without_freezing_the_holder(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Every log line about a 70 KB id went through the secret redaction, whose URL pattern
+    took time quadratic in the id (19 s a line): the holder's event loop froze, its lease went
+    unproven, the standby ended its session, and the next holder froze the same way."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "i" * 70_000, 1, "BookLent", {"loanId": "l"})
+            await append(conn, "book", "b1", 1, "BookLent", {"loanId": "ok-1"})
+        replicas = [relay_process(["run", "--config", str(config)]) for _ in range(2)]
+        received = await fetch_all(nats_url, stream, expected=1, timeout=60)
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
+        await eventually(lambda: _parked_count(events_table, 1), timeout=60)
+
+        def logged(event: str) -> bool:
+            return any(r.get("event") == event for replica in replicas for r in replica.logs())
+
+        # The line that names the id comes after the park: it is the one that took 19 s.
+        await eventually(lambda: logged("message parked"), timeout=90)
+        events = [r.get("event") for replica in replicas for r in replica.logs()]
+        assert "silent holder's session terminated" not in events
+        assert not [e for e in events if str(e).startswith("lease lost")]
+    finally:
+        await delete_stream(nats_url, stream)
 
 
 async def test_headers_larger_than_jetstream_takes_are_parked_not_retried_for_ever(
