@@ -239,11 +239,17 @@ class NatsPublisher:
             if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
                 refused = PermanentPublishError(f"broker {self.name!r}: {_invalid(subject)}")
                 break
-            these = _headers(message)
-            if problem := altered(these):
+            # What comes from the event; the rest is the config's, checked at load.
+            if problem := altered(
+                ("Nats-Msg-Id", message.id),
+                ("ce-partitionkey", message.key),
+                ("ce-traceparent", message.traceparent),
+                ("ce-tracestate", message.tracestate),
+                ("ce-dataschema", message.dataschema),
+            ):
                 refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
                 break
-            headers.append(these)
+            headers.append(_headers(message))
         sendable = len(headers)
         outcomes = await self._send(messages[:sendable], headers) if sendable else []
         if refused is not None:
@@ -507,8 +513,7 @@ def _headers(message: Message) -> dict[str, str]:
     name in the whole block, so an aggregate id holding `Nats-Msg-Id` in an earlier value
     (`ce-partitionkey`) hid the real one, and the message was stored again on every re-send.
     """
-    headers = {"Nats-Msg-Id": message.id}
-    headers.update(cloudevent_attributes(message, "ce-"))
+    headers = cloudevent_attributes(message, "ce-", first=("Nats-Msg-Id", message.id))
     headers["content-type"] = message.content_type
     return headers
 

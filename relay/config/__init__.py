@@ -27,6 +27,7 @@ from pydantic_settings.exceptions import SettingsError
 from relay.config.base import (
     ByteSize,
     Duration,
+    HeaderText,
     Identifier,
     Model,
     PositiveDuration,
@@ -195,7 +196,7 @@ class OutboxConfig(Model):
     messages: Messages = Field(min_length=1)
     id: TemplateStr = "{aggregate_type}/{aggregate_id}@{version}"
     key: TemplateStr = "{aggregate_id}"
-    cloudevents_source: str | None = None
+    cloudevents_source: HeaderText | None = None
     cloudevents: Literal["binary", "structured"] = Field(
         "binary",
         description="binary: attributes in headers, the payload as the body; structured: the"

@@ -99,6 +99,20 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
+def header_text(value: str) -> str:
+    """A value every broker carries in a header as written: nats-py, for one, would turn a
+    line break into a space and strip whitespace at either end (see brokers/_header_values)."""
+    if not value.isprintable() or value != value.strip():
+        raise ValueError(
+            "goes in a message header: no control characters (line breaks, tabs) and no"
+            " whitespace at either end"
+        )
+    return value
+
+
+HeaderText = Annotated[str, AfterValidator(header_text)]
+
+
 class EncryptedKeyError(ValueError):
     """The key file is encrypted and no `key_password` was given."""
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
-from relay.config.base import Model
+from relay.config.base import HeaderText, Model
 from relay.config.expressions import ExpressionError, compile_expression, compile_template
 from relay.config.message_schemas import SchemaError, load_schema
 
@@ -47,7 +47,7 @@ class MessageConfig(Model):
         extra="forbid", frozen=True, hide_input_in_errors=True, populate_by_name=True
     )
 
-    type: Annotated[str, Field(min_length=1)]
+    type: Annotated[HeaderText, Field(min_length=1)]
     destination: TemplateStr
     key: TemplateStr | None = None
     id: TemplateStr | None = None

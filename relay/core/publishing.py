@@ -60,7 +60,11 @@ _PREFIXED: dict[str, tuple[str, ...]] = {}  # prefix -> the names above, prefixe
 
 
 def cloudevent_attributes(
-    message: Message, prefix: str = "", *, partition_key: bool = True
+    message: Message,
+    prefix: str = "",
+    *,
+    partition_key: bool = True,
+    first: tuple[str, str] | None = None,
 ) -> dict[str, str]:
     """The message's CloudEvents context attributes, binary content mode, named `prefix` +
     attribute (built once per event, so the names are joined once per prefix).
@@ -70,14 +74,25 @@ def cloudevent_attributes(
     (AMQP). The data's content type goes in each protocol's own content-type field.
     A message in structured mode has none: its body holds them. Without `partition_key`,
     the partitionkey extension is left out (Kafka: the record's key is the partition key).
+    `first`: a header of the broker's own to put ahead of them (nats-server 2.9 finds a
+    header by the first occurrence of its name, in values too).
     """
     if message.content_type == STRUCTURED:
-        return {}
+        return dict([first]) if first else {}
     names = _PREFIXED.get(prefix)
     if names is None:
         names = _PREFIXED[prefix] = tuple(prefix + name for name in _ATTRIBUTES)
     spec, id_, type_, source, key, time, dataschema, traceparent, tracestate = names
-    attributes = {spec: "1.0", id_: message.id, type_: message.type, source: message.source}
+    if first is None:
+        attributes = {spec: "1.0", id_: message.id, type_: message.type, source: message.source}
+    else:
+        attributes = {
+            first[0]: first[1],
+            spec: "1.0",
+            id_: message.id,
+            type_: message.type,
+            source: message.source,
+        }
     if partition_key:
         attributes[key] = message.key
     if message.time is not None:

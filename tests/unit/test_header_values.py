@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from relay.brokers._header_values import altered
+from relay.config import load_config
+from relay.errors import ConfigError
+from tests.support.hostile_configs import nats
 
 
 def test_header_values_a_client_would_alter_are_named() -> None:
-    assert altered({"ce-id": "book/Łódź ok@1", "ce-type": "a.b.v1"}) is None
-    assert altered({"ce-id": "al\u00a0ice"}) is None  # not printable, but sent as written
-    assert altered({"ce-id": "a\nb"}) == (
+    assert altered(("ce-id", "book/Łódź ok@1"), ("ce-tracestate", None)) is None
+    assert altered(("ce-id", "al\u00a0ice")) is None  # not printable, but sent as written
+    assert altered(("ce-id", "a\nb")) == (
         "header ce-id holds a line feed (\\x0a), which the broker's client would not send"
         " as written"
     )
-    assert altered({"ce-id": "ok", "ce-partitionkey": "\u2003x"}) == (
+    assert altered(("ce-id", "ok"), ("ce-partitionkey", "\u2003x")) == (
         "header ce-partitionkey starts or ends with whitespace, which the broker's client strips"
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("type", "'library.book-lent.v1 '"), ("type", '"library.\\tlent"'), ("source", "' /x'")],
+)
+def test_header_values_from_the_config_are_checked_at_load(
+    tmp_path: Path, key: str, value: str
+) -> None:
+    """Else every message of the rule would be refused at run time, one by one."""
+    text = nats("").replace("        type: library.book-lent.v1\n", f"        type: {value}\n")
+    if key == "source":
+        text = text.replace(
+            "    broker: nats\n", f"    broker: nats\n    cloudevents_source: {value}\n"
+        )
+    path = tmp_path / "relay.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="goes in a message header") as info:
+        load_config(path)
+    assert ("cloudevents_source" if key == "source" else ".type:") in str(info.value)
