@@ -69,11 +69,6 @@ async def roles(events_table: str, pg_admin_dsn: str, outbox: Outbox) -> AsyncIt
     sql = doc_sql("### 1. Database rights") + doc_sql("#### Operators and readers")
     for doc_name, name in names.items():
         sql = re.sub(rf"\b{doc_name}\b", name, sql)
-    async with connect(pg_admin_dsn) as admin:
-        await admin.execute(f"CREATE ROLE {names['outbox_relay']} LOGIN")
-    # CREATE ROLE is per server, the GRANTs per database: both in the test's database.
-    async with connect(events_table) as conn:
-        await conn.execute(sql)
     made = Roles(
         names["outbox_relay"],
         names["alice"],
@@ -82,14 +77,22 @@ async def roles(events_table: str, pg_admin_dsn: str, outbox: Outbox) -> AsyncIt
         outbox,
     )
     try:
+        async with connect(pg_admin_dsn) as admin:
+            await admin.execute(f"CREATE ROLE {names['outbox_relay']} LOGIN")
+        # CREATE ROLE is per server, the GRANTs per database: both in the test's database.
+        async with connect(events_table) as conn:
+            await conn.execute(sql)
         yield made
-    finally:
+    finally:  # roles outlive the test's database: dropped whatever happened
         async with connect(events_table) as conn:
             for name in names.values():
-                await conn.execute(f"DROP OWNED BY {name}")
+                await conn.execute(
+                    f"DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}')"
+                    f" THEN DROP OWNED BY {name}; END IF; END $$"
+                )
         async with connect(pg_admin_dsn) as admin:
             for name in names.values():
-                await admin.execute(f"DROP ROLE {name}")
+                await admin.execute(f"DROP ROLE IF EXISTS {name}")
 
 
 def as_(tmp_path: Path, dsn: str, nats_url: str, stream: str) -> Path:
