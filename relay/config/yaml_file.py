@@ -1,4 +1,4 @@
-"""Reading the YAML config file: line numbers for errors and `${VAR}` expansion.
+"""Reading the YAML config file: `${VAR}` expansion, and the line each error points at.
 
 ruamel.yaml keeps each key's line, so an error found later by pydantic can
 still point at `relay.yaml:14`. Expansion happens on parsed scalars, never on
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.constructor import DuplicateKeyError
@@ -66,6 +67,10 @@ class YamlDocument:
     def where(self, loc: Sequence[str | int]) -> str:
         line = self.line_of(loc)
         return f"{self.path}:{line}" if line else str(self.path)
+
+    def describe(self, exc: ValidationError) -> str:
+        """The models' errors about this file, each pointing at its key's line."""
+        return _described(exc, self)
 
 
 def load_yaml(path: Path, environ: Mapping[str, str] | None = None) -> YamlDocument:
@@ -257,3 +262,101 @@ def _render(
             value = _render(part.default, env, missing)
         out.append(value)
     return "".join(out)
+
+
+# -- where a validation error points ----------------------------------------------------
+
+
+def _described(exc: ValidationError, doc: YamlDocument) -> str:
+    """A ValidationError as `file:line: dotted.key: message` lines, one a problem."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = _clean_loc(error["loc"], doc)
+        msg = error["msg"].removeprefix("Value error, ")
+        loc, msg = _point_at_field(loc, msg, doc)
+        if error["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'")
+            loc = (*loc, field)
+            expected = error.get("ctx", {}).get("expected_tags", "")
+            msg = f"unknown or missing {field} (expected one of: {expected})"
+        elif error["type"] == "missing":
+            msg = "required key is missing"
+        key = ".".join(str(p) for p in loc)
+        lines.append(f"{doc.where(loc)}: {key}: {msg}" if key else f"{doc.path}: {msg}")
+    count = len(lines)
+    head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "
+    return head + "\n  ".join(lines)
+
+
+def _point_at_field(
+    loc: tuple[str | int, ...], msg: str, doc: YamlDocument
+) -> tuple[tuple[str | int, ...], str]:
+    """`payload: loanId: bad` becomes `payload.loanId: bad` when loanId is a key there.
+
+    A whole-file check has no location of its own; its message starts with the dotted key it
+    is about (`outboxes.x.broker: ...`), which is found in the file so that it gets a line.
+    """
+    node: Any = doc.data
+    for part in loc:
+        node = _child(node, part)
+    field, sep, rest = msg.partition(": ")
+    if sep and isinstance(node, dict) and field in node:
+        return (*loc, field), rest
+    if sep and not loc and (path := _dotted(doc.data, field)):
+        return path, rest
+    return loc, msg
+
+
+def _dotted(node: Any, key: str) -> tuple[str | int, ...] | None:
+    """The path of `key` (`outboxes.loans.v2.id`) in `node`; names may contain dots.
+
+    A list's items are numbered (`messages.BookLent.1.id`).
+    """
+    if isinstance(node, list):
+        head, _, rest_key = key.partition(".")
+        if not head.isdigit() or int(head) >= len(node):
+            return None
+        if not rest_key:
+            return (int(head),)
+        rest = _dotted(node[int(head)], rest_key)
+        return (int(head), *rest) if rest else None
+    if not isinstance(node, dict):
+        return None
+    for name in sorted(node, key=len, reverse=True):
+        if key == name:
+            return (name,)
+        if key.startswith(f"{name}.") and (rest := _dotted(node[name], key[len(name) + 1 :])):
+            return (name, *rest)
+    return None
+
+
+_ABSENT = object()
+
+
+def _child(node: Any, part: str | int) -> Any:
+    if isinstance(node, dict) and part in node:
+        return node[part]
+    if isinstance(node, list) and isinstance(part, int) and part < len(node):
+        return node[part]
+    return _ABSENT
+
+
+def _clean_loc(loc: tuple[str | int, ...], doc: YamlDocument) -> tuple[str | int, ...]:
+    """Drop pydantic's internal steps (union tags, `[key]`) that are not in the file."""
+    out: list[str | int] = []
+    node: Any = doc.data
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        child = _child(node, part)
+        if child is not _ABSENT:
+            out.append(part)
+            node = child
+        elif isinstance(node, dict) and node.get("type") == part:
+            continue  # the tag of a union chosen by `type` (a broker), not a key
+        elif last and isinstance(node, dict) and not str(part).startswith("["):
+            out.append(part)
+        elif isinstance(part, str) and part.startswith("function-"):
+            continue
+    return tuple(out)
