@@ -26,7 +26,12 @@ from typing import Any
 from bench.relay_bench import backlog_rows, schema_for
 from relay.config import OutboxConfig
 from relay.core import delivery
-from relay.core.mapping import Event, Mapper
+from relay.core.mapping import Mapper
+
+try:
+    from relay.core.event import Event
+except ImportError:  # `--compare` with a tree from before Event had a module of its own
+    from relay.core.mapping import Event  # type: ignore[attr-defined]
 
 PAYLOAD = {
     "bookId": "aggregate_id",

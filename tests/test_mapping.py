@@ -16,7 +16,8 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
-from relay.core.mapping import Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import Mapper
 from relay.core.retry import Backoff
 from relay.errors import MappingError
 from relay.postgres.source import decode_json

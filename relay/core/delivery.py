@@ -20,8 +20,9 @@ from typing import Protocol
 import structlog
 
 from relay.config import OutboxConfig
+from relay.core.event import Event
 from relay.core.lanes import metric_labels
-from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.core.mapping import CompiledRule, Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher
 from relay.core.retry import Backoff

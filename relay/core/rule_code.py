@@ -14,12 +14,10 @@ spliced in as code. A rule with a JMESPath expression keeps the interpreter.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from relay.config.expressions import is_dotted, null_placeholder, template_pieces, text_of
-
-if TYPE_CHECKING:
-    from relay.core.mapping import Event
+from relay.core.event import Event
 
 Values = Callable[["Event", "str | None"], "tuple[Any, str, str, str, str | None]"]
 """(event, its created_at in ISO 8601) -> (body, id, destination, key, routing key)."""

@@ -20,7 +20,8 @@ import asyncpg
 from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
 from relay.config.expressions import template_pieces
-from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import CompiledRule, Mapper
 from relay.errors import (
     ConfigError,
     DatabaseError,

@@ -13,7 +13,8 @@ from typing import Any
 import asyncpg
 import structlog
 
-from relay.core.mapping import CompiledRule, Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import CompiledRule, Mapper
 from relay.core.publishing import Message, Outcome, Publisher
 from relay.errors import PublishError, RelayError, TransientPublishError
 from relay.postgres.claimed import ClaimedOutbox

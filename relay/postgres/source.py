@@ -36,8 +36,8 @@ import asyncpg
 import orjson
 
 from relay.config import ColumnsConfig, SourceConfig
+from relay.core.event import Event
 from relay.core.lanes import Lane
-from relay.core.mapping import Event
 from relay.core.nesting import MAX_DEPTH, TooDeep, headroom, text_depth
 from relay.errors import SourceError
 from relay.postgres import event_table

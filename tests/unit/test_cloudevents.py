@@ -18,7 +18,8 @@ from relay.brokers.kafka import _headers as kafka_headers
 from relay.brokers.nats import _headers as nats_headers
 from relay.brokers.sqs import MAX_ATTRIBUTES, _attributes, _within_limit
 from relay.config import OutboxConfig, load_config
-from relay.core.mapping import Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import Mapper
 from relay.core.publishing import STRUCTURED, Message, cloudevent_attributes, to_structured
 from relay.core.trace_context import traceparent_problem, tracestate_valid
 from relay.errors import ConfigError

@@ -18,7 +18,7 @@ import pytest
 
 from relay.config import OutboxConfig
 from relay.core.delivery import Delivery, Item, Parking, RetryCount
-from relay.core.mapping import Event
+from relay.core.event import Event
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Outcome, Publisher
 from relay.core.state import OutboxState

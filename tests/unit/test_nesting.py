@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from relay.config import OutboxConfig
-from relay.core.mapping import Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import Mapper
 from relay.core.publishing import Message
 from relay.errors import MappingError
 from relay.postgres.source import decode_json

@@ -12,7 +12,8 @@ import pytest
 
 from relay.config import OutboxConfig
 from relay.config.expressions import ExpressionError, compile_template
-from relay.core.mapping import Event, Mapper, _compile_payload, _interpreted
+from relay.core.event import Event
+from relay.core.mapping import Mapper, _compile_payload, _interpreted
 from relay.core.rule_code import compile_values
 from relay.errors import MappingError
 

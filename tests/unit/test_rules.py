@@ -12,7 +12,8 @@ import pytest
 from relay.config import OutboxConfig, load_config
 from relay.config.message_schemas import SchemaError, compile_schema
 from relay.core.delivery import items_of
-from relay.core.mapping import Event, Mapper
+from relay.core.event import Event
+from relay.core.mapping import Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
 from relay.ops.contract.view import rules_of
 from relay.ops.operations import _parked_rules
