@@ -34,11 +34,10 @@ def _hide_userinfo(text: str) -> str:
     out: list[str] = []
     pos = 0
     while (sep := text.find("://", pos)) != -1:
-        start = _scheme_start(text, pos, sep)
         end = _SPACE.search(text, sep + 3)
         token_end = end.start() if end else len(text)
         at = text.rfind("@", sep + 3, token_end)
-        if start is None:
+        if not _has_scheme(text, pos, sep):
             out.append(text[pos : sep + 1])  # not a URL here; a later `://` may be
             pos = sep + 1
             continue
@@ -52,11 +51,9 @@ def _hide_userinfo(text: str) -> str:
     return "".join(out)
 
 
-def _scheme_start(text: str, floor: int, sep: int) -> int | None:
-    """Where the scheme before `sep` begins (a letter, then letters, digits, `+.-`), if any."""
+def _has_scheme(text: str, floor: int, sep: int) -> bool:
+    """Whether a scheme ends at `sep`: a letter, then letters, digits and `+.-`."""
     start = sep
     while start > floor and sep - start < _LONGEST_SCHEME and text[start - 1] in _SCHEME_CHARS:
         start -= 1
-    while start < sep and not (text[start].isascii() and text[start].isalpha()):
-        start += 1
-    return start if start < sep else None
+    return any(c.isascii() and c.isalpha() for c in text[start:sep])

@@ -318,7 +318,6 @@ class NatsPublisher:
                     await self.close()
         missing = TransientPublishError(f"no PubAck within {self._config.ack_timeout}s")
         outcomes: list[Outcome] = []
-        self.last_duplicates = []
         for index, reply in enumerate(acks.replies[: acks.expected]):
             if reply is None:
                 outcomes.append(missing)
