@@ -135,10 +135,7 @@ class Delivery:
         self.retry: RetryCount | None = None  # the head message's failures so far
         self.log = structlog.get_logger("relay.delivery").bind(outbox=name)
         self._duplicates_seen = 0
-        # For telling a re-send from a collision: the furthest position sent since the lease
-        # was claimed, and how many first sends may still be the last holder's batch in flight.
-        self._sent_upto = 0
-        self._fresh = 0
+        self._previous: list[Message] = []  # the last publish call's, for collisions
         metrics.unexpected_duplicates.labels(*self.labels)  # at 0, so that alerts see it
         # Destination templates, not rendered destinations, label the metric: bounded.
         self._published_to = {
@@ -186,46 +183,27 @@ class Delivery:
                 return False  # nothing unacknowledged was checkpointed: it is read again
         return True
 
-    def claimed(self, position: int) -> None:
-        """The lease was claimed at `position`: what comes next may have been sent already."""
-        self._sent_upto, self._fresh = position, self.config.batch.max_messages
-
     def _check_duplicates(self, messages: list[Message], duplicates: Sequence[int]) -> None:
-        """Warn about duplicates that were not re-sends: another event's message had the id.
+        """Warn about duplicates that are collisions: another event's message had the id.
 
-        A re-send is a position sent before since the claim, or one of the first batch's
-        worth after it (the previous holder's batch in flight). Two events with one id in
-        the same batch are a collision wherever they are.
+        Only what proves it counts: a message of another event (position) with the same id
+        in this publish call or the last. A duplicate of an id this relay did not send lately
+        may be a re-send by anyone (a previous holder's batch in flight, a replay carried out
+        by another holder or by the CLI), so it is not counted: no false alarm.
         """
-        fresh, first_sends, unexpected = self._fresh, 0, []
-        ids: dict[str, int] = {}
-        for message in messages:
-            ids.setdefault(message.id, message.position)
-        flagged = set(duplicates)
-        for index, message in enumerate(messages):
-            first_send = message.position > self._sent_upto
-            first_sends += first_send
-            if index not in flagged:
-                continue
-            shared = ids[message.id] != message.position
-            if shared or (first_send and first_sends > fresh):
-                unexpected.append(message)
+        ids: dict[str, set[int]] = {}
+        for message in (*self._previous, *messages):
+            ids.setdefault(message.id, set()).add(message.position)
+        unexpected = [m for m in map(messages.__getitem__, duplicates) if len(ids[m.id]) > 1]
         if unexpected:
             self.metrics.unexpected_duplicates.labels(*self.labels).inc(len(unexpected))
             self.log.warning(
-                "the broker dropped messages as duplicates that this relay had not sent:"
-                " another event's message had the same id; is the outbox's id unique per event?",
+                "the broker dropped messages as duplicates of another event's message with the"
+                " same id; is the outbox's id unique per event?",
                 count=len(unexpected),
                 ids=[m.id for m in unexpected[:5]],
                 positions=[m.position for m in unexpected[:5]],
             )
-
-    def _sent(self, messages: list[Message]) -> None:
-        """Messages go in position order: the last is the furthest."""
-        if self._fresh:
-            first_sends = sum(m.position > self._sent_upto for m in messages)
-            self._fresh = max(self._fresh - first_sends, 0)
-        self._sent_upto = max(self._sent_upto, messages[-1].position)
 
     def _failed(self, head: Item, failure: PublishError) -> RetryCount:
         """Count one more failure of the head message (a new message starts at zero)."""
@@ -254,7 +232,7 @@ class Delivery:
         self.metrics.batch_messages.labels(*self.labels).observe(len(messages))
         if self.publisher.last_duplicates:
             self._check_duplicates(messages, self.publisher.last_duplicates)
-        self._sent(messages)
+        self._previous = messages
         return outcomes
 
     def _acknowledged(self, done: list[Item]) -> None:

@@ -89,8 +89,8 @@ class Metrics:
         )
         self.unexpected_duplicates = self._counter(
             "relay_unexpected_duplicates",
-            "Messages the broker dropped as duplicates though this relay had not sent them:"
-            " another event's message had the same id.",
+            "Messages the broker dropped as duplicates of another event's message with the"
+            " same id, sent in the same or the previous batch.",
             OUTBOX,
         )
         self.publish_duration = self._histogram(

@@ -80,7 +80,6 @@ class OutboxRelay:
         claim = session.claimed.claim
         self._horizon = claim.position
         self.delivery.retry, self._halted = claim.retry, claim.halted
-        self.delivery.claimed(claim.position)
         self.ctx.metrics.halted.labels(*self.labels).set(0 if self._halted is None else 1)
         try:
             if claim.start_xmin is not None and not await self._settle_start(session):
