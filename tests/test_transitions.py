@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 
 from relay.core.lanes import lanes_of
+from relay.postgres.command_queue import CommandKind, CommandQueue, CommandRequest
+from relay.postgres.partitions import PartitionsChanged
 from tests.support.db import append, append_many, connect
 from tests.support.delivery import Writer, append_backlog, book_lent, event_id
 from tests.support.http import get, http_port
@@ -44,6 +46,7 @@ from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, eventually, migrate_cli, save
 
 Start = Callable[..., RelayProcess]
+REPLAY = CommandKind.REPLAY
 
 
 def outbox(stream: str, k: int, **options: Any) -> dict[str, Any]:
@@ -603,8 +606,10 @@ async def test_a_replay_waiting_for_a_holder_when_the_outbox_changes_over_reache
             return bool(await conn.fetchval("SELECT count(*) FROM relay.commands"))
 
         await eventually(submitted)
+    # It leaves before it could take the command (SIGTERM is pending when it wakes, and a
+    # replica that is stopping takes no new command): the waiting replica changes over.
+    holder.terminate()
     holder.resume()
-    holder.terminate()  # it leaves: the waiting replica changes the outbox over
     assert await replay.wait_async(60) == 0, replay.output()
     assert json.loads(replay.stdout_path.read_text())["events"] == 120
 
@@ -615,6 +620,56 @@ async def test_a_replay_waiting_for_a_holder_when_the_outbox_changes_over_reache
     received = Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, copies))
     assert set(received.values()) == {2}, "every event once more, none left out"
     assert await recorded(events_table) == 3
+
+
+async def test_a_command_asked_of_a_lane_of_the_old_count_never_reaches_the_new_lane_of_its_name(
+    events_table: str, configs: Configs
+) -> None:
+    """The CLI asks each lane in turn. If the outbox changes over between two of them, the
+    request for the next old lane (`loans/1` of 2) must not be taken by the new lane of the
+    same name (`loans/1` of 3 holds other aggregates): a replay would then skip a third of
+    the events. It is refused, so the CLI carries the command out on the new lanes; one
+    asked while a change is being committed waits for it and is refused too."""
+    old = configs.loans(2)
+    migrate_cli(old)
+    done = run_cli(["repartition", "loans", "--partitions", "3", "--config", str(old)])
+    assert done.returncode == 0, done.stderr
+    queue = CommandQueue("relay")
+    replay = {"to": 0}
+    async with connect(events_table) as conn, connect(events_table) as change:
+        with pytest.raises(PartitionsChanged, match="3 partition"):
+            await queue.submit(
+                conn, CommandRequest(lanes_of("loans", 2)[1], REPLAY, replay, "test")
+            )
+        assert await queue.submit(
+            conn, CommandRequest(lanes_of("loans", 3)[1], REPLAY, replay, "test")
+        )
+        # A change in its transaction, as `relay repartition` and the change-over hold it.
+        changing = change.transaction()
+        await changing.start()
+        await change.execute("SELECT 1 FROM relay.outboxes WHERE outbox = 'loans' FOR UPDATE")
+        await change.execute("UPDATE relay.outboxes SET partitions = 2 WHERE outbox = 'loans'")
+        asked = asyncio.create_task(
+            queue.submit(conn, CommandRequest(lanes_of("loans", 3)[2], REPLAY, replay, "test"))
+        )
+        try:
+
+            async def waits_for_the_change() -> bool:
+                return bool(
+                    await change.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND datname = current_database()"
+                    )
+                )
+
+            await eventually(waits_for_the_change)
+            await changing.commit()
+            with pytest.raises(PartitionsChanged, match="2 partition"):
+                await asked
+        finally:
+            asked.cancel()
+        rows = await conn.fetch("SELECT outbox FROM relay.commands ORDER BY id")
+    assert [r["outbox"] for r in rows] == ["loans/1"], "only the request of the count in force"
 
 
 async def test_a_message_being_retried_keeps_its_count_of_failures_across_a_change(

@@ -49,6 +49,9 @@ class OutboxContext:
     state: OutboxState
     stop: asyncio.Event  # this lane's: set on shutdown, or to hand the lane over
     wakes: Wakes
+    # The relay's stop, set at SIGTERM, before the lanes' own are: from then on a lane
+    # takes no new command, which would otherwise be carried out and then handed on.
+    shutdown: asyncio.Event
 
     @classmethod
     def build(
@@ -59,6 +62,7 @@ class OutboxContext:
         identity: str,
         publisher: Publisher,
         metrics: Metrics,
+        shutdown: asyncio.Event,
     ) -> OutboxContext:
         config = relay_config.outboxes[lane.outbox]
         schema = relay_config.database.schema_
@@ -86,4 +90,5 @@ class OutboxContext:
             state=OutboxState(lane.name),
             stop=asyncio.Event(),
             wakes=Wakes(),
+            shutdown=shutdown,
         )

@@ -168,7 +168,7 @@ class Operator:
                 if await lease.try_acquire():
                     return await self._directly(lease, lane, kind, args)
                 result = await self._through_holder(
-                    lease, kind, args, deadline=deadline, wait=wait, patient=patient
+                    lease, lane, kind, args, deadline=deadline, wait=wait, patient=patient
                 )
             finally:
                 await lease.release()
@@ -178,6 +178,7 @@ class Operator:
     async def _through_holder(
         self,
         lease: Lease,
+        lane: Lane,
         kind: CommandKind,
         args: dict[str, Any],
         *,
@@ -188,8 +189,11 @@ class Operator:
         """The holder's outcome; None if the lease fell free first (command withdrawn)."""
         conn = await self.db.connect("cli")
         try:
-            request = CommandRequest(lease.outbox, kind, args, self.identity)
-            command_id = await self.queue.submit(conn, request)
+            request = CommandRequest(lane, kind, args, self.identity)
+            try:
+                command_id = await self.queue.submit(conn, request)
+            except PartitionsChanged as exc:  # changed since this lane was resolved
+                raise PartitionsMoved(str(exc)) from exc
             while time.monotonic() < deadline:
                 state = await self.queue.result(conn, command_id)
                 if (state.outcome or {}).get(PARTITIONS_CHANGED):
@@ -258,7 +262,7 @@ class Operator:
                 raise RelayError(f"lost the lease while carrying out the command: {held.lost}")
             done = held.result or Done(ok=False)
             async with lease.statement() as conn:
-                request = CommandRequest(lane.name, kind, args, self.identity)
+                request = CommandRequest(lane, kind, args, self.identity)
                 await self.queue.record(conn, request, ok=done.ok, outcome=done.detail)
             return CommandResult(done.ok, self.identity, done.detail, True)
         finally:

@@ -184,7 +184,7 @@ class OutboxRelay:
         claim, queue, moved = s.claimed.claim, self.ctx.commands, False
         if not await queue.waiting(s.reader, claim.outbox):
             return False  # asked on the reader: the lease connection is every lane's
-        while not self.ctx.stop.is_set():
+        while not (self.ctx.stop.is_set() or self.ctx.shutdown.is_set()):
             async with s.claimed.writer.statement() as conn:
                 command = await queue.take(conn, claim, self.ctx.identity)
             if command is None:

@@ -125,6 +125,7 @@ class Relay:
                 identity=self.identity,
                 publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
                 metrics=self.metrics,
+                shutdown=self.stop,
             )
             for lane in lanes_of(name, outbox.partitions)
         ]
