@@ -24,7 +24,7 @@ from relay.core.event import Event
 from relay.core.lanes import metric_labels
 from relay.core.mapping import CompiledRule, Mapper
 from relay.core.metrics import Metrics
-from relay.core.publishing import Message, Publisher
+from relay.core.publishing import Message, Publisher, one_outcome_each
 from relay.core.retry import Backoff
 from relay.core.state import OutboxState
 from relay.core.tracing import traced
@@ -221,13 +221,7 @@ class Delivery:
         if not messages:
             return []
         started = time.monotonic()
-        outcomes = await self._send(messages)
-        if len(outcomes) != len(messages):  # an adapter bug must not lose or stall messages
-            missing = TransientPublishError(
-                f"broker {self.publisher.name!r} returned {len(outcomes)} outcomes"
-                f" for {len(messages)} messages"
-            )
-            outcomes = [*outcomes[: len(messages)], *[missing] * (len(messages) - len(outcomes))]
+        outcomes = one_outcome_each(self.publisher.name, await self._send(messages), len(messages))
         self.metrics.publish_duration.labels(*self.labels).observe(time.monotonic() - started)
         self.metrics.batch_messages.labels(*self.labels).observe(len(messages))
         if self.publisher.last_duplicates:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import orjson
 
-from relay.errors import PublishError
+from relay.errors import PublishError, TransientPublishError
 
 STRUCTURED = "application/cloudevents+json"
 """The content type of a message in CloudEvents structured mode: the body is the whole event."""
@@ -144,3 +144,15 @@ class Publisher(Protocol):
 
     async def close(self) -> None:
         """Release connections; never raises."""
+
+
+def one_outcome_each(publisher: str, outcomes: list[Outcome], sent: int) -> list[Outcome]:
+    """Exactly `sent` outcomes: an adapter that returned another number has a bug, which
+    must neither pass for a success nor lose or stall a message. The missing ones fail
+    (transient: sent again), and any extra ones are dropped."""
+    if len(outcomes) == sent:
+        return outcomes
+    missing = TransientPublishError(
+        f"broker {publisher!r} returned {len(outcomes)} outcomes for {sent} messages"
+    )
+    return [*outcomes[:sent], *[missing] * (sent - len(outcomes))]

@@ -15,8 +15,8 @@ import structlog
 
 from relay.core.event import Event
 from relay.core.mapping import CompiledRule, Mapper
-from relay.core.publishing import Message, Outcome, Publisher
-from relay.errors import PublishError, RelayError, TransientPublishError
+from relay.core.publishing import Message, Outcome, Publisher, one_outcome_each
+from relay.errors import PublishError, RelayError
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import (
     Arguments,
@@ -191,12 +191,8 @@ async def publish_each(publisher: Publisher, messages: list[Message]) -> list[Ou
     final: list[Outcome] = [None] * len(messages)
     pending = list(range(len(messages)))
     while pending:
-        got = list(await publisher.publish([messages[i] for i in pending]))
-        if len(got) != len(pending):  # an adapter's bug must not pass for a success
-            missing = TransientPublishError(
-                f"broker {publisher.name!r} returned {len(got)} outcomes for {len(pending)}"
-            )
-            got = [*got[: len(pending)], *[missing] * (len(pending) - len(got))]
+        sent = await publisher.publish([messages[i] for i in pending])
+        got = one_outcome_each(publisher.name, sent, len(pending))
         first = next((o for o in got if o is not None), None)
         if first is None:
             break

@@ -149,20 +149,42 @@ class Store:
             skip,
         )
 
-    async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
-        """Move the checkpoint forwards and mark the outbox healthy."""
+    async def _fenced(
+        self,
+        conn: asyncpg.Connection,
+        claim: Claim,
+        action: str,
+        assignments: str,
+        *values: object,
+        where: str = "",
+    ) -> None:
+        """The one way a holder writes its checkpoint row: only at its claim's epoch, and only
+        on the connection that holds its lock ($1 lane, $2 epoch, $3 lock key; `values` from
+        $4), else FencedError naming `action`."""
+        also = f" AND {where}" if where else ""
         status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET position = $3, state = 'relaying', attempts = 0,"
-            " last_error = NULL, retry_position = NULL, rejections = 0, updated_at = now(),"
-            " broker = coalesce($5, broker)"
-            f" WHERE outbox = $1 AND epoch = $2 AND position <= $3 AND {holds_lock('$4')}",
+            f"UPDATE {self._checkpoints} SET {assignments}"
+            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$3')}{also}",
             claim.outbox,
             claim.epoch,
-            position,
             claim.key,
-            claim.broker,
+            *values,
         )
-        _fenced_unless_updated(status, claim, f"moving the checkpoint to {position}")
+        _fenced_unless_updated(status, claim, action)
+
+    async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
+        """Move the checkpoint forwards and mark the outbox healthy."""
+        await self._fenced(
+            conn,
+            claim,
+            f"moving the checkpoint to {position}",
+            "position = $4, state = 'relaying', attempts = 0, last_error = NULL,"
+            " retry_position = NULL, rejections = 0, updated_at = now(),"
+            " broker = coalesce($5, broker)",
+            position,
+            claim.broker,
+            where="position <= $4",
+        )
 
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
@@ -198,46 +220,39 @@ class Store:
         retry: RetryCount | None = None,
     ) -> None:
         """Record the outbox's state (relaying, retrying, stopped) for `relay status`."""
-        status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET state = $3, attempts = $4, last_error = $5,"
-            " retry_position = $6, rejections = $7, retry_rule = $9, updated_at = now()"
-            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$8')}",
-            claim.outbox,
-            claim.epoch,
+        await self._fenced(
+            conn,
+            claim,
+            f"reporting state {state}",
+            "state = $4, attempts = $5, last_error = $6, retry_position = $7, rejections = $8,"
+            " retry_rule = $9, updated_at = now()",
             state,
             attempts,
             last_error,
             retry.position if retry else None,
             retry.rejections if retry else 0,
-            claim.key,
             retry.rule if retry else "",
         )
-        _fenced_unless_updated(status, claim, f"reporting state {state}")
 
     async def halt(self, conn: asyncpg.Connection, claim: Claim, reason: str) -> None:
         """Stop the outbox until an operator's replay: it stays halted across restarts."""
-        status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET halted = $3, state = 'halted', last_error = $3,"
-            f" blocking = NULL, updated_at = now()"
-            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
-            claim.outbox,
-            claim.epoch,
+        await self._fenced(
+            conn,
+            claim,
+            "halting the outbox",
+            "halted = $4, state = 'halted', last_error = $4, blocking = NULL, updated_at = now()",
             reason,
-            claim.key,
         )
-        _fenced_unless_updated(status, claim, "halting the outbox")
 
     async def settle_start(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """`start: end`: put the first checkpoint where the first open transaction's events are."""
-        status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET position = least(position, $3), start_xmin = NULL,"
-            f" updated_at = now() WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
-            claim.outbox,
-            claim.epoch,
+        await self._fenced(
+            conn,
+            claim,
+            f"settling the starting position at {position}",
+            "position = least(position, $4), start_xmin = NULL, updated_at = now()",
             position,
-            claim.key,
         )
-        _fenced_unless_updated(status, claim, f"settling the starting position at {position}")
 
     async def report_blocking(
         self, conn: asyncpg.Connection, claim: Claim, blocker: Blocker | None
@@ -248,18 +263,16 @@ class Store:
             value = json.dumps(
                 {**blocker.fields(), "transaction_age": round(blocker.transaction_age, 3)}
             )
-        status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET blocking = $3::jsonb,"
-            " state = CASE WHEN $3::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
-            " updated_at = CASE WHEN $3::jsonb IS NULL OR blocking IS NULL THEN now()"
-            " ELSE updated_at END"
-            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$4')}",
-            claim.outbox,
-            claim.epoch,
+        await self._fenced(
+            conn,
+            claim,
+            "reporting a blocking transaction",
+            "blocking = $4::jsonb,"
+            " state = CASE WHEN $4::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
+            " updated_at = CASE WHEN $4::jsonb IS NULL OR blocking IS NULL THEN now()"
+            " ELSE updated_at END",
             value,
-            claim.key,
         )
-        _fenced_unless_updated(status, claim, "reporting a blocking transaction")
 
     async def park(self, conn: asyncpg.Connection, claim: Claim, parking: Parking) -> None:
         """Keep the message aside and move to `parking.upto`, in one transaction.
