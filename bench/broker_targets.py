@@ -29,7 +29,7 @@ from pydantic import SecretStr
 
 from bench import relay_bench as rb
 from bench import report
-from relay.brokers.kafka import _headers as kafka_headers
+from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.rabbitmq import RabbitMqPublisher, _routing_key
 from relay.brokers.sqs import (
     CONCURRENCY,

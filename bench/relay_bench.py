@@ -74,7 +74,7 @@ from bench.report import (
     summary,
     to_json,
 )
-from relay.brokers.nats import _headers  # the relay's exact CloudEvents headers
+from relay.brokers.nats import message_headers  # the relay's exact CloudEvents headers
 from relay.config import RelayConfig
 from relay.core.mapping import Mapper
 from relay.core.publishing import Message
@@ -399,7 +399,7 @@ async def ceiling(
 
     def prepare(messages: list[Message]) -> NatsChunk:
         return [
-            (m.destination, m.body, {**_headers(m), "Nats-Msg-Id": f"{m.id}#{tag}"})
+            (m.destination, m.body, {**message_headers(m), "Nats-Msg-Id": f"{m.id}#{tag}"})
             for m in messages
         ]
 

@@ -305,11 +305,11 @@ def sent_headers(
     """The header names each adapter really writes (SQS: message attribute names)."""
     message = message or _message()
     if broker == "nats":
-        from relay.brokers.nats import _headers as nats_headers
+        from relay.brokers.nats import message_headers as nats_headers
 
         return set(nats_headers(message))
     if broker == "kafka":
-        from relay.brokers.kafka import _headers as kafka_headers
+        from relay.brokers.kafka import message_headers as kafka_headers
 
         return {name for name, _ in kafka_headers(message)}
     if broker == "rabbit":

@@ -378,7 +378,7 @@ class KafkaPublisher:
             if in_topic is None and (not _TOPIC.match(topic) or topic in (".", "..")):
                 exc = InvalidTopicError(f"{topic!r} is not a valid Kafka topic name")
                 return waves, (i, self._classify(exc, 1))
-            key, body, headers = message.key.encode(), message.body, _headers(message)
+            key, body, headers = message.key.encode(), message.body, message_headers(message)
             size = estimate(key, body, headers)
             if size > limit:
                 exc = MessageSizeTooLargeError(
@@ -483,7 +483,7 @@ class KafkaPublisher:
         await self.close()
 
 
-def _headers(message: Message) -> list[tuple[str, bytes]]:
+def message_headers(message: Message) -> list[tuple[str, bytes]]:
     """CloudEvents Kafka binding: binary mode, or only the content type in structured mode."""
     # The record's key is the partition key here.
     attributes = cloudevent_attributes(message, "ce_", partition_key=False)

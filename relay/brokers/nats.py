@@ -249,7 +249,7 @@ class NatsPublisher:
             ):
                 refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
                 break
-            headers.append(_headers(message))
+            headers.append(message_headers(message))
         sendable = len(headers)
         outcomes = await self._send(messages[:sendable], headers) if sendable else []
         if refused is not None:
@@ -505,7 +505,7 @@ def captures(pattern: str, subject: str) -> bool:
     return len(want) == len(got)
 
 
-def _headers(message: Message) -> dict[str, str]:
+def message_headers(message: Message) -> dict[str, str]:
     """JetStream's dedup id, then the CloudEvents NATS binding (binary mode).
 
     The id comes first: nats-server 2.9 looks a header up by the first occurrence of its

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from cloudevents.core.formats.json import JSONFormat
 
-from relay.brokers.kafka import _headers as kafka_headers
-from relay.brokers.nats import _headers as nats_headers
+from relay.brokers.kafka import message_headers as kafka_headers
+from relay.brokers.nats import message_headers as nats_headers
 from relay.brokers.sqs import MAX_ATTRIBUTES, _attributes, _within_limit
 from relay.config import OutboxConfig, load_config
 from relay.core.event import Event
