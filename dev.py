@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
         relay = tool("relay")
         os.execve(relay, [relay, "demo", *argv[1:]], venv_environ())
     if argv[0] == "schema":
-        check([str(PYTHON), "-m", "relay.config.schema", CHART_VALUES_SCHEMA], venv_environ())
+        command = [str(PYTHON), "-m", "relay.config.config_schema", CHART_VALUES_SCHEMA]
+        check(command, venv_environ())
         return 0
     return run()
 

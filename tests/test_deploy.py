@@ -34,8 +34,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.config import load_config
-from relay.config.schema import chart_config_schema, config_schema
-from relay.config.schema import render as render_schema
+from relay.config.config_schema import chart_config_schema, config_schema
+from relay.config.config_schema import render as render_schema
 from relay.core.metrics import Metrics
 from tests.support.relay_process import run_cli
 

@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from relay.config import NOTIFY_CHANNEL_MAX
-from relay.core.state import OutboxState
+from relay.core.lane_state import OutboxState
 from relay.ops.runner import Relay
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name

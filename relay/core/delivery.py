@@ -21,12 +21,12 @@ import structlog
 
 from relay.config import OutboxConfig
 from relay.core.event import Event
+from relay.core.lane_state import OutboxState
 from relay.core.lanes import metric_labels
 from relay.core.mapping import CompiledRule, Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher, one_outcome_each
 from relay.core.retry import Backoff
-from relay.core.state import OutboxState
 from relay.core.tracing import traced
 from relay.core.waiting import wait_any
 from relay.errors import MappingError, PublishError, TransientPublishError

@@ -483,8 +483,8 @@ def demo(
 @app.command("config-schema")
 def config_schema() -> None:
     """Print the config file's JSON Schema (for editors; the Helm chart embeds it)."""
-    from relay.config.schema import config_schema as schema
-    from relay.config.schema import render
+    from relay.config.config_schema import config_schema as schema
+    from relay.config.config_schema import render
 
     say(render(schema()), nl=False)
 

@@ -11,11 +11,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 from relay.config import OutboxConfig, RelayConfig
+from relay.core.lane_state import OutboxState
 from relay.core.lanes import Lane
 from relay.core.mapping import Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Publisher
-from relay.core.state import OutboxState
 from relay.ops.operations import Operations
 from relay.postgres.command_queue import CommandQueue
 from relay.postgres.partitions import Partitions

@@ -23,10 +23,10 @@ import structlog
 from relay import __version__
 from relay.brokers import create_publisher
 from relay.config import RelayConfig
+from relay.core.lane_state import OutboxState
 from relay.core.lanes import lanes_of
 from relay.core.metrics import Metrics
 from relay.core.retry import Backoff
-from relay.core.state import OutboxState
 from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
 from relay.ops.context import OutboxContext

@@ -20,7 +20,7 @@ from relay.config import (
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
-from relay.ops.contract.schemas import expression_schema, payload_schema
+from relay.ops.contract.inference import expression_schema, payload_schema
 from relay.ops.contract.servers import servers
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
 

@@ -19,9 +19,9 @@ import pytest
 from relay.config import OutboxConfig
 from relay.core.delivery import Delivery, Item, Parking, RetryCount
 from relay.core.event import Event
+from relay.core.lane_state import OutboxState
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Outcome, Publisher
-from relay.core.state import OutboxState
 from relay.errors import MappingError, PermanentPublishError, PublishError, TransientPublishError
 
 # Fails message `id` (or lets it through with None) on its n-th attempt (1-based).

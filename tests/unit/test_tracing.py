@@ -113,7 +113,7 @@ def test_without_the_otel_extra_nothing_is_imported_and_publish_is_untouched() -
         from relay.core import tracing
         from relay.core.delivery import Delivery
         from relay.core.metrics import Metrics
-        from relay.core.state import OutboxState
+        from relay.core.lane_state import OutboxState
 
         class Publisher:
             name, duplicates = "fake", 0

@@ -17,7 +17,7 @@ from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
 from relay.config.broker_identity import host_of
 from relay.config.expressions import template_pieces
 from relay.core.publishing import STRUCTURED
-from relay.ops.contract.schemas import (
+from relay.ops.contract.inference import (
     DATA_CONTENT_TYPE,
     Schema,
     embedded_schema,
