@@ -24,8 +24,9 @@ from tests.support.relay_process import RelayProcess
 
 FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
 
-# Tests that need a real service (or start one): the `integration` tier. The rest run in
-# seconds with nothing on the machine: `pytest -m "not integration"`.
+# The tier is the folder: tests/unit/ runs in seconds with nothing on the machine
+# (`pytest -m "not integration"`); everything else is the `integration` tier. A unit test
+# that asks for one of these fixtures (each reaches or starts a server) is a mistake.
 SERVICE_FIXTURES = {
     "pg_admin_dsn",
     "database",
@@ -45,12 +46,20 @@ SERVICE_FIXTURES = {
     "private_postgres",
     "chart",
 }
+UNIT = Path(__file__).resolve().parent / "unit"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if not item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.integration)
+            continue
+        services = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if services:
+            raise pytest.UsageError(
+                f"{item.nodeid}: a unit test asks for {sorted(services)}; it belongs in"
+                " tests/integration/"
+            )
 
 
 # Each broker's test server lives in its own module, beside the adapter it tests.

@@ -1,7 +1,7 @@
 """Config files with a secret in them, each broken in one way: for the tests that load them.
 
 Every error path of loading a config, with a literal secret where one may be written. The
-unit tests load them in-process; tests/test_secrets.py runs `relay check` on them.
+unit tests load them in-process; tests/integration/test_secrets.py runs `relay check` on them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Views let these tests reach what the config cannot say yet (several rules per event type,
 a JSON Schema per rule, structured CloudEvents, trace context): the generator must already
-handle them. tests/test_asyncapi_contract.py runs the official parser over the same shapes.
+handle them. tests/integration/test_asyncapi_contract.py runs the official parser over the
+same shapes.
 """
 
 from __future__ import annotations

@@ -22,8 +22,12 @@ PORTS = {5432: "PostgreSQL", 4222: "NATS", 5672: "RabbitMQ"}
 LOOPBACK = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\]):(5432|4222|5672)\b")
 # Files whose loopback URLs are text that is never connected to.
 TEXT_ONLY = {
-    TESTS / "test_config.py": "config files that are loaded and validated, never connected to",
-    TESTS / "test_secrets.py": "URLs refused before any connection, and redaction cases",
+    TESTS
+    / "unit"
+    / "test_config.py": "config files that are loaded and validated, never connected to",
+    TESTS
+    / "integration"
+    / "test_secrets.py": "URLs refused before any connection, and redaction cases",
 }
 
 
@@ -56,7 +60,7 @@ def test_tests_reach_services_only_through_the_fixtures() -> None:
         for path in sorted(TESTS.rglob("*.py"))
         if not any(path == allowed or allowed in path.parents for allowed in ALLOWED)
     ]
-    assert TESTS / "test_failover.py" in files
+    assert TESTS / "integration" / "test_failover.py" in files
     found = {str(path.relative_to(TESTS.parent)): hard_coded(path) for path in files}
     found = {path: lines for path, lines in found.items() if lines}
     assert not found, (

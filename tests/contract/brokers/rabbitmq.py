@@ -66,7 +66,8 @@ class RabbitMqHarness:
 
     def cloudevent(self, message: Consumed) -> BaseCloudEvent:
         """The AMQP binding, which reads the default `cloudevents_headers: amqp` style
-        (tests/test_rabbitmq_publisher.py reads the `ce` style with the RabbitMQ binding)."""
+        (tests/integration/test_rabbitmq_publisher.py reads the `ce` style with the
+        RabbitMQ binding)."""
         raw = message.raw
         properties = {"content-type": raw.properties.content_type}
         return amqp.from_amqp(amqp.AMQPMessage(properties, raw.headers, raw.body), JSONFormat())

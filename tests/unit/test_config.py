@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from relay.config import (
 from relay.config.yaml_file import expand_vars
 from relay.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "relay.example.yaml"
 
 GOOD = """\
@@ -206,19 +204,6 @@ def test_no_config_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RELAY_CONFIG", raising=False)
     with pytest.raises(ConfigError, match="--config"):
         load_config(None)
-
-
-def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
-    path = write(tmp_path, GOOD.replace("        destination:", "        destinaton:"))
-    result = subprocess.run(
-        [sys.executable, "-m", "relay", "check", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert "destinaton: unknown key" in result.stderr
 
 
 def test_model_rejects_unknown_top_level_key(tmp_path: Path) -> None:

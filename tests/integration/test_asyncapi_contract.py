@@ -23,7 +23,7 @@ from tests.support.asyncapi import NodeMissing, diagnostics, install_parser, pro
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, document, outbox, rule
 from tests.support.relay_process import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "relay.example.yaml"
 SECRET = "Xk7Tq2Zp9Wm4"
 ENV = {"DATABASE_URL": "postgresql://relay@127.0.0.1:1/app", "RELAY_SECRET": SECRET}
@@ -127,7 +127,7 @@ def contract(args: list[str]) -> tuple[int, str, str]:
 
 
 def assert_hidden(text: str) -> None:
-    """No 3-character piece of the password, as in tests/test_secrets.py."""
+    """No 3-character piece of the password, as in tests/integration/test_secrets.py."""
     leaked = sorted({SECRET[i : i + 3] for i in range(len(SECRET) - 2)} & _pieces(text))
     assert not leaked, f"pieces {leaked} of the password are in the output"
 

@@ -49,7 +49,7 @@ except ImportError:  # reported by the `chart` fixture, with the install command
 # services, but seconds each, so not in the fast tier.
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "outbox-relay"
 DOCKERFILE = ROOT / "Dockerfile"
 RELEASE = "outbox-relay"  # contains the chart name, so the fullname is `outbox-relay`

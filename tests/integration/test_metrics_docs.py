@@ -31,7 +31,7 @@ from tests.support.scenario import (
     save,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 CHART = ROOT / "helm" / "outbox-relay"
 

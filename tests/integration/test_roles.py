@@ -24,7 +24,7 @@ from tests.support.postgres import as_role
 from tests.support.relay_process import run_cli
 from tests.support.scenario import loans, migrate_cli, write_config
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 def doc_sql(after: str) -> str:

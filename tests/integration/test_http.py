@@ -19,7 +19,7 @@ from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
 from tests.support.relay_process import run_cli
 from tests.support.scenario import OVERSIZED_LOAN, config_dict, eventually, loans, save
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def promtool() -> str:
