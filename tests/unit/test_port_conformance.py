@@ -1,0 +1,75 @@
+"""Every broker a config may name has an adapter that meets the `Publisher` port and probing.
+
+The registry, the config's broker types and the package extras are three lists that a
+new adapter must extend together; this holds them to each other, and holds each adapter
+to the members the core and `relay check` call, with the same signatures. It builds each
+publisher from a minimal config, which must open no connection (no server is needed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import TypeAdapter
+
+from relay.brokers import _ADAPTERS, Probing, create_publisher
+from relay.config import BrokerConfig
+from relay.core.publishing import Publisher
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL: dict[str, dict[str, Any]] = {
+    "nats": {"servers": ["nats://127.0.0.1:1"]},
+    "kafka": {"bootstrap_servers": ["127.0.0.1:1"]},
+    "rabbitmq": {"url": "amqp://127.0.0.1:1/"},
+    "sqs": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
+}
+
+
+def config_types() -> set[str]:
+    """The `type` values the config accepts for a broker."""
+    union = typing.get_args(typing.get_args(BrokerConfig)[0])
+    return {typing.get_args(model.model_fields["type"].annotation)[0] for model in union}
+
+
+def members(protocol: type) -> dict[str, Any]:
+    """The protocol's own methods, properties and attributes, by name."""
+    names = {n for n in vars(protocol) if not n.startswith("_") and n not in ("register", "mro")}
+    names |= set(typing.get_type_hints(protocol))
+    return {n: getattr(protocol, n, None) for n in names}
+
+
+def test_every_broker_type_of_the_config_has_an_adapter_and_an_extra() -> None:
+    assert set(_ADAPTERS) == config_types() == set(MINIMAL)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for kind, (_, _, extra) in _ADAPTERS.items():
+        assert extra in extras, f"broker type {kind!r}: no extra {extra!r} in pyproject.toml"
+        assert extra in extras["all"][0], f"the `all` extra leaves out {extra!r}"
+
+
+@pytest.mark.parametrize("kind", sorted(_ADAPTERS))
+def test_each_adapter_meets_the_publisher_port_and_probing(kind: str) -> None:
+    config = TypeAdapter(BrokerConfig).validate_python({"type": kind, **MINIMAL[kind]})
+    publisher = create_publisher("b", config)  # builds it, connects nothing
+    assert publisher.name == "b"
+    assert publisher.duplicates == 0
+    assert list(publisher.last_duplicates) == []
+    for protocol in (Publisher, Probing):
+        for name, wanted in members(protocol).items():
+            got = getattr(type(publisher), name, None)
+            assert got is not None or hasattr(publisher, name), f"{kind}: no {name}"
+            if inspect.iscoroutinefunction(wanted):
+                assert inspect.iscoroutinefunction(got), f"{kind}: {name} must be async"
+                want = list(inspect.signature(wanted).parameters)
+                have = inspect.signature(got).parameters
+                extra = [p for n, p in have.items() if n not in want]
+                assert list(have)[: len(want)] == want, f"{kind}.{name}: {list(have)} != {want}"
+                assert all(p.default is not p.empty for p in extra), (
+                    f"{kind}.{name}: the port calls it without {[p.name for p in extra]}"
+                )
