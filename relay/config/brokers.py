@@ -49,6 +49,14 @@ class NatsStreamConfig(Model):
     storage: Literal["file", "memory"] = "file"
     duplicate_window: PositiveDuration = 120.0
 
+    @field_validator("duplicate_window")
+    @classmethod
+    def _window_jetstream_takes(cls, window: float) -> float:
+        """JetStream refuses a shorter one (10052): the stream could never be created."""
+        if window < 0.1:
+            raise ValueError("JetStream needs at least 100ms")
+        return window
+
 
 def _scheme(server: str) -> str:
     return server.partition("://")[0].lower() if "://" in server else "nats"

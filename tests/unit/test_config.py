@@ -559,6 +559,21 @@ def test_broker_level_errors_name_the_key_not_the_broker_type(tmp_path: Path) ->
     assert "relay.yaml:8: brokers.nats.stream: a stream needs JetStream" in message
 
 
+@pytest.mark.parametrize("window", ["1ms", "99ms", "0.05s"])
+def test_a_duplicate_window_jetstream_refuses_is_a_config_error(
+    tmp_path: Path, window: str
+) -> None:
+    """JetStream refuses a stream whose window is under 100 ms (error 10052): the relay
+    would retry creating it for ever. Found attacking: `1ms` passed `relay check`."""
+    text = GOOD.replace(
+        '    servers: ["nats://127.0.0.1:4222"]\n',
+        '    servers: ["nats://127.0.0.1:4222"]\n'
+        f"    stream: {{name: LIBRARY, subjects: [library.>], duplicate_window: {window}}}\n",
+    )
+    message = error_of(tmp_path, text)
+    assert "brokers.nats.stream.duplicate_window: JetStream needs at least 100ms" in message
+
+
 def kafka_config(servers: str) -> str:
     """GOOD with its broker swapped for Kafka, bootstrap_servers written as given."""
     return GOOD.replace(
