@@ -133,8 +133,7 @@ def embed_in_chart(values_schema: Path) -> bool:
     return True
 
 
-if (
-    __name__ == "__main__"
-):  # python -m relay.config.config_schema helm/outbox-relay/values.schema.json
+# python -m relay.config.config_schema helm/outbox-relay/values.schema.json
+if __name__ == "__main__":
     target = Path(sys.argv[1])
     print(f"{target}: {'updated' if embed_in_chart(target) else 'already up to date'}")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from relay.core.lanes import Lane
 from relay.errors import RelayError
-from relay.postgres.partitions import PartitionsChanged
+from relay.postgres.partitions import Partitions
 from relay.postgres.sql import holds_lock, quote
 from relay.postgres.store import Claim
 
@@ -125,30 +125,19 @@ class CommandQueue:
 
     def __init__(self, schema: str) -> None:
         self.table = f"{quote(schema)}.commands"
-        self._outboxes = f"{quote(schema)}.outboxes"
+        self._partitions = Partitions(schema)
 
     async def submit(self, conn: asyncpg.Connection, request: CommandRequest) -> int:
         """Queue a command for the holder, and wake it.
 
         Only for a lane of the count the outbox runs with: lanes of two counts share names
         (`loans/1`), and a change of partitions ends the old lanes' commands in its own
-        transaction. The outbox's record is locked against that change until the command
-        is in, so one asked during a change waits for it and is then refused
-        (PartitionsChanged): the caller carries it out on the new lanes.
+        transaction. `Partitions.hold` keeps that change out until the command is in, so one
+        asked during a change waits for it and is then refused (PartitionsChanged): the
+        caller carries it out on the new lanes.
         """
-        lane = request.lane
         async with conn.transaction():
-            recorded = await conn.fetchval(
-                f"SELECT partitions FROM {self._outboxes} WHERE outbox = $1 FOR KEY SHARE",
-                lane.outbox,
-            )
-            if recorded is not None and recorded != lane.count:
-                raise PartitionsChanged(
-                    f"outbox {lane.outbox!r} runs with {recorded} partition(s) now, not"
-                    f" {lane.count}: the command was not queued",
-                    recorded,
-                    lane.count,
-                )
+            await self._partitions.hold(conn, request.lane)
             command_id = await conn.fetchval(
                 f"INSERT INTO {self.table} (outbox, kind, args, requested_by)"
                 " VALUES ($1, $2, $3::jsonb, $4) RETURNING id",

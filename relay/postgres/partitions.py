@@ -129,6 +129,22 @@ class Partitions:
         record = await self.read(conn, outbox)
         return configured if record is None else record.partitions
 
+    async def hold(self, conn: asyncpg.Connection, lane: Lane) -> None:
+        """In the caller's transaction: refuse (PartitionsChanged) a lane of another count
+        than the outbox runs with, and keep the count from changing until the transaction
+        ends (a change takes the record FOR UPDATE first). No record yet: any count."""
+        recorded = await conn.fetchval(
+            f"SELECT partitions FROM {self._outboxes} WHERE outbox = $1 FOR KEY SHARE",
+            lane.outbox,
+        )
+        if recorded is not None and recorded != lane.count:
+            raise PartitionsChanged(
+                f"outbox {lane.outbox!r} runs with {recorded} partition(s) now, not"
+                f" {lane.count}: the command was not queued",
+                recorded,
+                lane.count,
+            )
+
     async def admit(
         self,
         conn: asyncpg.Connection,

@@ -38,7 +38,7 @@ def config_types() -> set[str]:
 
 def members(protocol: type) -> dict[str, Any]:
     """The protocol's own methods, properties and attributes, by name."""
-    names = {n for n in vars(protocol) if not n.startswith("_") and n not in ("register", "mro")}
+    names = {n for n in vars(protocol) if not n.startswith("_")}
     names |= set(typing.get_type_hints(protocol))
     return {n: getattr(protocol, n, None) for n in names}
 
