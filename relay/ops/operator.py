@@ -56,7 +56,14 @@ class ReplayFrom:
 
 
 class CommandTimeout(RelayError):
-    """The holder did not carry out the command in time."""
+    """The holder did not carry out the command in time.
+
+    `here`: what happened on that lane alone, for a message that also names the lanes the
+    command was already carried out on (their changes stand)."""
+
+    def __init__(self, message: str, *, here: str) -> None:
+        super().__init__(message)
+        self.here = here
 
 
 class CommandRefused(UsageError):
@@ -105,12 +112,17 @@ class Operator:
             for attempt in range(1, _ATTEMPTS + 1):
                 await self.resolve()
                 results: dict[str, CommandResult] = {}
+                shares = await self._lane_args(kind, args)
                 try:
-                    for lane, lane_args in await self._lane_args(kind, args):
-                        results[lane.name] = await self._on_lane(
-                            session, lane, kind, lane_args, deadline=deadline, wait=wait,
-                            patient=patient,
-                        )  # fmt: skip
+                    for lane, lane_args in shares:
+                        try:
+                            results[lane.name] = await self._on_lane(
+                                session, lane, kind, lane_args, deadline=deadline, wait=wait,
+                                patient=patient,
+                            )  # fmt: skip
+                        except CommandTimeout as exc:
+                            later = [other.name for other, _ in shares][len(results) + 1 :]
+                            raise _partly_done(exc, lane, [*results], len(earlier), later) from exc
                 except PartitionsMoved as exc:
                     if attempt == _ATTEMPTS:
                         raise
@@ -209,14 +221,12 @@ class Operator:
                     return None  # nobody holds it now: do the work ourselves
                 await asyncio.sleep(0.1)
             if await self.queue.expire(conn, command_id):
-                raise CommandTimeout(
-                    f"no lease holder carried out command {command_id} within {wait:g}s;"
-                    " it was withdrawn and nothing was changed"
-                )
-            raise CommandTimeout(
-                f"command {command_id} is still running on the holder after {wait:g}s;"
-                " its outcome will be recorded in the commands table"
-            )
+                here = f"no lease holder carried out command {command_id} within {wait:g}s;"
+                here += " it was withdrawn"
+                raise CommandTimeout(f"{here} and nothing was changed", here=here)
+            here = f"command {command_id} is still running on the holder after {wait:g}s;"
+            here += " its outcome will be recorded in the commands table"
+            raise CommandTimeout(here, here=here)
         finally:
             await conn.close()
 
@@ -324,6 +334,22 @@ class Operator:
             if position is not None:
                 found[lane.name] = position
         return found
+
+
+def _partly_done(
+    exc: CommandTimeout, lane: Lane, done: list[str], before_change: int, later: list[str]
+) -> CommandTimeout:
+    """A lane timed out after the command was carried out on others: those changes stand
+    (a replay's events there go out again), so the message must not say nothing changed."""
+    if before_change:
+        done.append(f"{before_change} lane(s) of the count before the partitions changed")
+    if not done:
+        return exc
+    message = f"{lane.name}: {exc.here}; the command was already carried out on"
+    message += f" {', '.join(done)}, and those changes stand"
+    if later:
+        message += f"; not asked: {', '.join(later)}"
+    return CommandTimeout(message + " (run it again to finish)", here=exc.here)
 
 
 def _still_to_do(

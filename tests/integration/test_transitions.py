@@ -672,6 +672,35 @@ async def test_a_command_asked_of_a_lane_of_the_old_count_never_reaches_the_new_
     assert [r["outbox"] for r in rows] == ["loans/1"], "only the request of the count in force"
 
 
+async def test_a_replay_that_times_out_on_one_lane_says_which_lanes_it_already_moved(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """The CLI asks each lane in turn. When the holder of the second does not answer in
+    time, the first lane's replay has happened: the error must say so, not that nothing
+    was changed (found attacking: an operator was told nothing happened while one lane
+    re-sent 1,080 events)."""
+    config = configs.loans(2, lease={"max_per_replica": 1})
+    migrate_cli(config)
+    backlog = await append_backlog(events_table, 40, aggregates=8)
+    one = relay_process(["run", "--config", str(config)])
+    two = relay_process(["run", "--config", str(config)])
+    await delivered(nats_url, copies, set(backlog.values()))
+    await until(config, lambda rows: shape(rows) == [1, 1])
+    rows = await status(config)
+    stuck = one if held_by(rows, one) == ["loans/1"] else two
+    assert held_by(rows, stuck) == ["loans/1"]
+    stuck.pause()
+    try:
+        done = await asyncio.to_thread(
+            run_cli, ["replay", "loans", "--from-start", "--timeout", "3", "--config", str(config)]
+        )
+    finally:
+        stuck.resume()
+    assert done.returncode == 1, done.stderr
+    assert "nothing was changed" not in done.stderr, done.stderr
+    assert "already carried out on loans/0" in done.stderr, done.stderr
+
+
 async def test_a_message_being_retried_keeps_its_count_of_failures_across_a_change(
     events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
