@@ -27,7 +27,7 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
-3. the real relay (`relay.ops.runner.Relay`, in this process, http off, logging at warning,
+3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
    process's CPU clock (user + system), which gives the relay's CPU per event: the brokers,
@@ -77,9 +77,9 @@ from bench.broker_targets import (
 )
 from relay.config import RelayConfig
 from relay.core.publishing import Message
-from relay.ops.logs import configure
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
+from relay.runtime.logs import configure
 
 BROKERS = ("nats", "kafka", "rabbitmq", "sqs")
 

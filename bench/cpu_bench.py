@@ -29,7 +29,11 @@ async def drain(events: int) -> dict[str, float]:
     """One drain by the relay importable here; its CPU per event and rate."""
     from bench import relay_bench as rb  # noqa: PLC0415 - the relay of the tree on the path
     from bench.report import Results  # noqa: PLC0415
-    from relay.ops.logs import configure  # noqa: PLC0415
+
+    try:
+        from relay.runtime.logs import configure  # noqa: PLC0415
+    except ImportError:  # a tree from before relay/ops/ was split
+        from relay.ops.logs import configure  # type: ignore[import-not-found,no-redef]  # noqa: PLC0415
 
     configure("warning", "json")
     args = rb.parse_args(["--events", str(events)])

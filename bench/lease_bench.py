@@ -44,16 +44,16 @@ HERE = Path(__file__).resolve().parents[1]
 _WHAT: contextvars.ContextVar[str] = contextvars.ContextVar("lease_use", default="other")
 # What each use of the lease connection is for, by the function it comes from.
 _KINDS = {
-    ("relay.postgres.lease", "LeaseSession", "prove"): "proof",
-    ("relay.postgres.lease", "LeaseSession", "try_locks"): "standby",
-    ("relay.postgres.lease", "LeaseSession", "holders"): "standby",
-    ("relay.postgres.lease", "LeaseSession", "terminate"): "standby",
-    ("relay.ops.replica", "OutboxReplica", "_beat"): "standby",
-    ("relay.postgres.lease", "LeaseSession", "unlock"): "release",
-    ("relay.ops.holding", None, "claim"): "claim",
+    ("relay.postgres.lease", "LeaseConnection", "prove"): "proof",
+    ("relay.postgres.lease", "LeaseConnection", "try_locks"): "standby",
+    ("relay.postgres.lease", "LeaseConnection", "holders"): "standby",
+    ("relay.postgres.lease", "LeaseConnection", "terminate"): "standby",
+    ("relay.runtime.replica", "OutboxReplica", "_beat"): "standby",
+    ("relay.postgres.lease", "LeaseConnection", "unlock"): "release",
+    ("relay.runtime.holding", None, "claim"): "claim",
     ("relay.postgres.claimed", "ClaimedOutbox", "advance"): "checkpoint",
     ("relay.postgres.claimed", "ClaimedOutbox", "parked_count"): "parked count",
-    ("relay.ops.outbox", "OutboxRelay", "_carry_out_commands"): "commands",
+    ("relay.runtime.outbox", "OutboxRelay", "_carry_out_commands"): "commands",
 }
 _STATEMENTS = ("execute", "executemany", "fetch", "fetchval", "fetchrow")
 
@@ -148,22 +148,22 @@ def install(out: Path) -> None:
         owner = getattr(owner, cls) if cls else owner
         if hasattr(owner, name):
             _tag(owner, name, kind)
-    init = lease.LeaseSession.__init__
+    init = lease.LeaseConnection.__init__
 
     def init_with_probe(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.lock = lock()
         probe.lag_task = asyncio.get_running_loop().create_task(probe.sample_lag())
 
-    lease.LeaseSession.__init__ = init_with_probe  # type: ignore[method-assign]
-    connect = lease.LeaseSession._connection
+    lease.LeaseConnection.__init__ = init_with_probe  # type: ignore[method-assign]
+    connect = lease.LeaseConnection._connection
 
     async def connection(self: Any) -> Any:
         conn = await connect(self)
         probe.lease_connections.add(conn)
         return conn
 
-    lease.LeaseSession._connection = connection  # type: ignore[method-assign]
+    lease.LeaseConnection._connection = connection  # type: ignore[method-assign]
     for name in _STATEMENTS:
         _count_statements(asyncpg.Connection, name, probe)
 
@@ -183,7 +183,7 @@ def _count_statements(cls: Any, name: str, probe: Probe) -> None:
 def run_relay(config: str, out: str) -> None:
     """The child: `relay run --config config`, with the probe writing to `out`."""
     install(Path(out))
-    from relay.ops.cli import main  # noqa: PLC0415
+    from relay.cli.main import main  # noqa: PLC0415
 
     sys.argv = ["relay", "run", "--config", config]
     main()

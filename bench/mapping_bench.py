@@ -26,12 +26,17 @@ from typing import Any
 from bench.relay_bench import backlog_rows, schema_for
 from relay.config import OutboxConfig
 from relay.core import delivery
-from relay.core.mapping import Mapper
+
+try:
+    from relay.mapping import mapper as mapping
+except ImportError:  # `--compare` with a tree from before mapping had a package of its own
+    from relay.core import mapping  # type: ignore[attr-defined,no-redef]
+Mapper = mapping.Mapper
 
 try:
     from relay.core.event import Event
 except ImportError:  # `--compare` with a tree from before Event had a module of its own
-    from relay.core.mapping import Event  # type: ignore[attr-defined]
+    Event = mapping.Event  # type: ignore[attr-defined,misc]
 
 PAYLOAD = {
     "bookId": "aggregate_id",
@@ -72,7 +77,7 @@ def events(count: int) -> list[Any]:
 def mapper_of(messages: dict[str, Any]) -> Callable[[Any], object]:
     """One event mapped as the outbox loop of the relay imported maps it."""
     mapper = Mapper("bench", OutboxConfig.model_validate({"broker": "nats", "messages": messages}))
-    items_of = getattr(delivery, "items_of", None)
+    items_of = getattr(mapping, "items_of", None) or getattr(delivery, "items_of", None)
     if items_of is None:  # a relay before rules: OutboxRelay._item
         return lambda event: delivery.Item(event, mapper.map(event), None)
 

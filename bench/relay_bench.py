@@ -16,8 +16,9 @@ One run, against the machine's Postgres (127.0.0.1:5432) and NATS JetStream (127
    publishing is timed, on the wall clock and on the process's CPU clock. For information it
    also measures the former ceiling, `--batch` `js.publish` calls gathered, every PubAck awaited
    (slower: each call is a full request);
-3. relays the backlog with the real relay (`relay.ops.runner.Relay`, in this process, default batch
-   and retry settings; `--max-bytes` sets `batch.max_bytes`) and times it from start until
+3. relays the backlog with the real relay (`relay.runtime.runner.Relay`, in this process,
+   default batch and retry settings; `--max-bytes` sets `batch.max_bytes`) and times it from
+   start until
    `relay.checkpoints` reaches the last position, on the wall clock and on the process's CPU
    clock (user + system: the relay's CPU per event); its memory peak is the kernel's VmHWM,
    reset at the start, checked against VmRSS sampled every 10 ms from a child process;
@@ -76,13 +77,13 @@ from bench.report import (
 )
 from relay.brokers.nats import message_headers  # the relay's exact CloudEvents headers
 from relay.config import RelayConfig
-from relay.core.mapping import Mapper
 from relay.core.publishing import Message
-from relay.ops.logs import configure
-from relay.ops.runner import Relay
+from relay.mapping.mapper import Mapper
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.postgres.source import EventSource
+from relay.runtime.logs import configure
+from relay.runtime.runner import Relay
 
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS_SQL = ROOT / "config" / "events.example.sql"

@@ -1,3 +1,3 @@
-from relay.ops.cli import main
+from relay.cli.main import main
 
 main()

@@ -46,7 +46,19 @@ SERVICE_FIXTURES = {
     "private_postgres",
     "chart",
 }
-UNIT = Path(__file__).resolve().parent / "unit"
+TESTS = Path(__file__).resolve().parent
+UNIT = TESTS / "unit"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The unit tier alone (`-m "not integration"`) is one folder: the others are not even
+    imported, since each of their tests would be deselected."""
+    if config.option.markexpr.strip() != "not integration":
+        return None
+    path = collection_path.resolve()
+    if path == TESTS or not path.is_relative_to(TESTS) or path.is_relative_to(UNIT):
+        return None
+    return True
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -17,8 +17,8 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from relay.config.base import HeaderText, Model
-from relay.config.expressions import ExpressionError, compile_expression, compile_template
-from relay.config.message_schemas import SchemaError, load_schema
+from relay.mapping.expressions import ExpressionError, compile_expression, compile_template
+from relay.mapping.message_schemas import SchemaError, load_schema
 
 TemplateStr = Annotated[str, Field(min_length=1)]
 

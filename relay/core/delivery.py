@@ -23,7 +23,6 @@ from relay.config import OutboxConfig
 from relay.core.event import Event
 from relay.core.lane_state import OutboxState
 from relay.core.lanes import metric_labels
-from relay.core.mapping import CompiledRule, Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Publisher, one_outcome_each
 from relay.core.retry import Backoff
@@ -40,25 +39,6 @@ class Item:
     message: Message | None
     error: MappingError | None
     rule: str = ""  # which of the event type's rules made it ("" for the single-rule form)
-
-
-def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], None]) -> list[Item]:
-    """The event's messages, one per rule whose `when` takes it; a failure as its item.
-
-    `skipped` is told of each rule whose condition rejected the event.
-    """
-    items = []
-    for rule in mapper.rules_for(event):
-        try:
-            message = mapper.message(event, rule)
-        except MappingError as exc:
-            items.append(Item(event, None, exc, rule.name))
-            continue
-        if message is None:
-            skipped(rule)
-        else:
-            items.append(Item(event, message, None, rule.name))
-    return items
 
 
 @dataclass(frozen=True, slots=True)

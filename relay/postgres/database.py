@@ -105,7 +105,7 @@ class Database:
         return address(self.config.url.get_secret_value())
 
     @contextlib.asynccontextmanager
-    async def session(self, role: str) -> AsyncIterator[asyncpg.Connection]:
+    async def one_shot(self, role: str) -> AsyncIterator[asyncpg.Connection]:
         """One connection for a one-shot command; a driver error inside becomes one
         DatabaseError line (the CLI never prints a driver's traceback): DatabaseUnavailable
         when the connection was lost, which a command that refreshes may wait out."""

@@ -130,7 +130,7 @@ async def answered_within(timeout: float, work: Coroutine[Any, Any, T]) -> T:  #
 _TURNS = 8  # event-loop turns that read an answer already received
 
 
-class LeaseSession:
+class LeaseConnection:
     """One process's lease connection: every lock it holds or tries lives on it."""
 
     def __init__(self, db: Database, config: LeaseConfig, schema: str, identity: str) -> None:
@@ -386,7 +386,7 @@ class LeaseSession:
 class Lease:
     """One lane's lease, on this process's lease session."""
 
-    def __init__(self, session: LeaseSession, lane: str) -> None:
+    def __init__(self, session: LeaseConnection, lane: str) -> None:
         self.session = session
         self.config = session.config
         self.outbox = lane  # the lane's name: the checkpoint row it fences
@@ -420,7 +420,7 @@ class Lease:
     def claimed(self, epoch: int) -> None:
         """The claim at `epoch` just proved the lock: the session's proofs cover it now.
 
-        Call it while the claim still has the lease connection (see LeaseSession.watch).
+        Call it while the claim still has the lease connection (see LeaseConnection.watch).
         """
         self._lost = epoch, self.session.watch(self.key, self.outbox, epoch)
 

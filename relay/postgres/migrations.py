@@ -232,7 +232,7 @@ async def migrate_database(
     db: Database, config: RelayConfig, on_wait: OnWait | None = None
 ) -> Migrated:
     """`migrate` on a connection of its own, for `relay migrate` and the tests."""
-    async with db.session("migrate") as conn:
+    async with db.one_shot("migrate") as conn:
         return await migrate(conn, config, on_wait)
 
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
+from relay.asyncapi import render
+from relay.asyncapi.view import outbox_views
 from relay.config import load_config
 from relay.core.publishing import Message, to_structured
-from relay.ops.contract import render
-from relay.ops.contract.view import outbox_views
 from tests.support.asyncapi import NodeMissing, diagnostics, install_parser, problems
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, document, outbox, rule
 from tests.support.relay_process import run_cli

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from relay.ops.log_noise import WINDOW
+from relay.runtime.log_noise import WINDOW
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.kafka_server import (
     TansuServer,

@@ -24,7 +24,7 @@ import pytest
 
 from relay.config import DatabaseConfig, LeaseConfig
 from relay.postgres.database import Database
-from relay.postgres.lease import Lease, LeaseLost, LeaseSession
+from relay.postgres.lease import Lease, LeaseConnection, LeaseLost
 from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, unique_name
@@ -121,7 +121,7 @@ async def test_a_replica_keeps_all_64_lanes_through_start_up_under_load(
 class Claimed:
     """A lease session holding and claiming some lanes, as a replica's would."""
 
-    session: LeaseSession
+    session: LeaseConnection
     leases: list[Lease]
     epochs: dict[str, int]
 
@@ -135,7 +135,7 @@ async def claimed(
 ) -> AsyncIterator[Claimed]:
     await load_and_migrate(tmp_path, config_dict(dsn, nats_url, unique_name("p")))
     db = Database(DatabaseConfig(url=dsn), IDENTITY)
-    session = LeaseSession(db, LeaseConfig(**lease), "relay", IDENTITY)
+    session = LeaseConnection(db, LeaseConfig(**lease), "relay", IDENTITY)
     held = [Lease(session, lane) for lane in lanes]
     try:
         epochs = {}

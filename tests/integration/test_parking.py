@@ -7,8 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from relay.cli.operator import Operator
 from relay.config import RelayConfig
-from relay.ops.operator import Operator
 from relay.postgres.command_queue import CommandKind
 from relay.postgres.store import Store
 from tests.support.db import append, connect

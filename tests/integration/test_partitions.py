@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from relay.config import DatabaseConfig, LeaseConfig
 from relay.core.lanes import fair_share
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.lease import Lease, LeaseSession, lock_key
+from relay.postgres.lease import Lease, LeaseConnection, lock_key
 from tests.support.db import connect
 from tests.support.delivery import Writer
 from tests.support.http import get, http_port
@@ -236,7 +236,7 @@ async def test_metrics_carry_a_partition_label_only_for_a_split_outbox(
 async def test_standbys_never_take_more_locks_than_asked(database: str) -> None:
     """try_locks stops at `limit`, even with every key free (LIMIT ends the scan)."""
     db = Database(DatabaseConfig(url=database), "relay:test:1")
-    session = LeaseSession(db, LeaseConfig(), "relay", "relay:test:1")
+    session = LeaseConnection(db, LeaseConfig(), "relay", "relay:test:1")
     keys = [lock_key("relay", f"loans/{p}") for p in range(16)]
     try:
         taken = await session.try_locks(keys, 5)
@@ -261,7 +261,7 @@ async def test_a_failed_statement_drops_the_shared_session_and_every_lock_with_i
     """A lane's statement fails on the lease connection: the others' locks are gone too,
     and a lane must see its own lock as lost even after another one has reconnected."""
     db = Database(DatabaseConfig(url=database), "relay:test:2")
-    session = LeaseSession(db, LeaseConfig(), "relay", "relay:test:2")
+    session = LeaseConnection(db, LeaseConfig(), "relay", "relay:test:2")
     leases = [Lease(session, f"loans/{p}") for p in range(2)]
     try:
         assert all([await lease.try_acquire() for lease in leases])

@@ -14,7 +14,7 @@ from typing import Any
 
 from nats.js.api import DiscardPolicy, StreamConfig
 
-from relay.ops.runner import Relay
+from relay.runtime.runner import Relay
 from tests.support.db import append_many, connect
 from tests.support.delivery import checkpoint_position
 from tests.support.jetstream import connect as nats_connect

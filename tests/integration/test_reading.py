@@ -18,7 +18,7 @@ import pytest
 
 from relay.config import NOTIFY_CHANNEL_MAX
 from relay.core.lane_state import OutboxState
-from relay.ops.runner import Relay
+from relay.runtime.runner import Relay
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.scenario import (

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from relay.config import RelayConfig, load_config
-from relay.ops.runner import Relay
 from relay.postgres.store import Store
+from relay.runtime.runner import Relay
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.kafka_server import TansuServer, consume, create_topic, headers, unique_topic

@@ -22,9 +22,9 @@ from pydantic import SecretStr, ValidationError
 
 from relay.config import DatabaseConfig, RabbitMqBrokerConfig, load_config
 from relay.errors import ConfigError, DatabaseError
-from relay.ops.logs import configure
 from relay.postgres.database import Database, DatabaseUnavailable
 from relay.redaction import redact
+from relay.runtime.logs import configure
 from tests.support import hostile_configs
 from tests.support.relay_process import run_cli
 

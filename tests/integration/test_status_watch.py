@@ -94,9 +94,9 @@ async def test_a_session_whose_connection_is_cut_mid_command_is_unavailable_not_
     config = load_config(save(tmp_path, config_dict(database, nats_url, "cut")))
     db = Database(config.database, "relay:tests:0")
     with pytest.raises(DatabaseUnavailable, match="lost the connection"):
-        async with db.session("status") as conn:
+        async with db.one_shot("status") as conn:
             await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     with pytest.raises(DatabaseError, match="failed the command") as refused:
-        async with db.session("status") as conn:
+        async with db.one_shot("status") as conn:
             await conn.execute("SELECT * FROM no_such_table")
     assert not isinstance(refused.value, DatabaseUnavailable)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from relay.ops.operator import Operator, ReplayFrom
-from relay.ops.runner import Relay
+from relay.cli.operator import Operator, ReplayFrom
 from relay.postgres.command_queue import CommandKind
+from relay.runtime.runner import Relay
 from tests.support import postgres
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name

@@ -21,7 +21,7 @@ import nats
 from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from relay.ops.embedded import EmbeddedNats
+from relay.demo.embedded import EmbeddedNats
 
 STREAM = "SOAK"
 SUBJECTS = ["soak.>"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import asyncpg
 
-from relay.ops.embedded import EmbeddedPostgres
+from relay.demo.embedded import EmbeddedPostgres
 from tests.support.config import write_config
 from tests.support.postgres import EVENTS_SQL, address, with_address, with_database
 from tests.support.proxy import TcpProxy

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from relay.asyncapi.document import build
+from relay.asyncapi.view import OutboxView, Protocol, RuleView
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
@@ -11,8 +13,6 @@ from relay.config import (
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
-from relay.ops.contract.document import build
-from relay.ops.contract.view import OutboxView, Protocol, RuleView
 
 BROKERS: dict[str, BrokerConfig] = {
     "nats": NatsBrokerConfig(type="nats", servers=["nats://127.0.0.1:4222"]),

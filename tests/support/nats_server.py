@@ -9,7 +9,7 @@ import json
 import socket
 from pathlib import Path
 
-from relay.ops.embedded import EmbeddedNats
+from relay.demo.embedded import EmbeddedNats
 
 MACHINE_URL = "nats://127.0.0.1:4222"
 SYSTEM_BINARY = Path("/usr/sbin/nats-server")

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from relay.ops.embedded import free_port, port_open, wait_for_port
+from relay.demo.embedded import free_port, port_open, wait_for_port
 
 __all__ = ["free_port", "port_open", "wait_for_port"]

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from relay.ops.embedded import EmbeddedPostgres
+from relay.demo.embedded import EmbeddedPostgres
 from tests.support.blocking import run_sync
 
 __all__ = ["EmbeddedPostgres", "create_database", "drop_database", "reachable", "run_sql_file"]

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from relay.config import RelayConfig, load_config
-from relay.ops.runner import Relay
-from relay.ops.status import status as read_status
+from relay.fleet.status import status as read_status
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
+from relay.runtime.runner import Relay
 from tests.support.config import write_config as write_yaml
 from tests.support.db import NewEvent
 from tests.support.relay_process import run_cli

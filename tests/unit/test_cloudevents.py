@@ -19,10 +19,10 @@ from relay.brokers.nats import message_headers as nats_headers
 from relay.brokers.sqs import MAX_ATTRIBUTES, _attributes, _within_limit
 from relay.config import OutboxConfig, load_config
 from relay.core.event import Event
-from relay.core.mapping import Mapper
 from relay.core.publishing import STRUCTURED, Message, cloudevent_attributes, to_structured
-from relay.core.trace_context import traceparent_problem, tracestate_valid
 from relay.errors import ConfigError
+from relay.mapping.mapper import Mapper
+from relay.mapping.trace_context import traceparent_problem, tracestate_valid
 
 WHEN = datetime(2026, 11, 30, 9, 30, tzinfo=UTC)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from relay.ops.console import ProgressView, cut, say, table
+from relay.cli.console import ProgressView, cut, say, table
 from relay.printable import printable
 
 
@@ -95,7 +95,7 @@ def test_logs_show_event_data_escaped_never_obeyed(
     """`logging.format: console` is what `auto` picks on a terminal."""
     import structlog
 
-    from relay.ops.logs import configure
+    from relay.runtime.logs import configure
 
     configure("info", fmt)
     hostile = "u/\x1b]0;PWNED\x07\x1b[2J\u2028dave\x9b31m@1"

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from relay.asyncapi.inference import expression_schema, payload_schema
+from relay.asyncapi.servers import servers
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
@@ -21,8 +23,6 @@ from relay.config import (
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
-from relay.ops.contract.inference import expression_schema, payload_schema
-from relay.ops.contract.servers import servers
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
 
 

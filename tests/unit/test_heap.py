@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from relay.ops.heap import YOUNG_THRESHOLD, start_up_heap_frozen
+from relay.runtime.heap import YOUNG_THRESHOLD, start_up_heap_frozen
 
 
 class Node:

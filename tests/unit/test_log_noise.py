@@ -1,10 +1,10 @@
-"""The filter that thins out client libraries' repeated log lines (relay/ops/log_noise.py)."""
+"""The filter that thins out client libraries' repeated log lines (relay/runtime/log_noise.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from relay.ops.log_noise import RepeatFilter
+from relay.runtime.log_noise import RepeatFilter
 
 
 class Clock:

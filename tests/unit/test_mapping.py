@@ -10,16 +10,16 @@ import jmespath
 import pytest
 
 from relay.config import OutboxConfig, RetryConfig
-from relay.config.expressions import (
+from relay.core.event import Event
+from relay.core.retry import Backoff
+from relay.errors import MappingError
+from relay.mapping.expressions import (
     ExpressionError,
     compile_expression,
     compile_template,
     may_compute,
 )
-from relay.core.event import Event
-from relay.core.mapping import Mapper
-from relay.core.retry import Backoff
-from relay.errors import MappingError
+from relay.mapping.mapper import Mapper
 from relay.postgres.source import decode_json
 from relay.redaction import redact
 

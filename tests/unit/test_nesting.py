@@ -18,9 +18,9 @@ import pytest
 
 from relay.config import OutboxConfig
 from relay.core.event import Event
-from relay.core.mapping import Mapper
 from relay.core.publishing import Message
 from relay.errors import MappingError
+from relay.mapping.mapper import Mapper
 from relay.postgres.source import decode_json
 
 T = TypeVar("T")

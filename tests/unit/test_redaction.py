@@ -26,7 +26,7 @@ def by_the_rule(text: str) -> str:
 @pytest.mark.parametrize("seed", range(4))
 def test_redact_hides_exactly_what_the_rule_hides(seed: int) -> None:
     rng = random.Random(seed)
-    for _ in range(20_000):
+    for _ in range(5_000):
         text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 30)))
         assert redact(text) == by_the_rule(text), repr(text)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from relay.brokers._batch import not_sent
 from relay.core.publishing import Message, Outcome
 from relay.errors import PermanentPublishError, TransientPublishError
-from relay.ops.operations import publish_each
+from relay.runtime.commands import publish_each
 
 
 def message(n: int) -> Message:

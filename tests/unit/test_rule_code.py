@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from relay.config import OutboxConfig
-from relay.config.expressions import ExpressionError, compile_template
 from relay.core.event import Event
-from relay.core.mapping import Mapper, _compile_payload, _interpreted
-from relay.core.rule_code import compile_values
 from relay.errors import MappingError
+from relay.mapping.expressions import ExpressionError, compile_template
+from relay.mapping.mapper import Mapper, _compile_payload, _interpreted
+from relay.mapping.rule_code import compile_values
 
 RULES: list[dict[str, Any]] = [
     {  # the relay_bench rule, with the default id and key

@@ -9,16 +9,15 @@ from typing import Any
 
 import pytest
 
+from relay.asyncapi.view import rules_of
 from relay.config import OutboxConfig, load_config
-from relay.config.message_schemas import SchemaError, compile_schema
-from relay.core.delivery import items_of
 from relay.core.event import Event
-from relay.core.mapping import Mapper
 from relay.errors import ConfigError, MappingError, SchemaViolation
-from relay.ops.contract.view import rules_of
-from relay.ops.operations import _parked_rules
-from relay.ops.outbox import _within
+from relay.mapping.mapper import Mapper, items_of
+from relay.mapping.message_schemas import SchemaError, compile_schema
 from relay.postgres.store import ParkedMessage
+from relay.runtime.commands import _parked_rules
+from relay.runtime.outbox import _within
 
 V2_SCHEMA: dict[str, Any] = {
     "$id": "https://schemas.example.com/library/book-lent.v2.json",

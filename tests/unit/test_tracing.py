@@ -108,7 +108,7 @@ def test_without_the_otel_extra_nothing_is_imported_and_publish_is_untouched() -
 
         sys.meta_path.insert(0, NoOpenTelemetry())
 
-        import relay.ops.cli  # everything `relay run` imports
+        import relay.cli.main  # everything `relay run` imports
         from relay.config import OutboxConfig
         from relay.core import tracing
         from relay.core.delivery import Delivery

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from ruamel.yaml import YAML
 
+from relay.asyncapi.document import build
+from relay.asyncapi.view import OutboxView, RuleView, outbox_views, rules_of
 from relay.config import RelayConfig
-from relay.ops.contract.document import build
-from relay.ops.contract.view import OutboxView, RuleView, outbox_views, rules_of
 
 __all__ = ["OutboxView", "RuleView", "contract_document", "render", "rules_of"]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import jmespath
 
+from relay.asyncapi.view import OutboxView, RuleView
 from relay.core.publishing import STRUCTURED
-from relay.ops.contract.view import OutboxView, RuleView
 
 Schema = dict[str, Any]
 

@@ -41,14 +41,14 @@ from relay.core.lanes import balance, lanes_of
 from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
-from relay.ops import holding
-from relay.ops.context import OutboxContext
-from relay.ops.outbox import OutboxRelay, Session
-from relay.ops.repartition import change_over
+from relay.fleet.repartition import change_over
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseSession
+from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection
 from relay.postgres.membership import Member, Membership
 from relay.postgres.partitions import PartitionsChanged, PartitionSet, mismatch
+from relay.runtime import holding
+from relay.runtime.context import OutboxContext
+from relay.runtime.outbox import Hold, OutboxRelay
 
 # Over its share for this many passes in a row before handing a lane over: a replica
 # that is starting (or one that just died) must not set lanes moving back and forth.
@@ -72,8 +72,8 @@ class LaneHolder:
         """Relay until stopped or handed over (None), or until the lease is lost (why)."""
         fenced = False
         try:
-            session = await self._claim()
-            reason = await self._relay_while_held(session)
+            hold = await self._claim()
+            reason = await self._relay_while_held(hold)
         except PartitionsChanged as exc:
             # Another count is recorded (a change since the coordinator last looked): the
             # claim wrote nothing. The coordinator says so on its next pass.
@@ -104,7 +104,7 @@ class LaneHolder:
         self._transition("fenced" if fenced else "lost")
         return reason
 
-    async def _claim(self) -> Session:
+    async def _claim(self) -> Hold:
         ctx = self.ctx
         broker = broker_identity(ctx.relay_config.brokers[ctx.config.broker])
         claimant = holding.Claimant(
@@ -129,23 +129,23 @@ class LaneHolder:
         holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
         self._transition("acquired")
         ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
-        return Session(reader=reader, claimed=claimed)
+        return Hold(reader=reader, claimed=claimed)
 
-    async def _relay_while_held(self, session: Session) -> str | None:
+    async def _relay_while_held(self, hold: Hold) -> str | None:
         def stop_publishing() -> None:
             self.lease.abandon()
-            session.reader.terminate()
+            hold.reader.terminate()
 
         try:
             held = await holding.while_held(
                 self.lease,
-                session.claimed.claim.epoch,
-                self.relay.run(session),
+                hold.claimed.claim.epoch,
+                self.relay.run(hold),
                 on_lost=stop_publishing,
             )
             return held.lost
         finally:
-            await _close(session.reader)
+            await _close(hold.reader)
 
     def _transition(self, event: str) -> None:
         """Count the lease change; only a holder reports lag and parked gauges."""
@@ -172,7 +172,7 @@ class OutboxReplica:
         self,
         lanes: list[OutboxContext],
         *,
-        session: LeaseSession,
+        session: LeaseConnection,
         budget: LeaseBudget,
         db: Database,
         reconnect: RetryConfig,

@@ -14,8 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from relay import __version__
-from relay.config import RelayConfig, config_path
-from relay.ops.cli_common import (
+from relay.cli.common import (
     ConfigOption,
     JsonOption,
     ids_or_all,
@@ -23,11 +22,12 @@ from relay.ops.cli_common import (
     pretty,
     run_or_exit,
 )
-from relay.ops.cli_parked import parked_app
-from relay.ops.console import progress_view, say, table
-from relay.ops.logs import configure
+from relay.cli.console import progress_view, say, table
+from relay.cli.parked import parked_app
+from relay.config import RelayConfig, config_path
 from relay.printable import printable
 from relay.redaction import redact
+from relay.runtime.logs import configure
 
 app = typer.Typer(
     name="relay",
@@ -47,7 +47,7 @@ def run(
     ] = None,
 ) -> None:
     """Relay every configured outbox until SIGTERM or SIGINT."""
-    from relay.ops.runner import Relay, install_signal_handlers
+    from relay.runtime.runner import Relay, install_signal_handlers
 
     cfg = load_config_or_exit(config)
 
@@ -62,7 +62,7 @@ def run(
 @app.command()
 def migrate(config: ConfigOption = None) -> None:
     """Create or upgrade the relay's own tables (idempotent)."""
-    from relay.ops.identity import identity
+    from relay.fleet.identity import identity
     from relay.postgres.database import Database
     from relay.postgres.migrations import migrate_database
 
@@ -89,7 +89,7 @@ def check(
 ) -> None:
     """Check the config, the database rights, the event table and the brokers; show what
     the last events would become. Publishes nothing."""
-    from relay.ops.check import run_check
+    from relay.cli.check import run_check
 
     cfg = load_config_or_exit(config)
     report = run_or_exit(lambda: run_check(cfg, last, offline=offline))
@@ -153,7 +153,7 @@ def contract(
     ] = "1.0.0",
 ) -> None:
     """Write an AsyncAPI 3.0 document of the integration events the config publishes."""
-    from relay.ops.contract import contract_document, render
+    from relay.asyncapi import contract_document, render
 
     cfg = load_config_or_exit(config)
     document = contract_document(cfg, config_path(config), title=title, version=api_version)
@@ -182,7 +182,7 @@ def status(
     ] = False,
 ) -> None:
     """Who relays each outbox, how far behind it is, and what it waits for."""
-    from relay.ops.status import status as read_status
+    from relay.fleet.status import status as read_status
 
     cfg = load_config_or_exit(config)
     if not watch:
@@ -218,8 +218,8 @@ def _show_status(
     cfg: RelayConfig, lanes: list[Any], *, as_json: bool, wide: bool, compact: bool = False
 ) -> None:
     """The status table (or JSON: every field whole); a hint when a value was cut short."""
-    from relay.ops.console import cut
-    from relay.ops.status import TABLE_COLUMNS, summary
+    from relay.cli.console import cut
+    from relay.fleet.status import TABLE_COLUMNS, summary
 
     rows = [row.as_json() for row in lanes]
     if as_json:
@@ -268,10 +268,10 @@ def replay(
     as_json: JsonOption = False,
 ) -> None:
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
-    from relay.ops.identity import identity
-    from relay.ops.operator import Operator, ReplayFrom
-    from relay.ops.progress import follow_replay
-    from relay.ops.recorded import as_recorded
+    from relay.cli.operator import Operator, ReplayFrom
+    from relay.cli.progress import follow_replay
+    from relay.fleet.identity import identity
+    from relay.fleet.recorded import as_recorded
     from relay.postgres.command_queue import CommandKind, ReplayArgs
 
     chosen = [from_position is not None, from_start, from_time is not None]
@@ -351,9 +351,9 @@ def retry_parked(
     as_json: JsonOption = False,
 ) -> None:
     """Map parked messages again with the current config and publish them, in batches."""
-    from relay.ops.identity import identity
-    from relay.ops.operator import Operator
-    from relay.ops.progress import follow_retry
+    from relay.cli.operator import Operator
+    from relay.cli.progress import follow_retry
+    from relay.fleet.identity import identity
     from relay.postgres.command_queue import CommandKind, RetryParkedArgs
 
     ids_or_all(ids, all_, "--id ID (repeatable)")
@@ -408,9 +408,9 @@ def retry_parked(
 
 
 async def on_recorded_partitions(cfg: RelayConfig, outbox: str | None) -> RelayConfig:
-    """The config with the outbox's partitions as it runs (relay/ops/recorded.py), saying so
+    """The config with the outbox's partitions as it runs (relay/fleet/recorded.py), saying so
     on stderr when this config's count differs."""
-    from relay.ops.recorded import as_recorded
+    from relay.fleet.recorded import as_recorded
 
     recorded, notes = await as_recorded(cfg, None if outbox is None else [outbox])
     for note in notes:
@@ -436,7 +436,7 @@ def repartition(
     as_json: JsonOption = False,
 ) -> None:
     """Change an outbox's partitions, with its replicas stopped: nothing lost or sent twice."""
-    from relay.ops.repartition import repartition as do_repartition
+    from relay.fleet.repartition import repartition as do_repartition
 
     cfg = load_config_or_exit(config)
     done = run_or_exit(lambda: do_repartition(cfg, outbox, partitions))
@@ -474,7 +474,7 @@ def demo(
     ] = None,
 ) -> None:
     """The whole product in under a minute, on embedded Postgres and NATS."""
-    from relay.ops.demo import run_demo
+    from relay.demo.tour import run_demo
 
     configure("warning", "console")
     raise typer.Exit(run_or_exit(lambda: run_demo(database_url, nats_url)))

@@ -29,18 +29,18 @@ from relay.core.metrics import Metrics
 from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
-from relay.ops.context import OutboxContext
-from relay.ops.heap import start_up_heap_frozen
-from relay.ops.http import Health, HttpServer
-from relay.ops.identity import identity
-from relay.ops.replica import OutboxReplica
+from relay.fleet.identity import identity
 from relay.postgres.command_queue import COMMAND_CHANNEL
 from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable, too_old
-from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseSession
+from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseConnection
 from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
+from relay.runtime.context import OutboxContext
+from relay.runtime.heap import start_up_heap_frozen
+from relay.runtime.http import Health, HttpServer
+from relay.runtime.replica import OutboxReplica
 
 log = structlog.get_logger("relay.runner")
 
@@ -86,7 +86,7 @@ class Relay:
 
     async def _relay_all(self, db: Database) -> int:
         config = self.config
-        session = LeaseSession(db, config.lease, config.database.schema_, self.identity)
+        session = LeaseConnection(db, config.lease, config.database.schema_, self.identity)
         membership = Membership(
             config.database.schema_,
             config.lease.namespace,
@@ -114,7 +114,7 @@ class Relay:
                 await ctx.publisher.close()
 
     def _replica(
-        self, db: Database, name: str, session: LeaseSession, membership: Membership
+        self, db: Database, name: str, session: LeaseConnection, membership: Membership
     ) -> OutboxReplica:
         """The outbox's lanes (one publisher each, so that they publish side by side)."""
         outbox = self.config.outboxes[name]
@@ -309,7 +309,7 @@ class Relay:
                         await asyncio.wait_for(conn.close(), timeout=2)
 
 
-async def _leave(session: LeaseSession, membership: Membership) -> None:
+async def _leave(session: LeaseConnection, membership: Membership) -> None:
     """Say goodbye: the others may take this replica's share at once. Best effort."""
     with contextlib.suppress(DatabaseError, *CONNECTION_LOST, TimeoutError):
         async with asyncio.timeout(2), session.statement() as conn:

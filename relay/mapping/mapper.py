@@ -19,7 +19,12 @@ import orjson
 from jmespath.exceptions import JMESPathError
 
 from relay.config import OutboxConfig, Rule
-from relay.config.expressions import (
+from relay.core.delivery import Item
+from relay.core.event import Event
+from relay.core.nesting import headroom, room_given
+from relay.core.publishing import Message, to_structured
+from relay.errors import MalformedEventError, MappingError, SchemaViolation
+from relay.mapping.expressions import (
     ExpressionError,
     Getter,
     Template,
@@ -27,13 +32,9 @@ from relay.config.expressions import (
     compile_template,
     may_compute,
 )
-from relay.config.message_schemas import CompiledSchema, compile_schema
-from relay.core.event import Event
-from relay.core.nesting import headroom, room_given
-from relay.core.publishing import Message, to_structured
-from relay.core.rule_code import Values, compile_values
-from relay.core.trace_context import TraceContext
-from relay.errors import MalformedEventError, MappingError, SchemaViolation
+from relay.mapping.message_schemas import CompiledSchema, compile_schema
+from relay.mapping.rule_code import Values, compile_values
+from relay.mapping.trace_context import TraceContext
 
 
 class _IsoTimes:
@@ -290,3 +291,22 @@ def _compile_payload(payload: str | Mapping[str, str]) -> Getter:
         return {name: get(envelope) for name, get in fields}
 
     return build
+
+
+def items_of(mapper: Mapper, event: Event, skipped: Callable[[CompiledRule], None]) -> list[Item]:
+    """The event's messages, one per rule whose `when` takes it; a failure as its item.
+
+    `skipped` is told of each rule whose condition rejected the event.
+    """
+    items = []
+    for rule in mapper.rules_for(event):
+        try:
+            message = mapper.message(event, rule)
+        except MappingError as exc:
+            items.append(Item(event, None, exc, rule.name))
+            continue
+        if message is None:
+            skipped(rule)
+        else:
+            items.append(Item(event, message, None, rule.name))
+    return items

@@ -31,9 +31,9 @@ import nats
 from ruamel.yaml import YAML
 
 from relay.config import RelayConfig, load_config
+from relay.demo.embedded import EmbeddedNats, EmbeddedPostgres
 from relay.errors import RelayError
-from relay.ops.embedded import EmbeddedNats, EmbeddedPostgres
-from relay.ops.status import status as read_status
+from relay.fleet.status import status as read_status
 from relay.postgres.migrations import migrate
 
 STREAM = "LIBRARY"

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from relay.config.expressions import is_dotted, null_placeholder, template_pieces, text_of
 from relay.core.event import Event
+from relay.mapping.expressions import is_dotted, null_placeholder, template_pieces, text_of
 
 Values = Callable[["Event", "str | None"], "tuple[Any, str, str, str, str | None]"]
 """(event, its created_at in ISO 8601) -> (body, id, destination, key, routing key)."""

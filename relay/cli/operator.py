@@ -2,8 +2,8 @@
 
 A command is written to the commands table and signalled with NOTIFY; the CLI waits
 for the holder's recorded outcome. With no holder, the CLI takes the outbox's lease
-itself and carries the command out with the same steps a replica uses (holding.py,
-operations.py), so two operators, or an operator and a replica starting up, are
+itself and carries the command out with the same steps a replica uses (runtime/holding.py,
+runtime/commands.py), so two operators, or an operator and a replica starting up, are
 serialised by the same lock.
 """
 
@@ -22,18 +22,18 @@ from relay.brokers import create_publisher
 from relay.config import RelayConfig
 from relay.config.broker_identity import broker_identity
 from relay.core.lanes import Lane, lanes_of
-from relay.core.mapping import Mapper
 from relay.core.publishing import Publisher
 from relay.errors import RelayError, UsageError
-from relay.ops import holding
-from relay.ops.operations import Done, Operations
+from relay.mapping.mapper import Mapper
 from relay.postgres.command_queue import CommandKind, CommandQueue, CommandRequest
 from relay.postgres.database import Database
-from relay.postgres.lease import Lease, LeaseSession
+from relay.postgres.lease import Lease, LeaseConnection
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import PARTITIONS_CHANGED, Partitions, PartitionsChanged
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
+from relay.runtime import holding
+from relay.runtime.commands import CommandRunner, Done
 
 log = structlog.get_logger("relay.operator")
 
@@ -103,7 +103,7 @@ class Operator:
         """
         kind = CommandKind(kind)
         deadline = time.monotonic() + wait
-        session = LeaseSession(
+        session = LeaseConnection(
             self.db, self.config.lease, self.config.database.schema_, self.identity
         )
         earlier: list[CommandResult] = []  # lanes done before their partitions changed
@@ -143,7 +143,7 @@ class Operator:
 
     async def resolve(self) -> None:
         """The lanes the outbox runs with now, whatever the config says (recorded.py)."""
-        async with self.db.session("cli") as conn:
+        async with self.db.one_shot("cli") as conn:
             count = await self.partitions.count(conn, self.outbox, self.outbox_config.partitions)
         self.lanes = lanes_of(self.outbox, count)
 
@@ -154,7 +154,7 @@ class Operator:
         ids = args.get("ids")
         if kind is not CommandKind.RETRY_PARKED or ids is None or len(self.lanes) == 1:
             return [(lane, args) for lane in self.lanes]
-        async with self.db.session("cli") as conn:
+        async with self.db.one_shot("cli") as conn:
             owners = await self.store.parked_lanes(conn, [lane.name for lane in self.lanes], ids)
         return [
             (lane, {"ids": [i for i in ids if owners.get(i) == lane.name]})
@@ -164,7 +164,7 @@ class Operator:
 
     async def _on_lane(
         self,
-        session: LeaseSession,
+        session: LeaseConnection,
         lane: Lane,
         kind: CommandKind,
         args: dict[str, Any],
@@ -256,7 +256,7 @@ class Operator:
             )
             if kind is CommandKind.RETRY_PARKED:
                 publisher = create_publisher(outbox.broker, self.config.brokers[outbox.broker])
-            operations = Operations(
+            runner = CommandRunner(
                 self.store,
                 source,
                 Mapper(self.outbox, outbox),
@@ -266,7 +266,7 @@ class Operator:
             # Keep proving the lease (and stamping the heartbeat) while the work runs: else
             # a replica starting meanwhile would take this CLI for a silent holder.
             held = await holding.while_held(
-                lease, claimed.claim.epoch, operations.carry_out(kind, args, claimed, reader)
+                lease, claimed.claim.epoch, runner.carry_out(kind, args, claimed, reader)
             )
             if held.lost is not None:
                 raise RelayError(f"lost the lease while carrying out the command: {held.lost}")
@@ -282,13 +282,13 @@ class Operator:
 
     async def head(self) -> int:
         """The event table's head now: where a replay's `--wait` ends."""
-        async with self.db.session("cli") as conn:
+        async with self.db.one_shot("cli") as conn:
             return await self.source.head(conn)
 
     async def replay_target(self, spec: ReplayFrom) -> tuple[int, int]:
         """(the position to move back to, the furthest checkpoint of the outbox's lanes)."""
         await self.resolve()
-        async with self.db.session("cli") as conn:
+        async with self.db.one_shot("cli") as conn:
             await ensure_migrated(conn, self.config.database.schema_)
             positions = await self._positions(conn)
             if not positions:
@@ -312,7 +312,7 @@ class Operator:
     async def count(self, after: int, upto: int) -> int:
         """Events a replay from `after` sends again: each lane's, up to its own checkpoint."""
         outbox = self.outbox_config
-        async with self.db.session("cli") as conn:
+        async with self.db.one_shot("cli") as conn:
             positions = await self._positions(conn)
             total = 0
             for lane in self.lanes:

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
-from relay.core.delivery import Delivery, Item, items_of
-from relay.core.mapping import CompiledRule
+from relay.core.delivery import Delivery, Item
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError
-from relay.ops.context import OutboxContext
-from relay.ops.overlap import CheckpointBehind, ReadAhead
+from relay.mapping.mapper import CompiledRule, items_of
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.database import CONNECTION_LOST
 from relay.postgres.source import Blocker
+from relay.runtime.context import OutboxContext
+from relay.runtime.overlap import CheckpointBehind, ReadAhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True)
-class Session:
+class Hold:
     """What one uninterrupted hold of the lease relays with."""
 
     reader: asyncpg.Connection
@@ -75,20 +75,20 @@ class OutboxRelay:
         self._pass_started = 0.0  # when the last barrier began: polling keeps its cadence
         self._halted: str | None = None  # set: nothing moves until an operator's replay
 
-    async def run(self, session: Session) -> None:
+    async def run(self, hold: Hold) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
-        claim = session.claimed.claim
+        claim = hold.claimed.claim
         self._horizon = claim.position
         self.delivery.retry, self._halted = claim.retry, claim.halted
         self.ctx.metrics.halted.labels(*self.labels).set(0 if self._halted is None else 1)
         try:
-            if claim.start_xmin is not None and not await self._settle_start(session):
+            if claim.start_xmin is not None and not await self._settle_start(hold):
                 return
-            await self._relay(session)
+            await self._relay(hold)
         except CONNECTION_LOST as exc:
             raise DatabaseError(f"lost the database connection: {exc}") from exc
 
-    async def _settle_start(self, s: Session) -> bool:
+    async def _settle_start(self, s: Hold) -> bool:
         """`start: end`, first claim: start before the events of transactions open then.
 
         The checkpoint was put at the head; once every transaction that held a position
@@ -117,7 +117,7 @@ class OutboxRelay:
         )
         return True
 
-    async def _relay(self, s: Session) -> None:
+    async def _relay(self, s: Hold) -> None:
         """Batch after batch; the next is read while one is sent (overlap.py)."""
         checkpoint = CheckpointBehind(s.claimed, self.ctx.state.moved)
         ahead: ReadAhead[Batch] = ReadAhead()
@@ -149,7 +149,7 @@ class OutboxRelay:
             await checkpoint.cancel()
 
     async def _next(
-        self, s: Session, checkpoint: CheckpointBehind, ahead: ReadAhead[Batch]
+        self, s: Hold, checkpoint: CheckpointBehind, ahead: ReadAhead[Batch]
     ) -> Batch | None:
         """The batch read ahead, or commands, the halted wait or a fresh read, in turn."""
         if self._commands_due():
@@ -168,7 +168,7 @@ class OutboxRelay:
         await checkpoint.settled()
         return await self._next_batch(s, s.claimed.position)
 
-    async def _retrying(self, s: Session, ahead: ReadAhead[Batch]) -> None:
+    async def _retrying(self, s: Hold, ahead: ReadAhead[Batch]) -> None:
         await ahead.settle()  # the lag is measured on the reader
         await self._measure_lag(s)
 
@@ -177,7 +177,7 @@ class OutboxRelay:
         due = time.monotonic() - self._commands_checked >= self.ctx.source.config.poll_interval
         return due or self.ctx.wakes.commands.is_set()
 
-    async def _carry_out_commands(self, s: Session) -> bool:
+    async def _carry_out_commands(self, s: Hold) -> bool:
         """Between batches: run operators' commands; True if one moved the checkpoint."""
         self.ctx.wakes.commands.clear()
         self._commands_checked = time.monotonic()
@@ -191,7 +191,7 @@ class OutboxRelay:
                 return moved
             log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
             log.info("carrying out command", args=_shortened(command.args))
-            done = await self.ctx.operations.carry_out(
+            done = await self.ctx.command_runner.carry_out(
                 command.kind, command.args, s.claimed, s.reader
             )
             if done.moved_to is not None:
@@ -204,7 +204,7 @@ class OutboxRelay:
             log.info("command done" if done.ok else "command failed", outcome=done.detail)
         return moved
 
-    async def _next_batch(self, s: Session, position: int) -> Batch | None:
+    async def _next_batch(self, s: Hold, position: int) -> Batch | None:
         """The next batch to publish; None if stopped or halted meanwhile."""
         source, metrics = self.ctx.source, self.ctx.metrics
         if position >= self._horizon:
@@ -221,7 +221,7 @@ class OutboxRelay:
             await self._measure_lag(s, head=horizon)
         return await self._read(s, position)
 
-    async def _read(self, s: Session, position: int) -> Batch:
+    async def _read(self, s: Hold, position: int) -> Batch:
         """Up to a batch of the final prefix after `position`, mapped."""
         source, metrics = self.ctx.source, self.ctx.metrics
         if self._horizon <= position:
@@ -245,7 +245,7 @@ class OutboxRelay:
         upto = events[taken - 1].position if full and taken else self._horizon
         return Batch(items, position, upto, full=full or upto < self._horizon)
 
-    async def _halt(self, s: Session, head: int, position: int) -> None:
+    async def _halt(self, s: Hold, head: int, position: int) -> None:
         """The head went below the checkpoint: the sequence was reset, or the table replaced.
 
         Relaying on would skip every position up to the old checkpoint without a word, so
@@ -262,7 +262,7 @@ class OutboxRelay:
         self.ctx.metrics.halted.labels(*self.labels).set(1)
         self.log.error("outbox halted", reason=self._halted, head=head, checkpoint=position)
 
-    async def _while_halted(self, s: Session) -> None:
+    async def _while_halted(self, s: Hold) -> None:
         """Hold the lease and carry out commands (the way out), publishing nothing."""
         assert self._halted is not None  # the loop checked
         self.ctx.state.halted(self._halted)
@@ -277,7 +277,7 @@ class OutboxRelay:
             self.ctx.state.resumed()
             self.log.info("outbox resumed by a replay")
 
-    async def _measure_lag(self, s: Session, head: int | None = None) -> None:
+    async def _measure_lag(self, s: Hold, head: int | None = None) -> None:
         """Lag and parked gauges, by the database's clock, at most once a second.
 
         Called after each barrier, while retrying and while the barrier waits, so
@@ -300,7 +300,7 @@ class OutboxRelay:
     def _skipped(self, rule: CompiledRule) -> None:
         self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()
 
-    def _blocked(self, s: Session) -> Callable[[Blocker | None], Awaitable[None]]:
+    def _blocked(self, s: Hold) -> Callable[[Blocker | None], Awaitable[None]]:
         state = self.ctx.state
 
         async def report(blocker: Blocker | None) -> None:

@@ -1,6 +1,6 @@
 """Everything one lane of an outbox runs with, built once by the runner and passed down.
 
-The replica, the holder's loop and the operations all take this one object instead
+The replica, the holder's loop and the operators' commands all take this one object instead
 of a dozen collaborators, and none of them builds its own parts. An outbox with one
 lane has one context, named after the outbox.
 """
@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from relay.config import OutboxConfig, RelayConfig
 from relay.core.lane_state import OutboxState
 from relay.core.lanes import Lane
-from relay.core.mapping import Mapper
 from relay.core.metrics import Metrics
 from relay.core.publishing import Publisher
-from relay.ops.operations import Operations
+from relay.mapping.mapper import Mapper
 from relay.postgres.command_queue import CommandQueue
 from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
+from relay.runtime.commands import CommandRunner
 
 
 @dataclass
@@ -44,7 +44,7 @@ class OutboxContext:
     partitions: Partitions
     publisher: Publisher
     mapper: Mapper
-    operations: Operations
+    command_runner: CommandRunner
     metrics: Metrics
     state: OutboxState
     stop: asyncio.Event  # this lane's: set on shutdown, or to hand the lane over
@@ -85,7 +85,9 @@ class OutboxContext:
             partitions=Partitions(schema),
             publisher=publisher,
             mapper=mapper,
-            operations=Operations(store, source, mapper, publisher, config.batch.max_messages),
+            command_runner=CommandRunner(
+                store, source, mapper, publisher, config.batch.max_messages
+            ),
             metrics=metrics,
             state=OutboxState(lane.name),
             stop=asyncio.Event(),

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from relay.ops.cli_common import (
+from relay.cli.common import (
     ConfigOption,
     JsonOption,
     ids_or_all,
@@ -16,7 +16,7 @@ from relay.ops.cli_common import (
     pretty,
     run_or_exit,
 )
-from relay.ops.console import say, table
+from relay.cli.console import say, table
 from relay.printable import printable
 
 parked_app = typer.Typer(help="Inspect and drop parked messages.", no_args_is_help=True)
@@ -29,8 +29,8 @@ def parked_list(
     as_json: JsonOption = False,
 ) -> None:
     """Parked messages of OUTBOX, in position order."""
-    from relay.ops.parked import parked_list as read
-    from relay.ops.parked import summary
+    from relay.fleet.parked import parked_list as read
+    from relay.fleet.parked import summary
 
     cfg = load_config_or_exit(config)
     parked, notes = run_or_exit(lambda: read(cfg, outbox))
@@ -53,8 +53,8 @@ def parked_show(
     as_json: JsonOption = False,
 ) -> None:
     """One parked message, whole."""
-    from relay.ops.parked import parked_show as read
-    from relay.ops.parked import whole
+    from relay.fleet.parked import parked_show as read
+    from relay.fleet.parked import whole
 
     cfg = load_config_or_exit(config)
     row = whole(run_or_exit(lambda: read(cfg, id_)))
@@ -80,8 +80,8 @@ def parked_drop(
     as_json: JsonOption = False,
 ) -> None:
     """Delete parked messages for good: by id, or --all (of --outbox, or of every outbox)."""
-    from relay.ops.parked import parked_drop as drop
-    from relay.ops.parked import parked_to_drop, summary
+    from relay.fleet.parked import parked_drop as drop
+    from relay.fleet.parked import parked_to_drop, summary
 
     ids_or_all(ids, all_, "parked message ids,")
     cfg = load_config_or_exit(config)

@@ -7,8 +7,8 @@ from typing import Any
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.errors import RelayError
-from relay.ops.identity import identity
-from relay.ops.recorded import as_recorded
+from relay.fleet.identity import identity
+from relay.fleet.recorded import as_recorded
 from relay.postgres.database import Database
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.store import ParkedMessage, Store
@@ -19,13 +19,13 @@ async def parked_list(config: RelayConfig, outbox: str) -> tuple[list[ParkedMess
     config says another count (recorded.py)."""
     config, notes = await as_recorded(config, [outbox])
     lanes = lane_names(config, outbox)
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).parked(conn, lanes), notes
 
 
 async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         parked = await Store(config.database.schema_).parked_by_id(conn, id_)
     if parked is None:
@@ -36,7 +36,7 @@ async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
 async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
     config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).drop_parked(conn, ids, lanes)
 
@@ -47,7 +47,7 @@ async def parked_to_drop(
     """What `parked_drop` with the same arguments would delete, in position order."""
     config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).parked(conn, lanes, ids)
 

@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from relay.cli.console import ProgressView
 from relay.config import RelayConfig
 from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
-from relay.ops.console import ProgressView
-from relay.ops.identity import identity
-from relay.ops.parked import lane_names
+from relay.fleet.identity import identity
+from relay.fleet.parked import lane_names
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.source import EventSource
@@ -158,7 +158,7 @@ async def follow_replay(
     starts = lane_checkpoints(outbox, detail)
     watch = CatchUp(config, outbox, head, starts, unheld)
     try:
-        async with Database(config.database, identity()).session("cli") as conn:
+        async with Database(config.database, identity()).one_shot("cli") as conn:
             await watch.start(conn)
             while True:
                 progress, caught_up = await watch.poll(conn)
@@ -181,7 +181,7 @@ async def follow_retry(
 ) -> tuple[T, Progress]:
     """Run `command` (a retry-parked), showing the parked messages it settles meanwhile."""
     watch = ParkedSettling(config, outbox)
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await watch.start(conn, ids)
         task = asyncio.ensure_future(command)
         try:

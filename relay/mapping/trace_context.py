@@ -17,8 +17,8 @@ import structlog
 from jmespath.exceptions import JMESPathError
 
 from relay.config import TraceContextConfig
-from relay.config.expressions import compile_expression
 from relay.core.publishing import Message
+from relay.mapping.expressions import compile_expression
 
 log = structlog.get_logger("relay.trace_context")
 

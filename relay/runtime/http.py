@@ -30,7 +30,7 @@ import structlog
 from relay.core.metrics import Metrics
 from relay.errors import RelayError
 
-log = structlog.get_logger("relay.ops.http")
+log = structlog.get_logger("relay.runtime.http")
 _WARN_EVERY = 60.0  # seconds between two warnings that the connection cap was reached
 
 

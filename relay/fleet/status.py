@@ -12,7 +12,7 @@ from typing import Any
 
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
-from relay.ops.identity import identity
+from relay.fleet.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.membership import live_members
@@ -58,7 +58,7 @@ async def status(config: RelayConfig) -> list[OutboxStatus]:
     """One row per configured outbox."""
     source = EventSource(config.source)  # the whole table: its head and checks
     store = Store(config.database.schema_)
-    async with Database(config.database, identity()).session("status") as conn:
+    async with Database(config.database, identity()).one_shot("status") as conn:
         await ensure_migrated(conn, config.database.schema_)
         await source.check(conn)
         head = await source.head(conn)

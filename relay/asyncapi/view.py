@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from relay.config import BrokerConfig, OutboxConfig, RelayConfig
-from relay.config.message_schemas import load_schema
+from relay.mapping.message_schemas import load_schema
 
 Protocol = Literal["nats", "kafka", "rabbitmq", "sqs"]
 CloudEventsMode = Literal["binary", "structured"]

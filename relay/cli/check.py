@@ -19,9 +19,7 @@ import asyncpg
 
 from relay.brokers import create_publisher, probe_broker
 from relay.config import RelayConfig
-from relay.config.expressions import template_pieces
 from relay.core.event import Event
-from relay.core.mapping import CompiledRule, Mapper
 from relay.errors import (
     ConfigError,
     DatabaseError,
@@ -31,7 +29,9 @@ from relay.errors import (
     SchemaViolation,
     SourceError,
 )
-from relay.ops.identity import identity
+from relay.fleet.identity import identity
+from relay.mapping.expressions import template_pieces
+from relay.mapping.mapper import CompiledRule, Mapper
 from relay.postgres.database import Database, too_old
 from relay.postgres.migrations import LATEST, ensure_migrated, schema_version
 from relay.postgres.partitions import Partitions, mismatch
@@ -75,7 +75,7 @@ async def run_check(config: RelayConfig, last: int, *, offline: bool = False) ->
 async def _database(config: RelayConfig, last: int, report: Report) -> None:
     source = EventSource(config.source)
     try:
-        async with Database(config.database, identity()).session("check") as conn:
+        async with Database(config.database, identity()).one_shot("check") as conn:
             rights = await check_rights(conn, config)
             report.problems += [f"database: {m.describe()}" for m in rights.required]
             report.warnings += [f"database: {m.describe()}" for m in rights.degraded]

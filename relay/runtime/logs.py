@@ -16,9 +16,9 @@ from typing import Any
 import structlog
 import structlog.tracebacks
 
-from relay.ops.log_noise import RepeatFilter
 from relay.printable import printable, printable_lines
 from relay.redaction import redact
+from relay.runtime.log_noise import RepeatFilter
 
 
 def _scrub(value: Any) -> Any:

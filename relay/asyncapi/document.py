@@ -13,11 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
-from relay.config.broker_identity import host_of
-from relay.config.expressions import template_pieces
-from relay.core.publishing import STRUCTURED
-from relay.ops.contract.inference import (
+from relay.asyncapi.inference import (
     DATA_CONTENT_TYPE,
     Schema,
     embedded_schema,
@@ -25,8 +21,12 @@ from relay.ops.contract.inference import (
     headers_schema,
     payload_schema,
 )
-from relay.ops.contract.servers import Object, servers
-from relay.ops.contract.view import OutboxView, RuleView
+from relay.asyncapi.servers import Object, servers
+from relay.asyncapi.view import OutboxView, RuleView
+from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
+from relay.config.broker_identity import host_of
+from relay.core.publishing import STRUCTURED
+from relay.mapping.expressions import template_pieces
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).

@@ -14,9 +14,9 @@ import asyncpg
 import structlog
 
 from relay.core.event import Event
-from relay.core.mapping import CompiledRule, Mapper
 from relay.core.publishing import Message, Outcome, Publisher, one_outcome_each
 from relay.errors import PublishError, RelayError
+from relay.mapping.mapper import CompiledRule, Mapper
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import (
     Arguments,
@@ -43,7 +43,7 @@ class Done:
 Handler = Callable[[ClaimedOutbox, asyncpg.Connection, Any], Awaitable[Done]]
 
 
-class Operations:
+class CommandRunner:
     """Carries out operators' commands for one outbox."""
 
     def __init__(

@@ -17,9 +17,9 @@ from __future__ import annotations
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.errors import UsageError
-from relay.ops.identity import identity
+from relay.fleet.identity import identity
 from relay.postgres.database import Database
-from relay.postgres.lease import Lease, LeaseSession
+from relay.postgres.lease import Lease, LeaseConnection
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import Partitions, PartitionsChanged, Repartitioned
 
@@ -28,7 +28,7 @@ class RepartitionRefused(UsageError):
     """A replica holds one of the outbox's lanes, or the count makes no sense."""
 
 
-def _change_lock(session: LeaseSession, outbox: str) -> Lease:
+def _change_lock(session: LeaseConnection, outbox: str) -> Lease:
     """The outbox's change lock: whoever changes its count holds it first, alone, so that
     of two replicas (or a replica and the CLI) trying at once, one gets every lane rather
     than each a part, and the count it read under it stays the count."""
@@ -36,7 +36,7 @@ def _change_lock(session: LeaseSession, outbox: str) -> Lease:
 
 
 async def _every_lane(
-    session: LeaseSession, outbox: str, before: int, after: int
+    session: LeaseConnection, outbox: str, before: int, after: int
 ) -> tuple[list[Lease], list[Lease]]:
     """The lock of every lane of both counts, in one statement: (taken, busy)."""
     names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
@@ -46,7 +46,7 @@ async def _every_lane(
 
 
 async def change_over(
-    session: LeaseSession,
+    session: LeaseConnection,
     config: RelayConfig,
     outbox: str,
     count: int,
@@ -90,7 +90,7 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
     schema = config.database.schema_
     db = Database(config.database, identity())
     partitions = Partitions(schema)
-    session = LeaseSession(db, config.lease, schema, db.identity)
+    session = LeaseConnection(db, config.lease, schema, db.identity)
     try:
         async with session.statement() as conn:
             await ensure_migrated(conn, schema)

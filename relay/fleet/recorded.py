@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from relay.config import RelayConfig
-from relay.ops.identity import identity
+from relay.fleet.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import Partitions
@@ -28,7 +28,7 @@ async def as_recorded(
     schema = config.database.schema_
     changed = {}
     notes = []
-    async with Database(config.database, identity()).session("cli") as conn:
+    async with Database(config.database, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, schema)
         partitions = Partitions(schema)
         for name in names:

@@ -11,11 +11,11 @@ from typing import Annotated, Any, TypeVar
 import structlog
 import typer
 
+from relay.cli.console import say
 from relay.config import RelayConfig, load_config
 from relay.errors import ConfigError, RelayError, UsageError
-from relay.ops.console import say
-from relay.ops.logs import configure
 from relay.redaction import redact
+from relay.runtime.logs import configure
 
 ConfigOption = Annotated[
     Path | None,
