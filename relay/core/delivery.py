@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,7 +128,6 @@ class Delivery:
         self,
         checkpoint: CheckpointWriter,
         items: Sequence[Item],
-        on_retry: Callable[[], Awaitable[None]] | None = None,
     ) -> bool:
         """Publish `items` in order; False if stopped or interrupted by an operator's command.
 
@@ -156,8 +155,6 @@ class Delivery:
                 await self._park(checkpoint, parked, failure, count.rejections, upto)
                 continue
             await self._retrying(checkpoint, pending[0], failure, count)
-            if on_retry is not None:
-                await on_retry()
             await wait_any(self.stop, self.interrupt, within=backoff.delay(count.attempts))
             if self.stop.is_set() or self.interrupt.is_set():
                 return False  # nothing unacknowledged was checkpointed: it is read again

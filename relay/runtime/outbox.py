@@ -1,23 +1,42 @@
-"""One outbox's relay loop: barrier, read, map, publish, checkpoint, repeat.
+"""One lane's relay loop, top to bottom: barrier, read, map, publish, checkpoint, repeat.
 
-The loop is deliberately plain. Each turn carries out any operator's command,
-makes a prefix of the log final, reads up to a batch of it, and hands the mapped
-messages to the delivery (relay/core/delivery.py), which publishes them in
-order, retries and parks; the checkpoint then moves past the batch. A head
-that went below the checkpoint halts the outbox until an operator's replay.
+A batch's path, in the order of this file: `run` claims nothing (the replica did, and
+passes the `Hold`); `_relay` turns the loop; `_next` takes any operator's command first
+(`_carry_out_commands`), then the batch read ahead, or a fresh one; `_next_batch` waits
+at the barrier for a final prefix of the log and `_read` reads and maps up to a batch of
+it (`relay.mapping.mapper.items_of`); the delivery (`relay.core.delivery`) publishes it in
+order, retries and parks, reporting through the `CheckpointBehind` at the bottom of this
+file; the checkpoint then moves past the batch. A head that went below the checkpoint
+halts the lane until an operator's replay.
+
+Two waits overlap with the next batch, without giving up order (the classes at the end):
+
+- `ReadAhead`: batch N+1 is read and mapped while batch N waits for its acknowledgements.
+  It is only ever *read*: nothing of N+1 is published before N is fully acknowledged (or
+  parked), because the loop hands N+1 to the delivery only after N's delivery returned.
+- `CheckpointBehind`: batch N's checkpoint is written while N+1 is being sent. Every later
+  write (N+1's checkpoint, a retry report, a parked message) waits for it first, so
+  checkpoints land in order, and a write that failed (a lost lease) fails the next one.
+  Publishing N+1 before N's checkpoint is stored is at-least-once as ever: if the write
+  fails, both are sent again by the next holder, with the same ids.
+
+Both tasks are always awaited: taken, waited for, or cancelled and awaited.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import asyncpg
 import structlog
 
-from relay.core.delivery import Delivery, Item
+from relay.core.delivery import Delivery, Item, Parking, RetryCount
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError
 from relay.mapping.mapper import CompiledRule, items_of
@@ -25,7 +44,6 @@ from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.database import CONNECTION_LOST
 from relay.postgres.source import Blocker
 from relay.runtime.context import OutboxContext
-from relay.runtime.overlap import CheckpointBehind, ReadAhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +136,11 @@ class OutboxRelay:
         return True
 
     async def _relay(self, s: Hold) -> None:
-        """Batch after batch; the next is read while one is sent (overlap.py)."""
-        checkpoint = CheckpointBehind(s.claimed, self.ctx.state.moved)
+        """Batch after batch; the next is read while one is sent (`ReadAhead`, below)."""
         ahead: ReadAhead[Batch] = ReadAhead()
+        checkpoint = CheckpointBehind(
+            s.claimed, self.ctx.state.moved, retrying=lambda: self._retrying(s, ahead)
+        )
         try:
             while not self.ctx.stop.is_set():
                 batch = await self._next(s, checkpoint, ahead)
@@ -128,9 +148,7 @@ class OutboxRelay:
                     continue
                 if batch.full and batch.upto < self._horizon:  # final already: no barrier
                     ahead.start(self._read(s, batch.upto))
-                if batch.items and not await self.delivery.deliver(
-                    checkpoint, batch.items, on_retry=lambda: self._retrying(s, ahead)
-                ):
+                if batch.items and not await self.delivery.deliver(checkpoint, batch.items):
                     await ahead.drop()
                     await checkpoint.settled()
                     self._horizon = s.claimed.position  # read again from the checkpoint
@@ -167,42 +185,6 @@ class OutboxRelay:
             return await ahead.take()
         await checkpoint.settled()
         return await self._next_batch(s, s.claimed.position)
-
-    async def _retrying(self, s: Hold, ahead: ReadAhead[Batch]) -> None:
-        await ahead.settle()  # the lag is measured on the reader
-        await self._measure_lag(s)
-
-    def _commands_due(self) -> bool:
-        """An operator's command may be waiting: NOTIFY says so, or polling is due."""
-        due = time.monotonic() - self._commands_checked >= self.ctx.source.config.poll_interval
-        return due or self.ctx.wakes.commands.is_set()
-
-    async def _carry_out_commands(self, s: Hold) -> bool:
-        """Between batches: run operators' commands; True if one moved the checkpoint."""
-        self.ctx.wakes.commands.clear()
-        self._commands_checked = time.monotonic()
-        claim, queue, moved = s.claimed.claim, self.ctx.commands, False
-        if not await queue.waiting(s.reader, claim.outbox):
-            return False  # asked on the reader: the lease connection is every lane's
-        while not (self.ctx.stop.is_set() or self.ctx.shutdown.is_set()):
-            async with s.claimed.writer.statement() as conn:
-                command = await queue.take(conn, claim, self.ctx.identity)
-            if command is None:
-                return moved
-            log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
-            log.info("carrying out command", args=_shortened(command.args))
-            done = await self.ctx.command_runner.carry_out(
-                command.kind, command.args, s.claimed, s.reader
-            )
-            if done.moved_to is not None:
-                moved = True
-                self._horizon = min(self._horizon, done.moved_to)
-                self.ctx.state.moved(done.moved_to)
-                self._resume_if_halted()
-            async with s.claimed.writer.statement() as conn:
-                await queue.finish(conn, command.id, done.ok, done.detail)
-            log.info("command done" if done.ok else "command failed", outcome=done.detail)
-        return moved
 
     async def _next_batch(self, s: Hold, position: int) -> Batch | None:
         """The next batch to publish; None if stopped or halted meanwhile."""
@@ -244,6 +226,65 @@ class OutboxRelay:
         full = len(events) == limit or cut or taken < len(events)
         upto = events[taken - 1].position if full and taken else self._horizon
         return Batch(items, position, upto, full=full or upto < self._horizon)
+
+    async def _idle(self) -> None:
+        """Wait for a NOTIFY or the next poll, then linger to gather a batch.
+
+        Polls keep a fixed cadence: the interval counts from the start of the last pass,
+        not from its end, so an event waits at most one interval (plus the linger). Under
+        steady NOTIFYs, passes start at most every `linger`, and an event waits for the pass
+        it arrived in to end, not for a whole linger on top.
+        """
+        ctx = self.ctx
+        # A NOTIFY during the pass: its events have been gathering since then, so the
+        # linger counts from the pass's start too; from idle it counts from the wake-up.
+        during_pass = ctx.wakes.events.is_set()
+        ctx.state.idle()
+        passed = time.monotonic() - self._pass_started
+        await wait_any(
+            ctx.stop,
+            ctx.wakes.events,
+            ctx.wakes.commands,
+            within=max(ctx.source.config.poll_interval - passed, 0.0),
+        )
+        ctx.state.relaying()
+        linger = self.config.batch.linger
+        if during_pass:
+            linger -= time.monotonic() - self._pass_started
+        if linger > 0 and not ctx.stop.is_set():
+            await sleep_unless(ctx.stop, linger)
+
+    def _commands_due(self) -> bool:
+        """An operator's command may be waiting: NOTIFY says so, or polling is due."""
+        due = time.monotonic() - self._commands_checked >= self.ctx.source.config.poll_interval
+        return due or self.ctx.wakes.commands.is_set()
+
+    async def _carry_out_commands(self, s: Hold) -> bool:
+        """Between batches: run operators' commands; True if one moved the checkpoint."""
+        self.ctx.wakes.commands.clear()
+        self._commands_checked = time.monotonic()
+        claim, queue, moved = s.claimed.claim, self.ctx.commands, False
+        if not await queue.waiting(s.reader, claim.outbox):
+            return False  # asked on the reader: the lease connection is every lane's
+        while not (self.ctx.stop.is_set() or self.ctx.shutdown.is_set()):
+            async with s.claimed.writer.statement() as conn:
+                command = await queue.take(conn, claim, self.ctx.identity)
+            if command is None:
+                return moved
+            log = self.log.bind(command=command.id, kind=command.kind, by=command.requested_by)
+            log.info("carrying out command", args=_shortened(command.args))
+            done = await self.ctx.command_runner.carry_out(
+                command.kind, command.args, s.claimed, s.reader
+            )
+            if done.moved_to is not None:
+                moved = True
+                self._horizon = min(self._horizon, done.moved_to)
+                self.ctx.state.moved(done.moved_to)
+                self._resume_if_halted()
+            async with s.claimed.writer.statement() as conn:
+                await queue.finish(conn, command.id, done.ok, done.detail)
+            log.info("command done" if done.ok else "command failed", outcome=done.detail)
+        return moved
 
     async def _halt(self, s: Hold, head: int, position: int) -> None:
         """The head went below the checkpoint: the sequence was reset, or the table replaced.
@@ -333,32 +374,11 @@ class OutboxRelay:
             **{k: v for k, v in named.items() if v is not None},
         )
 
-    async def _idle(self) -> None:
-        """Wait for a NOTIFY or the next poll, then linger to gather a batch.
-
-        Polls keep a fixed cadence: the interval counts from the start of the last pass,
-        not from its end, so an event waits at most one interval (plus the linger). Under
-        steady NOTIFYs, passes start at most every `linger`, and an event waits for the pass
-        it arrived in to end, not for a whole linger on top.
-        """
-        ctx = self.ctx
-        # A NOTIFY during the pass: its events have been gathering since then, so the
-        # linger counts from the pass's start too; from idle it counts from the wake-up.
-        during_pass = ctx.wakes.events.is_set()
-        ctx.state.idle()
-        passed = time.monotonic() - self._pass_started
-        await wait_any(
-            ctx.stop,
-            ctx.wakes.events,
-            ctx.wakes.commands,
-            within=max(ctx.source.config.poll_interval - passed, 0.0),
-        )
-        ctx.state.relaying()
-        linger = self.config.batch.linger
-        if during_pass:
-            linger -= time.monotonic() - self._pass_started
-        if linger > 0 and not ctx.stop.is_set():
-            await sleep_unless(ctx.stop, linger)
+    async def _retrying(self, s: Hold, ahead: ReadAhead[Batch]) -> None:
+        """While the delivery waits to retry, the gauges keep rising (the lag is measured on
+        the reader, so the read ahead finishes first)."""
+        await ahead.settle()  # the lag is measured on the reader
+        await self._measure_lag(s)
 
 
 def _within(max_bytes: int, per_event: list[list[Item]]) -> tuple[list[Item], int]:
@@ -382,3 +402,109 @@ def _shortened(args: object, limit: int = 200) -> str:
     """A command's args for the log: anyone may write a row, with 300,000 ids in it."""
     text = json.dumps(args, default=str)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+# -- The two waits the loop overlaps ---------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class ReadAhead(Generic[T]):
+    """At most one read running beside the publishing; its result is taken or dropped."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[T] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    def start(self, read: Coroutine[Any, Any, T]) -> None:
+        assert self._task is None, "one read ahead at a time"
+        self._task = asyncio.create_task(read, name="read ahead")
+
+    async def take(self) -> T:
+        """The batch read ahead; its error, if the read failed."""
+        task, self._task = self._task, None
+        assert task is not None, "nothing was read ahead"
+        return await task
+
+    async def settle(self) -> None:
+        """Wait until the read is done (its connection is free again), keeping the result."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
+    async def drop(self) -> None:
+        """Forget the read: the position it started from is no longer the next one.
+
+        A read that failed is not re-raised here: the connection it used fails the next
+        statement on it the same way, and that one is not dropped.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class CheckpointBehind:
+    """The delivery's `CheckpointWriter`, whose batch checkpoint may be written behind."""
+
+    def __init__(
+        self,
+        claimed: ClaimedOutbox,
+        on_moved: Callable[[int], None],
+        *,
+        retrying: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.claimed = claimed
+        self.on_moved = on_moved  # the checkpoint is stored at this position
+        self.retrying = retrying  # after each retry report: the lane refreshes its gauges
+        self._pending: asyncio.Task[None] | None = None
+
+    @property
+    def position(self) -> int:
+        return self.claimed.position
+
+    async def advance_behind(self, position: int) -> None:
+        """Start writing `position`; the next write, of any kind, waits for it."""
+        await self.settled()
+        self._pending = asyncio.create_task(self._advance(position), name="checkpoint")
+
+    async def settled(self) -> None:
+        """Wait for the write behind, if any; raise its error."""
+        task, self._pending = self._pending, None
+        if task is not None:
+            await task
+
+    async def cancel(self) -> None:
+        """On the way out after an error or a cancellation: stop the write behind.
+
+        A cancelled statement drops the lease connection (postgres/lease.py), as it would have
+        if the write had not been behind.
+        """
+        task, self._pending = self._pending, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def advance(self, position: int) -> None:
+        await self.settled()
+        await self._advance(position)
+
+    async def _advance(self, position: int) -> None:
+        await self.claimed.advance(position)
+        self.on_moved(position)
+
+    async def report(
+        self, state: str, last_error: str | None = None, retry: RetryCount | None = None
+    ) -> None:
+        await self.settled()
+        await self.claimed.report(state, last_error, retry)
+        if state == "retrying":
+            await self.retrying()
+
+    async def park(self, parking: Parking) -> None:
+        await self.settled()
+        await self.claimed.park(parking)
