@@ -55,6 +55,16 @@ class ReplayFrom:
     time: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Asking:
+    """What the CLI asks of each lane, and how long it may wait for it."""
+
+    kind: CommandKind
+    deadline: float  # the whole command's, on the monotonic clock
+    wait: float
+    patient: bool  # `--wait`: a holder's running command extends the deadline
+
+
 class CommandTimeout(RelayError):
     """The holder did not carry out the command in time.
 
@@ -102,7 +112,7 @@ class Operator:
         holder to take it: once taken, it may run as long as its work takes.
         """
         kind = CommandKind(kind)
-        deadline = time.monotonic() + wait
+        asking = _Asking(kind, time.monotonic() + wait, wait, patient)
         session = LeaseConnection(
             self.db, self.config.lease, self.config.database.schema_, self.identity
         )
@@ -117,9 +127,8 @@ class Operator:
                     for lane, lane_args in shares:
                         try:
                             results[lane.name] = await self._on_lane(
-                                session, lane, kind, lane_args, deadline=deadline, wait=wait,
-                                patient=patient,
-                            )  # fmt: skip
+                                session, lane, lane_args, asking
+                            )
                         except CommandTimeout as exc:
                             later = [other.name for other, _ in shares][len(results) + 1 :]
                             raise _partly_done(exc, lane, [*results], len(earlier), later) from exc
@@ -163,45 +172,28 @@ class Operator:
         ] or [(self.lanes[0], args)]  # none of them parked: the first lane says "not found"
 
     async def _on_lane(
-        self,
-        session: LeaseConnection,
-        lane: Lane,
-        kind: CommandKind,
-        args: dict[str, Any],
-        *,
-        deadline: float,
-        wait: float,
-        patient: bool,
+        self, session: LeaseConnection, lane: Lane, args: dict[str, Any], asking: _Asking
     ) -> CommandResult:
         """Do it under the lane's lease if free; else ask its holder; take over if it leaves."""
         lease = Lease(session, lane.name)
         while True:
             try:
                 if await lease.try_acquire():
-                    return await self._directly(lease, lane, kind, args)
-                result = await self._through_holder(
-                    lease, lane, kind, args, deadline=deadline, wait=wait, patient=patient
-                )
+                    return await self._directly(lease, lane, asking.kind, args)
+                result = await self._through_holder(lease, lane, args, asking)
             finally:
                 await lease.release()
             if result is not None:
                 return result
 
     async def _through_holder(
-        self,
-        lease: Lease,
-        lane: Lane,
-        kind: CommandKind,
-        args: dict[str, Any],
-        *,
-        deadline: float,
-        wait: float,
-        patient: bool,
+        self, lease: Lease, lane: Lane, args: dict[str, Any], asking: _Asking
     ) -> CommandResult | None:
         """The holder's outcome; None if the lease fell free first (command withdrawn)."""
+        deadline, wait = asking.deadline, asking.wait
         conn = await self.db.connect("cli")
         try:
-            request = CommandRequest(lane, kind, args, self.identity)
+            request = CommandRequest(lane, asking.kind, args, self.identity)
             try:
                 command_id = await self.queue.submit(conn, request)
             except PartitionsChanged as exc:  # changed since this lane was resolved
@@ -214,7 +206,7 @@ class Operator:
                     ok = state.state == "done"
                     return CommandResult(ok, state.executed_by, state.outcome or {}, False)
                 holder = await lease.holder()
-                if patient and state.state == "running" and holder is not None:
+                if asking.patient and state.state == "running" and holder is not None:
                     # Taken, and its holder alive: the work may take as long as it takes.
                     deadline = time.monotonic() + wait
                 if holder is None and await self.queue.expire(conn, command_id):

@@ -8,14 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from relay.cli.common import (
-    ConfigOption,
-    JsonOption,
-    ids_or_all,
-    load_config_or_exit,
-    pretty,
-    run_or_exit,
-)
+from relay.cli import common
+from relay.cli.common import ConfigOption, JsonOption
 from relay.cli.console import say, table
 from relay.printable import printable
 
@@ -32,13 +26,13 @@ def parked_list(
     from relay.fleet.parked import parked_list as read
     from relay.fleet.parked import summary
 
-    cfg = load_config_or_exit(config)
-    parked, notes = run_or_exit(lambda: read(cfg, outbox))
+    cfg = common.load_config_or_exit(config)
+    parked, notes = common.run_or_exit(lambda: read(cfg, outbox))
     for note in notes:
         say(note, err=True)
     rows = [summary(message) for message in parked]
     if as_json:
-        say(pretty(rows))
+        say(common.pretty(rows))
         return
     for line in table(
         rows, ["id", "position", "event", "message_id", "reason", "attempts", "error"]
@@ -56,10 +50,10 @@ def parked_show(
     from relay.fleet.parked import parked_show as read
     from relay.fleet.parked import whole
 
-    cfg = load_config_or_exit(config)
-    row = whole(run_or_exit(lambda: read(cfg, id_)))
+    cfg = common.load_config_or_exit(config)
+    row = whole(common.run_or_exit(lambda: read(cfg, id_)))
     if as_json:
-        say(pretty(row))
+        say(common.pretty(row))
         return
     for key, value in row.items():
         say(f"{key}: {printable(value)}")
@@ -83,20 +77,21 @@ def parked_drop(
     from relay.fleet.parked import parked_drop as drop
     from relay.fleet.parked import parked_to_drop, summary
 
-    ids_or_all(ids, all_, "parked message ids,")
-    cfg = load_config_or_exit(config)
+    common.ids_or_all(ids, all_, "parked message ids,")
+    cfg = common.load_config_or_exit(config)
     if dry_run or (all_ and not yes):
-        going = [summary(p) for p in run_or_exit(lambda: parked_to_drop(cfg, ids or None, outbox))]
+        listed = common.run_or_exit(lambda: parked_to_drop(cfg, ids or None, outbox))
+        going = [summary(p) for p in listed]
         if dry_run:
             if as_json:
-                say(pretty({"dry_run": True, "would_drop": going}))
+                say(common.pretty({"dry_run": True, "would_drop": going}))
             else:
                 say(f"dry run: {len(going)} parked message(s) would be dropped")
                 for line in table(going, ["id", "outbox", "position", "event", "event_type"]):
                     say(line)
             return
         _confirm_drop(going, outbox)
-    dropped = run_or_exit(lambda: drop(cfg, ids or None, outbox))
+    dropped = common.run_or_exit(lambda: drop(cfg, ids or None, outbox))
     if as_json:
         say(json.dumps({"dropped": dropped}))
         return

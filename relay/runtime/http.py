@@ -23,7 +23,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 import structlog
 
@@ -43,26 +43,20 @@ class Health:
     states: Callable[[], dict[str, str]]
 
 
+@dataclass(eq=False)
 class HttpServer:
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        metrics: Metrics,
-        health: Health,
-        *,
-        request_timeout: float = 5.0,
-        max_connections: int = 64,
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.metrics = metrics
-        self.health = health
-        self.request_timeout = request_timeout
-        self.max_connections = max_connections
-        self._server: asyncio.Server | None = None
-        self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
-        self._warned_full = -_WARN_EVERY
+    """/metrics, /healthz and /readyz on one port, with a bound on open connections."""
+
+    host: str
+    port: int
+    metrics: Metrics
+    health: Health
+    _: KW_ONLY
+    request_timeout: float = 5.0
+    max_connections: int = 64
+    _server: asyncio.Server | None = field(default=None, init=False)
+    _open: dict[asyncio.StreamWriter, None] = field(default_factory=dict, init=False)  # by age
+    _warned_full: float = field(default=-_WARN_EVERY, init=False)
 
     async def start(self) -> None:
         try:
