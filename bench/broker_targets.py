@@ -30,13 +30,13 @@ from pydantic import SecretStr
 from bench import relay_bench as rb
 from bench import report
 from relay.brokers.kafka import message_headers as kafka_headers
-from relay.brokers.rabbitmq import RabbitMqPublisher, _routing_key
+from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.sqs import (
     CONCURRENCY,
     MAX_ENTRIES,
-    _attributes,
-    _deduplication_id,
-    _group_id,
+    deduplication_id,
+    group_id,
+    message_attributes,
 )
 from relay.config import RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message
@@ -299,7 +299,7 @@ class RabbitMq:
             AmqpChunk = list[tuple[aio_pika.Message, str]]
 
             def prepare(messages: list[Message]) -> AmqpChunk:
-                return [(amqp_message(m), _routing_key(m)) for m in messages]
+                return [(amqp_message(m), routing_key(m)) for m in messages]
 
             async def send(chunk: AmqpChunk) -> None:
                 await asyncio.gather(
@@ -408,9 +408,9 @@ class Sqs:
                 {
                     "Id": str(i),
                     "MessageBody": m.body.decode(),
-                    "MessageAttributes": _attributes(m),
-                    "MessageGroupId": _group_id(m.key),
-                    "MessageDeduplicationId": _deduplication_id(m.id),
+                    "MessageAttributes": message_attributes(m),
+                    "MessageGroupId": group_id(m.key),
+                    "MessageDeduplicationId": deduplication_id(m.id),
                 }
                 for i, m in enumerate(messages)
             ]
