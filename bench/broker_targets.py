@@ -27,16 +27,16 @@ from aiokafka.admin import AIOKafkaAdminClient
 from botocore.config import Config
 from pydantic import SecretStr
 
-from bench import relay_bench as rb
-from bench import report
+from bench import backlog, report
+from bench.measure import ceiling, timed_publish
 from relay.brokers.kafka import message_headers as kafka_headers
-from relay.brokers.rabbitmq import RabbitMqPublisher, _routing_key
+from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.sqs import (
     CONCURRENCY,
     MAX_ENTRIES,
-    _attributes,
-    _deduplication_id,
-    _group_id,
+    deduplication_id,
+    group_id,
+    message_attributes,
 )
 from relay.config import RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message
@@ -52,7 +52,7 @@ async def quietly(what: str, action: Callable[..., Awaitable[object]], *args: An
     try:
         await action(*args)
     except Exception as exc:  # noqa: BLE001 - clean-up reports and goes on
-        rb.say(f"  warning: could not {what}: {exc!r}")
+        report.say(f"  warning: could not {what}: {exc!r}")
 
 
 class Target(Protocol):
@@ -101,9 +101,9 @@ class Nats:
 
     async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
         self.name = name
-        version = await rb.create_stream(self.url, name)
+        version = await backlog.create_stream(self.url, name)
         stack.push_async_callback(
-            quietly, f"delete stream {name}", rb.delete_stream, self.url, name
+            quietly, f"delete stream {name}", backlog.delete_stream, self.url, name
         )
         return f"nats-server {version}"
 
@@ -114,10 +114,10 @@ class Nats:
         return None
 
     async def before_relay(self) -> None:
-        await rb.purge_stream(self.url, self.name)
+        await backlog.purge_stream(self.url, self.name)
 
     async def stored(self, expected: int) -> int:
-        return await rb.stored_messages(self.url, self.name)
+        return await backlog.stored_messages(self.url, self.name)
 
     async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
         """The `publish_async` reference, relay_bench's headline denominator: the client
@@ -126,7 +126,7 @@ class Nats:
         relay | reference, ceiling."""
         result: report.Throughput | None = None
         for pipelined in (False, True) if tag == "1" else (True, False):
-            t = await rb.ceiling(
+            t = await ceiling(
                 config,
                 self.url,
                 last,
@@ -139,7 +139,7 @@ class Nats:
             else:
                 label = f"`js.publish` x{batch} gathered (the ceiling, for information), run {tag}"
                 self.references[label] = t.rate
-                rb.say(f"  ceiling {tag}, js.publish gathered (for information): {rate_of(t)}")
+                report.say(f"  ceiling {tag}, js.publish gathered (for information): {rate_of(t)}")
         assert result is not None
         return result
 
@@ -243,7 +243,7 @@ class Kafka:
 
         try:
             await producer.partitions_for(self.topic)  # metadata fetched outside the timer
-            result = await rb.timed_publish(config, last, batch, prepare, send)
+            result = await timed_publish(config, last, batch, prepare, send)
         finally:
             await producer.stop()
         result.stored = await self.stored(result.count)
@@ -299,14 +299,14 @@ class RabbitMq:
             AmqpChunk = list[tuple[aio_pika.Message, str]]
 
             def prepare(messages: list[Message]) -> AmqpChunk:
-                return [(amqp_message(m), _routing_key(m)) for m in messages]
+                return [(amqp_message(m), routing_key(m)) for m in messages]
 
             async def send(chunk: AmqpChunk) -> None:
                 await asyncio.gather(
                     *(exchange.publish(m, routing_key=key, mandatory=True) for m, key in chunk)
                 )
 
-            result = await rb.timed_publish(config, last, batch, prepare, send)
+            result = await timed_publish(config, last, batch, prepare, send)
         finally:
             await connection.close()
         result.stored = await self.stored(result.count)
@@ -408,9 +408,9 @@ class Sqs:
                 {
                     "Id": str(i),
                     "MessageBody": m.body.decode(),
-                    "MessageAttributes": _attributes(m),
-                    "MessageGroupId": _group_id(m.key),
-                    "MessageDeduplicationId": _deduplication_id(m.id),
+                    "MessageAttributes": message_attributes(m),
+                    "MessageGroupId": group_id(m.key),
+                    "MessageDeduplicationId": deduplication_id(m.id),
                 }
                 for i, m in enumerate(messages)
             ]
@@ -429,7 +429,7 @@ class Sqs:
                 await asyncio.gather(*(call(entries) for entries in chunk))
 
             await c.get_queue_attributes(QueueUrl=url)  # connection opened outside the timer
-            result = await rb.timed_publish(config, last, batch, prepare, send)
+            result = await timed_publish(config, last, batch, prepare, send)
         result.stored = await self.stored(result.count, name)
         return result
 

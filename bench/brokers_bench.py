@@ -62,8 +62,7 @@ from pathlib import Path
 
 import asyncpg
 
-from bench import relay_bench as rb
-from bench import report
+from bench import backlog, report
 from bench.broker_targets import (
     RABBITMQ_URL,
     Kafka,
@@ -75,6 +74,7 @@ from bench.broker_targets import (
     rabbitmq_adapter_rounds,
     rate_of,
 )
+from bench.measure import relay_backlog, timed_publish
 from relay.config import RelayConfig
 from relay.core.publishing import Message
 from relay.postgres.database import Database
@@ -133,7 +133,7 @@ async def read_and_map(config: RelayConfig, last: int, batch: int) -> float:
         return None
 
     started = time.perf_counter()
-    result = await rb.timed_publish(config, last, batch, lambda m: m, nothing)
+    result = await timed_publish(config, last, batch, lambda m: m, nothing)
     return result.count / (time.perf_counter() - started)
 
 
@@ -166,7 +166,7 @@ async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     try:
         await measure(row, target, args)
     except Exception as exc:  # noqa: BLE001 - reported; the other brokers still run
-        rb.say(f"  {broker} FAILED: {exc!r}")
+        report.say(f"  {broker} FAILED: {exc!r}")
         row.problems.append(f"failed: {exc!r}")
     row.seconds = time.perf_counter() - started
     return row
@@ -174,16 +174,18 @@ async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
 
 async def measure(row: Row, target: Target, args: argparse.Namespace) -> None:
     name = f"bench_{uuid.uuid4().hex[:12]}"
-    dsn = rb.with_database(args.pg, name)
-    rb.say(f"\n{row.broker}: database {name}, load average {row.load_at_start}")
+    dsn = backlog.with_database(args.pg, name)
+    report.say(f"\n{row.broker}: database {name}, load average {row.load_at_start}")
     async with contextlib.AsyncExitStack() as stack:
-        await rb.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
+        await backlog.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
         drop = f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'
-        stack.push_async_callback(quietly, f"drop database {name}", rb.admin_execute, args.pg, drop)
+        stack.push_async_callback(
+            quietly, f"drop database {name}", backlog.admin_execute, args.pg, drop
+        )
         row.server = await target.start(name, stack)
-        rb.say(f"  server: {row.server}")
-        await rb.admin_execute(dsn, rb.read_events_sql())
-        config = rb.relay_config(
+        report.say(f"  server: {row.server}")
+        await backlog.admin_execute(dsn, backlog.read_events_sql())
+        config = backlog.relay_config(
             dsn,
             args.nats,
             name,
@@ -192,25 +194,25 @@ async def measure(row: Row, target: Target, args: argparse.Namespace) -> None:
             destination=target.destination(),
         )
         await migrate_database(Database(config.database, "relay:bench:0"), config)
-        last = await rb.insert_backlog(dsn, row.events)
-        rb.say(f"  {row.events:,} events inserted (last position {last})")
+        last = await backlog.insert_backlog(dsn, row.events)
+        report.say(f"  {row.events:,} events inserted (last position {last})")
         row.read_map = await read_and_map(config, last, args.batch)
-        rb.say(f"  read + map alone: {row.read_map:,.0f} events/s")
+        report.say(f"  read + map alone: {row.read_map:,.0f} events/s")
 
         row.raw_before = await target.raw(config, last, args.batch, "1")
-        rb.say(f"  raw client, before: {rate_of(row.raw_before)}")
+        report.say(f"  raw client, before: {rate_of(row.raw_before)}")
         await target.before_relay()
         profile = args.profile / f"{row.broker}.pstats" if args.profile else None
         if profile:
             profile.parent.mkdir(parents=True, exist_ok=True)
-        run = await rb.relay_backlog(
+        run = await relay_backlog(
             config, last, profile, lambda: target.stored(last), timeout=args.timeout
         )
         row.relay = run.throughput
-        rb.say(f"  relay: {rate_of(row.relay, 'event')}")
+        report.say(f"  relay: {rate_of(row.relay, 'event')}")
         row.raw_after = await target.raw(config, last, args.batch, "2")
-        rb.say(f"  raw client, after: {rate_of(row.raw_after)}")
-        rb.say(f"  ratio relay / raw: {row.ratio:.2f}")
+        report.say(f"  raw client, after: {rate_of(row.raw_after)}")
+        report.say(f"  ratio relay / raw: {row.ratio:.2f}")
         row.references = target.references
         for what, t in (
             ("raw before", row.raw_before),
@@ -223,7 +225,9 @@ async def measure(row: Row, target: Target, args: argparse.Namespace) -> None:
 async def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, str]]:
     configure("warning", "json")
     machine = await machine_info(args.pg)
-    rb.say(f"load average at start (1/5/15 min): {machine['load average at start (1/5/15 min)']}")
+    report.say(
+        f"load average at start (1/5/15 min): {machine['load average at start (1/5/15 min)']}"
+    )
     brokers = BROKERS if args.broker == "all" else (args.broker,)
     rows = [await bench_broker(broker, args) for broker in brokers]
     machine["load average at end (1/5/15 min)"] = load_average()
@@ -242,7 +246,7 @@ async def machine_info(pg: str) -> dict[str, str]:
         "python": sys.version.split()[0],
         "postgres": postgres,
         "clients": ", ".join(f"{p} {metadata.version(p)}" for p in versions),
-        "relay commit": rb.relay_revision(),
+        "relay commit": backlog.relay_revision(),
         "load average at start (1/5/15 min)": load_average(),
     }
 
@@ -322,8 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=240.0, help="seconds a relay drain may take at most"
     )
-    parser.add_argument("--pg", default=rb.ADMIN_DSN, help="admin DSN of the Postgres server")
-    parser.add_argument("--nats", default=rb.NATS_URL, help="NATS JetStream URL")
+    parser.add_argument("--pg", default=backlog.ADMIN_DSN, help="admin DSN of the Postgres server")
+    parser.add_argument("--nats", default=backlog.NATS_URL, help="NATS JetStream URL")
     parser.add_argument("--rabbitmq", default=RABBITMQ_URL, help="RabbitMQ URL")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument(
@@ -348,10 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows, machine = asyncio.run(bench(args))
     machine["wall time"] = f"{time.perf_counter() - started:.0f} s"
-    rb.say("\n## Outbox Relay, every broker\n")
-    rb.say(table(rows))
-    rb.say("")
-    rb.say(notes(rows, machine))
+    report.say("\n## Outbox Relay, every broker\n")
+    report.say(table(rows))
+    report.say("")
+    report.say(notes(rows, machine))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         data = {"rows": [row_json(r) for r in rows], "machine": machine}

@@ -3,14 +3,14 @@
     .venv/bin/python -m bench.cpu_bench --compare ../before --rounds 6 [--events 100000]
 
 Each drain is a fresh process: a database and a JetStream stream of their own, a backlog of
-`--events` BookLent events (relay_bench's set-up), then the real relay draining it
-(relay_bench's relay phase alone: no reference, no latency), and everything removed. The
-figure is that process's CPU (user + system) over the drain, start-up included, per event:
-Postgres and nats-server are other processes. With `--compare DIR`, the drains alternate
-between DIR's relay and this tree's (DIR first in odd rounds, this tree first in even ones),
-so that drift on the machine falls on both, and the ratio of the means is printed; this
-file's code runs in both (as `mapping_bench --compare` does). Importing it has no side
-effects.
+`--events` BookLent events (relay_bench's set-up: bench/backlog.py), then the real relay
+draining it (relay_bench's relay phase alone, bench/measure.py: no reference, no latency),
+and everything removed. The figure is that process's CPU (user + system) over the drain,
+start-up included, per event: Postgres and nats-server are other processes. With `--compare
+DIR`, the drains alternate between DIR's relay and this tree's (DIR first in odd rounds, this
+tree first in even ones), so that drift on the machine falls on both, and the ratio of the
+means is printed; this file's code runs in both (as `mapping_bench --compare` does), with the
+bench library of the tree under test. Importing it has no side effects.
 """
 
 from __future__ import annotations
@@ -27,8 +27,18 @@ HERE = Path(__file__).resolve().parents[1]
 
 async def drain(events: int) -> dict[str, float]:
     """One drain by the relay importable here; its CPU per event and rate."""
-    from bench import relay_bench as rb  # noqa: PLC0415 - the relay of the tree on the path
-    from bench.report import Results  # noqa: PLC0415
+    from bench.report import Results  # noqa: PLC0415 - the bench of the tree on the path
+
+    try:
+        from bench import backlog, measure  # noqa: PLC0415
+    except ImportError:  # a tree from before relay_bench.py was split: it held both
+        from bench import relay_bench as backlog  # type: ignore[no-redef]  # noqa: PLC0415
+        from bench import relay_bench as measure  # type: ignore[no-redef]  # noqa: PLC0415
+
+        # Its set-up took its command line's options.
+        options = backlog.parse_args(["--events", str(events)])  # type: ignore[attr-defined]
+    else:
+        options = backlog.RunOptions(events=events)
 
     try:
         from relay.runtime.logs import configure  # noqa: PLC0415
@@ -36,18 +46,17 @@ async def drain(events: int) -> dict[str, float]:
         from relay.ops.logs import configure  # type: ignore[import-not-found,no-redef]  # noqa: PLC0415
 
     configure("warning", "json")
-    args = rb.parse_args(["--events", str(events)])
     name = f"bench_{uuid.uuid4().hex[:12]}"
-    dsn = rb.with_database(args.pg, name)
-    results = Results(events=events, batch=args.batch)
+    dsn = backlog.with_database(options.pg, name)
+    results = Results(events=events, batch=options.batch)
     try:
-        last = await rb.set_up(args, dsn, name, results)
-        config = rb.bench_config(args, dsn, name)
-        run = await rb.relay_backlog(
-            config, last, None, lambda: rb.stored_messages(args.nats, name)
+        last = await backlog.set_up(options, dsn, name, results)
+        config = backlog.bench_config(options, dsn, name)
+        run = await measure.relay_backlog(
+            config, last, None, lambda: backlog.stored_messages(options.nats, name)
         )
     finally:
-        await rb.cleanup(args, name)
+        await backlog.cleanup(options, name)
     t = run.throughput
     if t.stored != events:
         raise SystemExit(f"cpu_bench: the stream holds {t.stored} messages, not {events}")

@@ -20,7 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.relay_bench import backlog_rows
+try:
+    from bench.backlog import backlog_rows
+except ImportError:  # `--compare` with a tree from before relay_bench.py was split
+    from bench.relay_bench import backlog_rows  # type: ignore[attr-defined,no-redef]
 
 CASES = ["backlog", "backlog, 64 KiB note", "nested, no float", "nested, floats"]
 

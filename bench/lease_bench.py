@@ -236,32 +236,34 @@ class Figures:
 
 
 async def one_run(tree: Path, args: argparse.Namespace, tmp: Path) -> Figures:
-    from bench import relay_bench as rb  # noqa: PLC0415
+    from bench import backlog  # noqa: PLC0415
 
     name = f"lease_{uuid.uuid4().hex[:10]}"
-    dsn = rb.with_database(args.pg, name)
-    await rb.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
-    await rb.create_stream(args.nats, name)
+    dsn = backlog.with_database(args.pg, name)
+    await backlog.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
+    await backlog.create_stream(args.nats, name)
     try:
         config = await _set_up(dsn, name, args, tmp)
         run = await _measure(tree, args, dsn, config, tmp / f"{name}.log")
     finally:
-        await rb.delete_stream(args.nats, name)
-        await rb.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await backlog.delete_stream(args.nats, name)
+        await backlog.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return _figures(run)
 
 
 async def _set_up(dsn: str, name: str, args: argparse.Namespace, tmp: Path) -> Path:
-    from bench import relay_bench as rb  # noqa: PLC0415
+    from bench import backlog  # noqa: PLC0415
     from relay.config import RelayConfig  # noqa: PLC0415
     from relay.postgres.database import Database  # noqa: PLC0415
     from relay.postgres.migrations import migrate_database  # noqa: PLC0415
     from tests.support.config import write_config  # noqa: PLC0415
 
-    await rb.admin_execute(dsn, rb.read_events_sql())
-    data = rb.relay_config(dsn, args.nats, name, batch=500).model_dump(by_alias=True, mode="json")
+    await backlog.admin_execute(dsn, backlog.read_events_sql())
+    data = backlog.relay_config(dsn, args.nats, name, batch=500).model_dump(
+        by_alias=True, mode="json"
+    )
     data["database"]["url"] = dsn
-    data["outboxes"][rb.OUTBOX]["partitions"] = args.partitions
+    data["outboxes"][backlog.OUTBOX]["partitions"] = args.partitions
     data["lease"] = {"namespace": name}  # every other lease setting at its default
     data["source"] = {}  # and every source setting (poll_interval 1 s)
     data["logging"] = {"level": "info", "format": "json"}
@@ -424,7 +426,7 @@ def _row(f: Figures, label: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import relay_bench as rb  # noqa: PLC0415
+    from bench import backlog  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", type=Path, help="another relay tree, e.g. the old commit's")
@@ -434,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backlog", type=int, default=20_000, help="events written first")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--keep", type=Path, help="keep each run's log and probe data here")
-    parser.add_argument("--pg", default=rb.ADMIN_DSN)
-    parser.add_argument("--nats", default=rb.NATS_URL)
+    parser.add_argument("--pg", default=backlog.ADMIN_DSN)
+    parser.add_argument("--nats", default=backlog.NATS_URL)
     args = parser.parse_args(argv)
     trees = [("this tree", HERE)]
     if args.compare:

@@ -23,7 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.relay_bench import backlog_rows, schema_for
+try:
+    from bench.backlog import backlog_rows, schema_for
+except ImportError:  # `--compare` with a tree from before relay_bench.py was split
+    from bench.relay_bench import backlog_rows, schema_for  # type: ignore[attr-defined,no-redef]
 from relay.config import OutboxConfig
 from relay.core import delivery
 
@@ -111,7 +114,7 @@ def compare(tree: Path, count: int, repeat: int, rounds: int) -> tuple[float, fl
     from bench.trees import call_in  # noqa: PLC0415 - the parent's only: a tree may lack it
 
     def run(root: Path) -> float:
-        # `relay` (and bench.relay_bench) from `root`, this file's code from here.
+        # `relay` (and bench.backlog) from `root`, this file's code from here.
         return float(call_in(root, __file__, "one_rule", count, repeat))
 
     theirs, ours = [], []

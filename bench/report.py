@@ -1,5 +1,6 @@
 """What relay_bench measured, as data (the result classes) and as the Markdown summary
-and JSON it prints; apart from the measuring, so that each stays readable."""
+and JSON it prints; apart from the measuring, so that each stays readable. Also `say`, how
+every bench prints a line as it goes."""
 
 from __future__ import annotations
 
@@ -115,6 +116,11 @@ class Results:
     @property
     def references(self) -> list[Throughput]:
         return [t for t in (self.pipelined_before, self.pipelined_after) if t is not None]
+
+
+def say(text: str) -> None:
+    """Print a line now (flushed): a bench's progress shows while it runs, even piped."""
+    print(text, flush=True)
 
 
 def mean_of(values: list[float]) -> float:

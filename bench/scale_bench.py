@@ -23,7 +23,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import relay_bench as rb
+from bench import backlog
+from bench.report import say
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.postgres.database import Database
@@ -82,23 +83,23 @@ def pids_of(name: str) -> list[int]:
 
 async def drain(shape: Shape, args: argparse.Namespace, tmp: Path) -> Drain:
     name = f"scale_{uuid.uuid4().hex[:10]}"
-    dsn = rb.with_database(args.pg, name)
-    await rb.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
-    await rb.create_stream(args.nats, name)
+    dsn = backlog.with_database(args.pg, name)
+    await backlog.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
+    await backlog.create_stream(args.nats, name)
     processes: list[asyncio.subprocess.Process] = []
     try:
-        await rb.admin_execute(dsn, rb.read_events_sql())
-        await rb.insert_backlog(dsn, args.events)
-        config = rb.relay_config(dsn, args.nats, name, batch=args.batch)
+        await backlog.admin_execute(dsn, backlog.read_events_sql())
+        await backlog.insert_backlog(dsn, args.events)
+        config = backlog.relay_config(dsn, args.nats, name, batch=args.batch)
         data = config.model_dump(by_alias=True, mode="json")
         data["database"]["url"] = dsn
-        data["outboxes"][rb.OUTBOX]["partitions"] = shape.partitions
+        data["outboxes"][backlog.OUTBOX]["partitions"] = shape.partitions
         data["lease"]["retry_interval"] = "200ms"
         relay = RelayConfig(**data)
         await migrate_database(Database(relay.database, "relay:bench:0"), relay)
         if shape.index:
             lane = lane_of(relay.source.columns, shape.partitions)
-            await rb.admin_execute(dsn, f"CREATE INDEX ON events (({lane}), position)")
+            await backlog.admin_execute(dsn, f"CREATE INDEX ON events (({lane}), position)")
         path = write_config(tmp / f"{name}.yaml", data)
         postgres, nats = pids_of("postgres"), pids_of("nats-server")
         before = (cpu_seconds(postgres), cpu_seconds(nats))
@@ -111,15 +112,13 @@ async def drain(shape: Shape, args: argparse.Namespace, tmp: Path) -> Drain:
                     stderr=asyncio.subprocess.DEVNULL,
                 )
             )
-        while await rb.stored_messages(args.nats, name) < args.events:  # noqa: ASYNC110
+        while await backlog.stored_messages(args.nats, name) < args.events:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         seconds = time.perf_counter() - started
         relay_cpu = cpu_seconds([p.pid for p in processes])
         after = (cpu_seconds(pids_of("postgres")), cpu_seconds(pids_of("nats-server")))
-        lanes = len(lanes_of(rb.OUTBOX, shape.partitions))
-        rb.say(
-            f"{shape.label}: {args.events / seconds:,.0f} events/s ({seconds:.2f}s, {lanes} lanes)"
-        )
+        lanes = len(lanes_of(backlog.OUTBOX, shape.partitions))
+        say(f"{shape.label}: {args.events / seconds:,.0f} events/s ({seconds:.2f}s, {lanes} lanes)")
         return Drain(
             shape, args.events, seconds, relay_cpu, after[0] - before[0], after[1] - before[1]
         )
@@ -128,8 +127,8 @@ async def drain(shape: Shape, args: argparse.Namespace, tmp: Path) -> Drain:
             process.terminate()
         for process in processes:
             await asyncio.wait_for(process.wait(), 20)
-        await rb.delete_stream(args.nats, name)
-        await rb.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await backlog.delete_stream(args.nats, name)
+        await backlog.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def table(drains: list[Drain]) -> str:
@@ -165,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2, help="replicas of the split shape")
     parser.add_argument("--partitions", type=int, default=4, help="its `partitions`")
     parser.add_argument("--index", action="store_true", help="also with the lane index")
-    parser.add_argument("--pg", default=rb.ADMIN_DSN)
-    parser.add_argument("--nats", default=rb.NATS_URL)
+    parser.add_argument("--pg", default=backlog.ADMIN_DSN)
+    parser.add_argument("--nats", default=backlog.NATS_URL)
     args = parser.parse_args(argv)
     drains = asyncio.run(bench(args))
-    rb.say("\n" + table(drains))
-    rb.say(f"\nmachine: {os.cpu_count()} cores, load at start {os.getloadavg()[0]:.2f}")
+    say("\n" + table(drains))
+    say(f"\nmachine: {os.cpu_count()} cores, load at start {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import asyncpg
 
-from bench import relay_bench as rb
+from bench import backlog
+from bench.report import say
 from relay.config import RelayConfig
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
@@ -58,11 +59,11 @@ class Count:
 
 
 def config(dsn: str, nats_url: str, subject: str, shape: Shape) -> dict[str, Any]:
-    base = rb.relay_config(dsn, nats_url, subject, batch=500)
+    base = backlog.relay_config(dsn, nats_url, subject, batch=500)
     data = base.model_dump(by_alias=True, mode="json")
     data["database"]["url"] = dsn
     data["lease"]["retry_interval"] = "200ms"
-    outbox = data["outboxes"].pop(rb.OUTBOX)
+    outbox = data["outboxes"].pop(backlog.OUTBOX)
     for i in range(shape.outboxes):
         rules = {
             event_type: {**rule, "destination": f"{subject}.o{i}"}
@@ -74,11 +75,11 @@ def config(dsn: str, nats_url: str, subject: str, shape: Shape) -> dict[str, Any
 
 async def count(shape: Shape, args: argparse.Namespace, tmp: Path) -> Count:
     name = f"sessions_{uuid.uuid4().hex[:10]}"
-    dsn = rb.with_database(args.pg, name)
-    await rb.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
+    dsn = backlog.with_database(args.pg, name)
+    await backlog.admin_execute(args.pg, f'CREATE DATABASE "{name}"')
     processes: list[asyncio.subprocess.Process] = []
     try:
-        await rb.admin_execute(dsn, rb.read_events_sql())
+        await backlog.admin_execute(dsn, backlog.read_events_sql())
         data = config(dsn, args.nats, name, shape)
         relay = RelayConfig(**data)
         await migrate_database(Database(relay.database, "relay:bench:0"), relay)
@@ -103,7 +104,7 @@ async def count(shape: Shape, args: argparse.Namespace, tmp: Path) -> Count:
             process.terminate()
         for process in processes:
             await asyncio.wait_for(process.wait(), 20)
-        await rb.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await backlog.admin_execute(args.pg, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def settled(dsn: str, pids: list[int], shape: Shape, timeout: float) -> list[int]:  # noqa: ASYNC109
@@ -176,12 +177,12 @@ async def bench(args: argparse.Namespace) -> list[Count]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pg", default=rb.ADMIN_DSN)
-    parser.add_argument("--nats", default=rb.NATS_URL)
+    parser.add_argument("--pg", default=backlog.ADMIN_DSN)
+    parser.add_argument("--nats", default=backlog.NATS_URL)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     counts = asyncio.run(bench(args))
-    rb.say("\n" + table(counts))
+    say("\n" + table(counts))
     return 0 if all(c.worst_margin <= 0 for c in counts) else 1
 
 

@@ -213,7 +213,7 @@ class RabbitMqPublisher:
                 channel.basic_publish(
                     message.body,
                     exchange=message.destination,
-                    routing_key=_routing_key(message),
+                    routing_key=routing_key(message),
                     properties=_properties(message, self._prefix),
                     mandatory=mandatory,
                     wait=False,
@@ -260,7 +260,7 @@ class RabbitMqPublisher:
         """
         if message.destination != "" or not self._usable():
             return
-        queue = _routing_key(message)
+        queue = routing_key(message)
         held = await self._queue_length(queue)
         if held is not None:
             outcomes[at] = TransientPublishError(
@@ -288,7 +288,7 @@ class RabbitMqPublisher:
         """Why this message can never be sent (checked before anything is sent)."""
         for what, value in (
             ("exchange name", message.destination),
-            ("routing key", _routing_key(message)),
+            ("routing key", routing_key(message)),
             ("message id", message.id),
             ("message type", message.type),
         ):
@@ -307,7 +307,7 @@ class RabbitMqPublisher:
             return TransientPublishError(
                 f"broker {self.name!r}: returned as unroutable ({_text(exc)}): no queue is "
                 f"bound to exchange {message.destination!r} for routing key "
-                f"{_routing_key(message)!r}"
+                f"{routing_key(message)!r}"
             )
         if isinstance(exc, aiormq.exceptions.DeliveryError):
             return TransientPublishError(f"{text}: {_NACKED}")
@@ -395,7 +395,8 @@ def _segments(
     return segments
 
 
-def _routing_key(message: Message) -> str:
+def routing_key(message: Message) -> str:
+    """The routing key the message is published with: its rule's, else its type."""
     return message.routing_key if message.routing_key is not None else message.type
 
 

@@ -4,7 +4,7 @@ A message's `destination` is a queue name (resolved once with GetQueueUrl) or a
 queue URL; a name ending in `.fifo` is a FIFO queue. Messages go out with
 SendMessageBatch, up to 10 entries and 256 KiB per call. On FIFO queues the
 message key is the MessageGroupId (hashed when SQS would refuse it, see
-`_group_id`) and the message id the MessageDeduplicationId, so a re-send
+`group_id`) and the message id the MessageDeduplicationId, so a re-send
 within SQS's 5-minute window is dropped.
 
 Order. SQS keeps entry order within one call for a group, but nothing orders
@@ -65,7 +65,7 @@ REMEMBER_MAX = 20_000
 # MessageGroupId and MessageDeduplicationId: 1 to 128 letters, digits and punctuation.
 _SQS_ID = re.compile(r"[!-~]{1,128}")
 _SQS_ID_CHARS = re.compile(r"[!-~]+")
-# The two shapes of a hashed MessageGroupId (see _group_id).
+# The two shapes of a hashed MessageGroupId (see group_id).
 _HASHED_GROUP = re.compile(r"~sha256:[0-9a-f]{64}|[!-~]{111}~[0-9a-f]{16}")
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,80}|[A-Za-z0-9_-]{1,75}\.fifo")
 # Characters SQS accepts in a body or a String attribute (XML 1.0 Char).
@@ -349,7 +349,7 @@ class SqsPublisher:
             return self._invalid(
                 index, message, "the body is empty or has characters SQS does not accept"
             )
-        attributes = _attributes(message)
+        attributes = message_attributes(message)
         size = len(message.body)
         for name, value in attributes.items():
             text = value["StringValue"]
@@ -370,8 +370,8 @@ class SqsPublisher:
             "MessageAttributes": attributes,
         }
         if fifo:
-            request["MessageGroupId"] = _group_id(message.key)
-            request["MessageDeduplicationId"] = _deduplication_id(message.id)
+            request["MessageGroupId"] = group_id(message.key)
+            request["MessageDeduplicationId"] = deduplication_id(message.id)
         return _Entry(index, message, request, size)
 
     def _invalid(self, index: int, message: Message, reason: str) -> _Entry:
@@ -460,7 +460,7 @@ def _chunks(entries: list[_Entry]) -> Iterator[list[_Entry]]:
         yield chunk
 
 
-def _attributes(message: Message) -> dict[str, dict[str, str]]:
+def message_attributes(message: Message) -> dict[str, dict[str, str]]:
     """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix).
 
     At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
@@ -498,7 +498,7 @@ def _within_limit(values: dict[str, str]) -> dict[str, str]:
     return {name: values[name] for name in values if name in kept}
 
 
-def _group_id(key: str) -> str:
+def group_id(key: str) -> str:
     """A valid MessageGroupId for `key`, the same every time, and no other key's.
 
     A key SQS accepts is used as it is. A longer one of the allowed characters becomes a
@@ -514,7 +514,7 @@ def _group_id(key: str) -> str:
     return f"~sha256:{digest}"
 
 
-def _deduplication_id(message_id: str) -> str:
+def deduplication_id(message_id: str) -> str:
     """The id itself when SQS accepts it, else `sha256:` and its hex digest (stable)."""
     if _SQS_ID.fullmatch(message_id):
         return message_id

@@ -316,9 +316,9 @@ def sent_headers(
         from relay.brokers.rabbitmq import _properties
 
         return set(_properties(message, prefix).headers or {})
-    from relay.brokers.sqs import _attributes
+    from relay.brokers.sqs import message_attributes
 
-    return set(_attributes(message))
+    return set(message_attributes(message))
 
 
 @pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])

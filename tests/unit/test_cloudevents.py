@@ -16,7 +16,7 @@ from cloudevents.core.formats.json import JSONFormat
 
 from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.nats import message_headers as nats_headers
-from relay.brokers.sqs import MAX_ATTRIBUTES, _attributes, _within_limit
+from relay.brokers.sqs import MAX_ATTRIBUTES, _within_limit, message_attributes
 from relay.config import OutboxConfig, load_config
 from relay.core.event import Event
 from relay.core.publishing import STRUCTURED, Message, cloudevent_attributes, to_structured
@@ -254,7 +254,7 @@ def test_structured_messages_carry_only_the_content_type_in_headers() -> None:
     to_structured(message)
     assert kafka_headers(message) == [("content-type", STRUCTURED.encode())]
     assert nats_headers(message) == {"Nats-Msg-Id": message.id, "content-type": STRUCTURED}
-    assert _attributes(message) == {
+    assert message_attributes(message) == {
         "content-type": {"DataType": "String", "StringValue": STRUCTURED}
     }
 
@@ -269,7 +269,7 @@ def test_kafka_binary_headers_leave_the_partition_key_to_the_record_key() -> Non
 
 
 def test_a_message_with_every_attribute_fits_sqs_limit() -> None:
-    attributes = _attributes(full_message())
+    attributes = message_attributes(full_message())
     assert len(attributes) == MAX_ATTRIBUTES == 10
     assert {"ce_dataschema", "ce_traceparent", "ce_tracestate", "ce_partitionkey"} <= set(
         attributes
