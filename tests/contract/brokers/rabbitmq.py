@@ -66,7 +66,7 @@ class RabbitMqHarness:
 
     def cloudevent(self, message: Consumed) -> BaseCloudEvent:
         """The AMQP binding, which reads the default `cloudevents_headers: amqp` style
-        (tests/integration/test_rabbitmq_publisher.py reads the `ce` style with the
+        (tests/integration/publishers/test_rabbitmq.py reads the `ce` style with the
         RabbitMQ binding)."""
         raw = message.raw
         properties = {"content-type": raw.properties.content_type}

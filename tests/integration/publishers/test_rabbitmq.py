@@ -1,11 +1,11 @@
-"""The RabbitMQ adapter against a real server: properties, confirms, returns, error classes."""
+"""The RabbitMQ adapter against a real server: what every publisher does (base.py), and
+properties, confirms, returns and error classes as RabbitMQ has them."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +19,10 @@ from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
 from relay.core.publishing import Message, to_structured
 from relay.errors import PermanentPublishError, TransientPublishError
+from tests.contract.brokers.rabbitmq import RabbitMqHarness
+from tests.contract.harness import Consumed
+from tests.integration.publishers import base
+from tests.integration.publishers.base import TYPE
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (
@@ -30,23 +34,10 @@ from tests.support.rabbitmq_server import (
     delete_topology,
     unique_name,
 )
-from tests.support.scenario import eventually
-
-TYPE = "library.book-lent.v1"
 
 
 def message(exchange: str, n: int, body: bytes = b'{"n":1}', **changes: Any) -> Message:
-    m = Message(
-        id=f"book/b{n}@1",
-        type=TYPE,
-        destination=exchange,
-        key=f"b{n}",
-        body=body,
-        source="/outbox-relay/loans",
-        time=datetime(2026, 11, 29, 8, 30, 15, 250000, tzinfo=UTC),
-        position=n,
-    )
-    return replace(m, **changes)
+    return base.message(exchange, f"b{n}", 1, body, position=n, **changes)
 
 
 def publisher(url: str, **options: Any) -> RabbitMqPublisher:
@@ -67,38 +58,63 @@ async def exchange(rabbitmq_url: str) -> AsyncIterator[str]:
         await delete_topology(rabbitmq_url, name, name)
 
 
-async def test_publishes_in_order_with_properties_and_cloudevents_headers(
-    rabbitmq_url: str, exchange: str
-) -> None:
-    pub = publisher(rabbitmq_url)
-    try:
-        batches = [[message(exchange, n) for n in range(b * 300, (b + 1) * 300)] for b in range(3)]
-        for batch in batches:
-            assert await pub.publish(batch) == [None] * len(batch)
-        received = await QueueReader(rabbitmq_url, exchange).fetch(expected=900)
-    finally:
-        await pub.close()
-    sent = [m for batch in batches for m in batch]
-    assert [r.properties.message_id for r in received] == [m.id for m in sent]
-    first = received[0]
-    assert first.body == b'{"n":1}'
-    assert first.routing_key == TYPE  # no routing_key: the message type
-    p = first.properties
-    assert p.message_id == "book/b0@1"
-    assert p.message_type == TYPE
-    assert p.content_type == "application/json"
-    assert p.delivery_mode == 2
-    assert p.app_id == "outbox-relay"
-    assert p.timestamp == datetime(2026, 11, 29, 8, 30, 15, tzinfo=UTC)  # whole seconds
-    assert first.headers == {
+class RabbitMqKit(base.PublisherKit[RabbitMqHarness]):
+    name = "rabbit"
+    options = {"ack_timeout": 2.0, "connect_timeout": 1.0}
+    batches = (300, 300, 300)
+    oversized = SMALL_MAX_MESSAGE_SIZE + 1
+    oversize_says = "larger than the server's max_message_size (1048576 bytes)"
+    invalid_destination = "x" * 256
+    invalid_destination_says = "exchange name longer than 255 bytes"
+    time_attribute = "cloudEvents:time"
+    timed_attributes = {
         "cloudEvents:specversion": "1.0",
-        "cloudEvents:id": "book/b0@1",
+        "cloudEvents:id": "book/b1@1",
         "cloudEvents:type": TYPE,
         "cloudEvents:source": "/outbox-relay/loans",
         "cloudEvents:time": "2026-11-29T08:30:15.250000+00:00",
-        "cloudEvents:partitionkey": "b0",
-        "x-deduplication-header": "book/b0@1",
+        "cloudEvents:partitionkey": "b1",
+        "x-deduplication-header": "book/b1@1",
     }
+    missing_destination_says = "NOT_FOUND"
+
+    @staticmethod
+    async def start(request: pytest.FixtureRequest) -> RabbitMqHarness:
+        """The machine's server (the contract suite's harness is on the private node)."""
+        return RabbitMqHarness(request.getfixturevalue("rabbitmq_url"))
+
+    @asynccontextmanager
+    async def oversize_kit(self) -> AsyncIterator[base.PublisherKit[Any]]:
+        """The machine's server takes bodies up to 128 MiB and is shared: a private node
+        with a 1 MiB max_message_size refuses one for good."""
+        small = RabbitMqHarness(self.request.getfixturevalue("rabbitmq_small_url"))
+        async with RabbitMqKit.opened(self.request, small, prepared=True) as kit:
+            yield kit
+
+    def unreachable(self) -> dict[str, Any]:
+        return {"url": f"amqp://guest:guest@127.0.0.1:{free_port()}/"}
+
+    def unreachable_says(self) -> tuple[str, ...]:
+        return ("broker 'rabbit': cannot connect",)
+
+    def carried(self, consumed: Consumed) -> dict[str, str]:
+        return consumed.raw.headers  # type: ignore[no-any-return]
+
+    def content_type(self, consumed: Consumed) -> str:
+        return str(consumed.raw.properties.content_type)
+
+    def check_native(self, consumed: Consumed, sent: Message) -> None:
+        assert consumed.raw.routing_key == TYPE  # no routing_key: the message type
+        p = consumed.raw.properties
+        assert p.message_id == "book/b1@1"
+        assert p.message_type == TYPE
+        assert p.delivery_mode == 2
+        assert p.app_id == "outbox-relay"
+        assert p.timestamp == datetime(2026, 11, 29, 8, 30, 15, tzinfo=UTC)  # whole seconds
+
+
+class TestRabbitMqPublisher(base.PublisherTestcase, base.MissingDestinationTestcase):
+    Kit = RabbitMqKit
 
 
 async def test_a_large_body_goes_alone_and_keeps_its_place(
@@ -241,20 +257,6 @@ async def test_a_nack_from_a_full_queue_says_how_full_the_queue_is(rabbitmq_url:
         await delete_topology(rabbitmq_url, None, queue)
 
 
-async def test_missing_exchange_is_transient_and_works_once_created(rabbitmq_url: str) -> None:
-    exchange = unique_name("adapter")
-    pub = publisher(rabbitmq_url)
-    try:
-        outcomes = await pub.publish([message(exchange, 1), message(exchange, 2)])
-        assert all(isinstance(o, TransientPublishError) for o in outcomes)
-        assert "NOT_FOUND" in str(outcomes[0])
-        await create_topology(rabbitmq_url, exchange, queue=exchange)
-        assert await pub.publish([message(exchange, 1), message(exchange, 2)]) == [None, None]
-    finally:
-        await pub.close()
-        await delete_topology(rabbitmq_url, exchange, exchange)
-
-
 async def test_declares_exchanges_at_connect(rabbitmq_url: str) -> None:
     name = unique_name("adapter")
     pub = publisher(rabbitmq_url, declare_exchanges=[{"name": name, "type": "direct"}])
@@ -280,33 +282,6 @@ async def test_declaring_an_exchange_of_another_type_is_transient(
         await pub.close()
 
 
-async def test_oversized_message_is_permanent_and_costs_no_other_message(
-    rabbitmq_small_url: str,
-) -> None:
-    """The server closes the channel on a body over its max_message_size; only that one fails."""
-    url = rabbitmq_small_url
-    exchange = unique_name("adapter")
-    await create_topology(url, exchange, queue=exchange)
-    pub = publisher(url)
-    try:
-        huge = b"x" * (SMALL_MAX_MESSAGE_SIZE + 1)
-        batch = [message(exchange, 1), message(exchange, 2, huge), message(exchange, 3)]
-        outcomes = await pub.publish(batch)
-        assert outcomes[0] is None
-        assert isinstance(outcomes[1], PermanentPublishError)
-        assert "larger than the server's max_message_size (1048576 bytes)" in str(outcomes[1])
-        assert isinstance(outcomes[2], TransientPublishError)  # never sent ahead of #2
-        # What the relay does next: retry the head (still refused), then the rest.
-        outcomes = await pub.publish(batch[1:])
-        assert isinstance(outcomes[0], PermanentPublishError)
-        assert await pub.publish(batch[2:]) == [None]
-        received = await QueueReader(url, exchange).fetch(expected=2, timeout=2)
-        assert [r.properties.message_id for r in received] == ["book/b1@1", "book/b3@1"]
-    finally:
-        await pub.close()
-        await delete_topology(url, exchange, exchange)
-
-
 async def test_what_amqp_cannot_carry_is_permanent_and_stops_the_rest(
     rabbitmq_url: str, exchange: str
 ) -> None:
@@ -325,18 +300,6 @@ async def test_what_amqp_cannot_carry_is_permanent_and_stops_the_rest(
         (outcome,) = await pub.publish([message(exchange, 4, id="é" * 128)])
         assert isinstance(outcome, PermanentPublishError)
         assert "message id longer than 255 bytes" in str(outcome)
-    finally:
-        await pub.close()
-
-
-async def test_unreachable_broker_is_transient_and_names_the_broker() -> None:
-    pub = publisher(f"amqp://guest:guest@127.0.0.1:{free_port()}/")
-    try:
-        outcomes = await pub.publish([message("x", 1), message("x", 2)])
-        assert all(isinstance(o, TransientPublishError) for o in outcomes)
-        assert "broker 'rabbit': cannot connect" in str(outcomes[0])
-        with pytest.raises(TransientPublishError):
-            await pub.connect()
     finally:
         await pub.close()
 
@@ -390,31 +353,6 @@ async def test_silent_broker_times_out_and_a_new_connection_is_made(
             assert time.monotonic() - started < 6
     ids = [r.properties.message_id for r in await QueueReader(rabbitmq_url, exchange).fetch()]
     assert ids[0] == "book/b1@1" and ids[-2:] == ["book/b3@1", "book/b4@1"]
-
-
-async def test_cancelled_publish_and_close_return_at_once_while_the_broker_is_silent(
-    rabbitmq_url: str, exchange: str
-) -> None:
-    """What the relay does at the end of its shutdown grace: cancel the batch, then close."""
-    server = urlsplit(rabbitmq_url)
-    with TcpProxy(server.hostname or "127.0.0.1", server.port or 5672) as proxy:
-        pub = publisher(f"amqp://guest:guest@127.0.0.1:{proxy.port}/")
-        try:
-            assert await pub.publish([message(exchange, 1)]) == [None]
-            proxy.pause()
-            for _ in range(2):  # in flight on an open connection, then while connecting
-                task = asyncio.create_task(pub.publish([message(exchange, 2)]))
-                await eventually(lambda: proxy.waiting_from_clients() > 0)  # it has written
-                started = time.monotonic()
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                assert time.monotonic() - started < 0.5
-        finally:
-            started = time.monotonic()
-            await pub.close()
-            assert time.monotonic() - started < 0.5
-    assert len(asyncio.all_tasks()) == 1  # this test's: nothing left behind
 
 
 @pytest.mark.parametrize("style", ["amqp", "ce"])

@@ -1,18 +1,14 @@
-"""The NATS JetStream adapter against a real server: headers, acks, dedup, errors, subjects, TLS."""
+"""The NATS JetStream adapter against a real server: what every publisher does (base.py), and
+headers, acks, dedup, errors, subjects and TLS as only NATS has them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from datetime import UTC, datetime, timedelta
-from ipaddress import IPv4Address
 from pathlib import Path
+from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from nats.js.api import DiscardPolicy, StreamConfig
 
 from relay.brokers.nats import MAX_SUBJECT_BYTES, NatsPublisher
@@ -20,55 +16,66 @@ from relay.config import NatsBrokerConfig
 from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
 from relay.postgres.store import Store
+from tests.contract.brokers import nats as nats_harness
+from tests.contract.brokers.nats import NatsHarness
+from tests.contract.harness import Consumed
+from tests.integration.publishers import base
 from tests.support import db
 from tests.support.jetstream import connect, create_stream, delete_stream, fetch_all, unique_name
 from tests.support.nats_server import NatsServer
+from tests.support.nats_tls import TlsNats, write_certificates
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running
 
 
 def message(subject: str, n: int, body: bytes = b'{"n":1}') -> Message:
-    return Message(
-        id=f"book/b{n}@1",
-        type="library.book-lent.v1",
-        destination=subject,
-        key=f"b{n}",
-        body=body,
-        source="/outbox-relay/loans",
-        time=datetime(2026, 11, 29, tzinfo=UTC),
-        position=n,
-    )
+    return base.message(subject, f"b{n}", 1, body, position=n)
 
 
 def publisher(url: str) -> NatsPublisher:
     return NatsPublisher("nats", NatsBrokerConfig(type="nats", servers=[url], ack_timeout=2.0))
 
 
-async def test_publishes_in_order_with_cloudevents_headers(nats_url: str) -> None:
-    stream = unique_name("adapter")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    pub = publisher(nats_url)
-    try:
-        batch = [message(f"{stream}.loans", n) for n in range(1, 301)]
-        assert await pub.publish(batch) == [None] * 300
-        received = await fetch_all(nats_url, stream, expected=300)
-        assert [m.headers["Nats-Msg-Id"] for m in received] == [m.id for m in batch]
-        first = received[0].headers
-        assert first["ce-id"] == "book/b1@1"
-        assert first["ce-type"] == "library.book-lent.v1"
-        assert first["ce-source"] == "/outbox-relay/loans"
-        assert first["ce-specversion"] == "1.0"
-        assert first["ce-time"] == "2026-11-29T00:00:00+00:00"
-        assert first["content-type"] == "application/json"
-        assert received[0].data == b'{"n":1}'
-        # The same ids again: acknowledged as duplicates, stored once.
-        assert await pub.publish(batch[:10]) == [None] * 10
-        assert pub.duplicates == 10
-        assert len(await fetch_all(nats_url, stream)) == 300
-    finally:
-        await pub.close()
-        await delete_stream(nats_url, stream)
+class NatsKit(base.PublisherKit[NatsHarness]):
+    name = "nats"
+    options = {"ack_timeout": 2.0, "connect_timeout": 2.0}
+    oversized = 2 * 1024 * 1024  # above the server's default 1 MB max_payload
+    oversize_says = "larger than the server's max_payload"
+    invalid_destination = "no spaces allowed"
+    invalid_destination_says = "invalid subject 'no spaces allowed'"
+    time_attribute = "ce-time"
+    timed_attributes = {
+        "Nats-Msg-Id": "book/b1@1",  # first: see test_a_header_name_inside_a_value_...
+        "ce-specversion": "1.0",
+        "ce-id": "book/b1@1",
+        "ce-type": "library.book-lent.v1",
+        "ce-source": "/outbox-relay/loans",
+        "ce-partitionkey": "b1",
+        "ce-time": "2026-11-29T08:30:15.250000+00:00",
+        "content-type": "application/json",
+    }
+    missing_destination_says = "no stream"
+    counts_duplicates = True
+    start = staticmethod(nats_harness.start)
+
+    def unreachable(self) -> dict[str, Any]:
+        return {"servers": [f"nats://127.0.0.1:{free_port()}"]}
+
+    def unreachable_says(self) -> tuple[str, ...]:
+        return ("broker 'nats': cannot connect",)
+
+    def carried(self, consumed: Consumed) -> dict[str, str]:
+        return dict(consumed.raw.headers)
+
+    def content_type(self, consumed: Consumed) -> str:
+        return str(consumed.raw.headers["content-type"])
+
+
+class TestNatsPublisher(
+    base.PublisherTestcase, base.DeduplicationTestcase, base.MissingDestinationTestcase
+):
+    Kit = NatsKit
 
 
 @pytest.mark.parametrize("key", ["Nats-Msg-Id", "x Nats-Msg-Id: forged"])
@@ -96,28 +103,6 @@ async def test_a_header_name_inside_a_value_does_not_hide_the_dedup_id(
         assert pub.duplicates == 1
         received = await fetch_all(nats_url, stream)
         assert [m.headers["Nats-Msg-Id"] for m in received] == [sent.id]
-    finally:
-        await pub.close()
-        await delete_stream(nats_url, stream)
-
-
-async def test_oversized_message_is_permanent_and_stops_the_rest(nats_url: str) -> None:
-    stream = unique_name("adapter")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    pub = publisher(nats_url)
-    try:
-        huge = b"x" * (2 * 1024 * 1024)
-        batch = [
-            message(f"{stream}.a", 1),
-            message(f"{stream}.a", 2, huge),
-            message(f"{stream}.a", 3),
-        ]
-        outcomes = await pub.publish(batch)
-        assert outcomes[0] is None
-        assert isinstance(outcomes[1], PermanentPublishError)
-        assert isinstance(outcomes[2], TransientPublishError)  # never sent ahead of #2
-        received = await fetch_all(nats_url, stream, expected=1)
-        assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
     finally:
         await pub.close()
         await delete_stream(nats_url, stream)
@@ -174,26 +159,6 @@ async def test_late_pubacks_of_a_timed_out_batch_are_not_taken_for_the_next(
         finally:
             await pub.close()
     await delete_stream(nats_url, stream)
-
-
-async def test_no_stream_is_transient(nats_url: str) -> None:
-    pub = publisher(nats_url)
-    try:
-        (outcome,) = await pub.publish([message(unique_name("nowhere"), 1)])
-        assert isinstance(outcome, TransientPublishError)
-        assert "no stream" in str(outcome)
-    finally:
-        await pub.close()
-
-
-async def test_unreachable_server_is_transient_and_names_the_broker() -> None:
-    pub = publisher(f"nats://127.0.0.1:{free_port()}")
-    try:
-        outcomes = await pub.publish([message("x.y", 1), message("x.y", 2)])
-        assert all(isinstance(o, TransientPublishError) for o in outcomes)
-        assert "broker 'nats': cannot connect" in str(outcomes[0])
-    finally:
-        await pub.close()
 
 
 async def test_stream_is_created_from_the_config(nats_url: str) -> None:
@@ -456,67 +421,6 @@ async def test_tls_refuses_a_server_without_tls_before_sending_credentials(
         f"broker 'nats': cannot connect: server 127.0.0.1:{proxy.port} does not require TLS;"
         " refusing to send credentials in cleartext"
     )
-
-
-class TlsNats(NatsServer):
-    """A private nats-server that requires TLS of every client."""
-
-    def __init__(self, store_dir: Path, cert: Path, key: Path) -> None:
-        super().__init__(store_dir)
-        self.tls_args = ["--tls", "--tlscert", str(cert), "--tlskey", str(key)]
-
-    def command(self) -> list[str]:
-        return [*super().command(), *self.tls_args]
-
-
-def write_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA, and a certificate for 127.0.0.1 it signed: (ca, cert, key) PEM files."""
-    now = datetime.now(UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    leaf_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay test CA")])
-
-    def builder(subject: str, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=5))
-            .not_valid_after(now + timedelta(days=1))
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-        )
-
-    ca = (
-        builder("relay test CA", ca_key)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), True
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    leaf = (
-        builder("127.0.0.1", leaf_key)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
-        )
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(IPv4Address("127.0.0.1"))]), False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        leaf_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The SQS adapter against moto: attributes, FIFO order through partial failures, error classes.
+"""The SQS adapter against moto: what every publisher does (base.py), and attributes, FIFO
+order through partial failures and error classes as SQS has them.
 
 Moto validates a whole SendMessageBatch before storing anything, so it never fails one entry
 of a good call. `EntryFaults` makes it do what SQS may do: store some entries of a call and
@@ -14,7 +15,6 @@ import re
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +22,11 @@ from relay.brokers.sqs import CONCURRENCY, SqsPublisher
 from relay.config import SqsBrokerConfig
 from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
+from tests.contract.brokers import sqs as sqs_harness
+from tests.contract.brokers.sqs import SqsHarness
+from tests.contract.harness import Consumed
+from tests.integration.publishers import base
+from tests.integration.publishers.base import message
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (
@@ -32,19 +37,6 @@ from tests.support.sqs_server import (
     sqs_client,
     unique_queue,
 )
-
-
-def message(destination: str, key: str, version: int, body: bytes | None = None) -> Message:
-    return Message(
-        id=f"book/{key}@{version}",
-        type="library.book-lent.v1",
-        destination=destination,
-        key=key,
-        body=body if body is not None else json.dumps({"book": key, "v": version}).encode(),
-        source="/outbox-relay/loans",
-        time=datetime(2026, 11, 29, tzinfo=UTC),
-        position=version,
-    )
 
 
 def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
@@ -61,6 +53,57 @@ async def publisher(endpoint: str, ack_timeout: float = 5.0) -> AsyncIterator[Sq
         yield pub
     finally:
         await pub.close()
+
+
+class SqsKit(base.PublisherKit[SqsHarness]):
+    name = "sqs"
+    options = {"ack_timeout": 5.0, "connect_timeout": 5.0}
+    batches = (50,)
+    total_order = False  # per key: a FIFO queue's message group
+    oversized = 1024 * 1024 + 2  # the relay does not even send it
+    oversize_keys = ("k", "k", "k")  # what is held back is the rest of the group
+    oversize_says = "more than SQS's maximum of 1 MiB"
+    invalid_destination = "no spaces allowed"
+    invalid_destination_says = "neither a queue URL nor a queue name"
+    connect_reaches_the_broker = False  # the client is made without a request
+    # Deduplication: moto forgets an id once its message is deleted (SQS keeps it for 5
+    # minutes), so DeduplicationTestcase sends again before it reads. `duplicates` cannot tell.
+    time_attribute = "ce_time"
+    timed_attributes = {
+        "ce_specversion": "1.0",
+        "ce_id": "book/b1@1",
+        "ce_type": "library.book-lent.v1",
+        "ce_source": "/outbox-relay/loans",
+        "ce_time": "2026-11-29T08:30:15.250000+00:00",
+        "ce_partitionkey": "b1",
+        "content-type": "application/json",
+    }
+    missing_destination_says = "does not exist"
+    start = staticmethod(sqs_harness.start)
+
+    def unreachable(self) -> dict[str, Any]:
+        return {"endpoint_url": f"http://127.0.0.1:{free_port()}"}
+
+    def unreachable_says(self) -> tuple[str, ...]:
+        return (f"broker 'sqs': queue {self.destination!r}: ", "Could not connect")
+
+    def carried(self, consumed: Consumed) -> dict[str, str]:
+        names = consumed.raw["MessageAttributes"]
+        return {name: attribute(consumed.raw, name) or "" for name in names}
+
+    def content_type(self, consumed: Consumed) -> str:
+        return attribute(consumed.raw, "content-type") or ""
+
+    def check_native(self, consumed: Consumed, sent: Message) -> None:
+        assert json.loads(consumed.raw["Body"]) == {"book": "b1", "v": 1}
+        assert consumed.raw["Attributes"]["MessageDeduplicationId"] == "book/b1@1"
+        assert consumed.raw["Attributes"]["MessageGroupId"] == "b1"
+
+
+class TestSqsPublisher(
+    base.PublisherTestcase, base.DeduplicationTestcase, base.MissingDestinationTestcase
+):
+    Kit = SqsKit
 
 
 class EntryFaults:
@@ -115,34 +158,6 @@ def by_group(received: list[dict[str, Any]]) -> dict[str, list[str]]:
     for m in received:
         groups[m["Attributes"]["MessageGroupId"]].append(attribute(m, "ce_id") or "")
     return dict(groups)
-
-
-async def test_fifo_order_attributes_and_deduplication(sqs_endpoint: str) -> None:
-    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
-        queue = unique_queue("adapter")
-        url = await create_queue(sqs, queue)
-        batch = [message(queue, "b1", v) for v in range(1, 21)] + interleaved(queue, "xyz", 10)
-        assert await pub.publish(batch) == [None] * len(batch)
-        # The same messages again: SQS drops them by MessageDeduplicationId (moto forgets
-        # a deduplication id once its message is deleted, SQS keeps it for 5 minutes).
-        assert await pub.publish(batch[:10]) == [None] * 10
-        received = await receive_all(sqs, url, expected=len(batch))
-        assert len(received) == len(batch)
-        assert by_group(received) == {
-            key: [m.id for m in batch if m.key == key] for key in ("b1", "x", "y", "z")
-        }
-        first = next(m for m in received if attribute(m, "ce_id") == "book/b1@1")
-        assert json.loads(first["Body"]) == {"book": "b1", "v": 1}
-        assert {name: attribute(first, name) for name in first["MessageAttributes"]} == {
-            "ce_specversion": "1.0",
-            "ce_id": "book/b1@1",
-            "ce_type": "library.book-lent.v1",
-            "ce_source": "/outbox-relay/loans",
-            "ce_time": "2026-11-29T00:00:00+00:00",
-            "ce_partitionkey": "b1",
-            "content-type": "application/json",
-        }
-        assert first["Attributes"]["MessageDeduplicationId"] == "book/b1@1"
 
 
 async def test_failed_entries_alone_are_retried_and_no_group_is_reordered(
@@ -207,20 +222,6 @@ async def test_a_call_rejected_for_one_message_is_split_to_find_it(sqs_endpoint:
             "book/k3@1",
             "book/k4@1",
         ]
-
-
-async def test_too_big_for_any_queue_is_permanent_and_not_sent(sqs_endpoint: str) -> None:
-    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
-        queue = unique_queue("adapter")
-        url = await create_queue(sqs, queue)
-        huge = message(queue, "k", 2, body=b'"' + b"x" * (1024 * 1024) + b'"')
-        outcomes = await pub.publish([message(queue, "k", 1), huge, message(queue, "k", 3)])
-        assert outcomes[0] is None
-        assert isinstance(outcomes[1], PermanentPublishError)
-        assert "more than SQS's maximum of 1 MiB" in str(outcomes[1])
-        assert isinstance(outcomes[2], TransientPublishError)  # never ahead of k@2
-        received = await receive_all(sqs, url, expected=1)
-        assert [attribute(m, "ce_id") for m in received] == ["book/k@1"]
 
 
 async def test_invalid_keys_and_bodies_are_permanent_long_ids_are_hashed(
@@ -328,21 +329,6 @@ async def _url(sqs: Any, name: str) -> str:
     return str(response["QueueUrl"])
 
 
-async def test_invalid_queue_name_is_permanent(sqs_endpoint: str) -> None:
-    async with publisher(sqs_endpoint) as pub:
-        (outcome,) = await pub.publish([message("no spaces allowed", "k", 1)])
-        assert isinstance(outcome, PermanentPublishError)
-        assert "neither a queue URL nor a queue name" in str(outcome)
-
-
-async def test_unreachable_endpoint_is_transient_and_names_the_broker(sqs_endpoint: str) -> None:
-    async with publisher(f"http://127.0.0.1:{free_port()}") as pub:
-        outcomes = await pub.publish([message("q.fifo", "k", 1), message("q.fifo", "k", 2)])
-        assert all(isinstance(o, TransientPublishError) for o in outcomes)
-        assert str(outcomes[0]).startswith("broker 'sqs': queue 'q.fifo': ")
-        assert "Could not connect" in str(outcomes[0])
-
-
 async def test_an_outage_stops_the_calls_still_waiting(sqs_endpoint: str) -> None:
     host, port = sqs_endpoint.removeprefix("http://").split(":")
     async with sqs_client(sqs_endpoint) as sqs:
@@ -359,13 +345,3 @@ async def test_an_outage_stops_the_calls_still_waiting(sqs_endpoint: str) -> Non
             # The calls in flight timed out; the other 3 * CONCURRENCY were never made.
             assert len(faults.calls) == CONCURRENCY
             proxy.resume()
-
-
-async def test_close_is_idempotent_and_publish_reconnects(sqs_endpoint: str) -> None:
-    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
-        await pub.close()
-        url = await create_queue(sqs, unique_queue("adapter"))
-        assert await pub.publish([message(url, "k", 1)]) == [None]
-        await pub.close()
-        await pub.close()
-        assert await pub.publish([message(url, "k", 2)]) == [None]
