@@ -29,7 +29,7 @@ from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
-from relay.postgres.source import lane_of
+from relay.postgres.queries import lane_of
 from tests.support.config import write_config
 
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from relay.core.lanes import Lane
 from relay.errors import RelayError
 from relay.postgres.partitions import Partitions
-from relay.postgres.sql import holds_lock, quote
+from relay.postgres.queries import NOTIFY, CommandQueries
 from relay.postgres.store import Claim
 
 COMMAND_CHANNEL = "relay_commands"
@@ -124,7 +124,7 @@ class CommandQueue:
     """The commands table, seen from the CLI and from the holder."""
 
     def __init__(self, schema: str) -> None:
-        self.table = f"{quote(schema)}.commands"
+        self.queries = CommandQueries(schema)
         self._partitions = Partitions(schema)
 
     async def submit(self, conn: asyncpg.Connection, request: CommandRequest) -> int:
@@ -138,52 +138,28 @@ class CommandQueue:
         """
         async with conn.transaction():
             await self._partitions.hold(conn, request.lane)
-            command_id = await conn.fetchval(
-                f"INSERT INTO {self.table} (outbox, kind, args, requested_by)"
-                " VALUES ($1, $2, $3::jsonb, $4) RETURNING id",
-                *request.columns(),
-            )
-            await conn.execute("SELECT pg_notify($1, $2)", COMMAND_CHANNEL, request.outbox)
+            command_id = await conn.fetchval(self.queries.submit, *request.columns())
+            await conn.execute(NOTIFY, COMMAND_CHANNEL, request.outbox)
         return int(command_id)
 
     async def result(self, conn: asyncpg.Connection, command_id: int) -> CommandState:
-        row = await conn.fetchrow(
-            f"SELECT state, executed_by, outcome FROM {self.table} WHERE id = $1", command_id
-        )
+        row = await conn.fetchrow(self.queries.result, command_id)
         outcome = json.loads(row["outcome"]) if row["outcome"] else None
         return CommandState(row["state"], row["executed_by"], outcome)
 
     async def expire(self, conn: asyncpg.Connection, command_id: int) -> bool:
         """Withdraw a command nobody took; False if a holder has started it already."""
-        status = await conn.execute(
-            f"UPDATE {self.table} SET state = 'expired', finished_at = now()"
-            " WHERE id = $1 AND state = 'pending'",
-            command_id,
-        )
+        status = await conn.execute(self.queries.expire, command_id)
         return bool(status.endswith(" 1"))
 
     async def waiting(self, conn: asyncpg.Connection, outbox: str) -> bool:
         """Whether a command waits for the outbox: a read on any connection, so that the
         holder's polling costs its shared lease connection nothing while none does."""
-        return bool(
-            await conn.fetchval(
-                f"SELECT EXISTS (SELECT 1 FROM {self.table} WHERE outbox = $1"
-                " AND state = 'pending')",
-                outbox,
-            )
-        )
+        return bool(await conn.fetchval(self.queries.waiting, outbox))
 
     async def take(self, conn: asyncpg.Connection, claim: Claim, by: str) -> Command | None:
         """The oldest pending command of the outbox, marked running; holder only."""
-        row = await conn.fetchrow(
-            f"UPDATE {self.table} SET state = 'running', executed_by = $2 WHERE id = ("
-            f" SELECT id FROM {self.table} WHERE outbox = $1 AND state = 'pending'"
-            " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
-            f" AND {holds_lock('$3')} RETURNING id, outbox, kind, args, requested_by",
-            claim.outbox,
-            by,
-            claim.key,
-        )
+        row = await conn.fetchrow(self.queries.take, claim.outbox, by, claim.key)
         if row is None:
             return None
         return Command(
@@ -198,8 +174,7 @@ class CommandQueue:
         self, conn: asyncpg.Connection, command_id: int, ok: bool, outcome: dict[str, Any]
     ) -> None:
         await conn.execute(
-            f"UPDATE {self.table} SET state = $2, outcome = $3::jsonb, finished_at = now()"
-            " WHERE id = $1",
+            self.queries.finish,
             command_id,
             "done" if ok else "failed",
             json.dumps(outcome, default=str),
@@ -210,9 +185,7 @@ class CommandQueue:
     ) -> int:
         """A command the CLI carried out itself, under the lease: kept like any other."""
         command_id = await conn.fetchval(
-            f"INSERT INTO {self.table} (outbox, kind, args, requested_by, state, executed_by,"
-            " finished_at, outcome) VALUES ($1, $2, $3::jsonb, $4, $5, $4, now(), $6::jsonb)"
-            " RETURNING id",
+            self.queries.record,
             *request.columns(),
             "done" if ok else "failed",
             json.dumps(outcome, default=str),
@@ -221,9 +194,4 @@ class CommandQueue:
 
     async def abandon_running(self, conn: asyncpg.Connection, outbox: str) -> None:
         """A new holder fails what a previous holder left half-done."""
-        await conn.execute(
-            f"UPDATE {self.table} SET state = 'failed', finished_at = now(),"
-            ' outcome = \'{"error": "the holder stopped while carrying it out"}\'::jsonb'
-            " WHERE outbox = $1 AND state = 'running'",
-            outbox,
-        )
+        await conn.execute(self.queries.abandon_running, outbox)

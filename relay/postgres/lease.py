@@ -34,12 +34,10 @@ import structlog
 from relay.config import LeaseConfig
 from relay.errors import DatabaseError
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.sql import held_keys, lock_holder, quote
+from relay.postgres.queries import NOTIFY, LeaseQueries
 
 LEASE_CHANNEL = "relay_lease"
 T = TypeVar("T")
-
-_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
 
 
 def lease_channel_key(namespace: str, lane: str) -> str:
@@ -67,7 +65,7 @@ class Holder:
 
 async def holder_identity(conn: asyncpg.Connection, key: int) -> str | None:
     """The identity of the replica (or CLI) whose session holds lock `key`, if any."""
-    row = await conn.fetchrow(lock_holder("$1"), key)
+    row = await conn.fetchrow(LeaseQueries.holder_of, key)
     if row is None:
         return None
     return str(row["application_name"]).removesuffix(":lease") or f"pid {row['pid']}"
@@ -146,24 +144,7 @@ class LeaseConnection:
         self._line = asyncio.Lock()
         self._watched: dict[int, _Watched] = {}  # the held locks the proofs cover, by key
         self._prover: asyncio.Task[None] | None = None
-        checkpoints = f"{quote(schema)}.checkpoints"
-        self._holders = (
-            f"SELECT {_KEY} AS key, l.pid, coalesce(a.application_name, '') AS application_name,"
-            " extract(epoch FROM now() - c.heartbeat)::float8 AS heartbeat_age"
-            " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-            " LEFT JOIN unnest($1::bigint[], $2::text[]) AS w(key, lane) ON w.key = "
-            + _KEY
-            + f" LEFT JOIN {checkpoints} c ON c.outbox = w.lane"
-            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            f" AND {_KEY} = ANY($1::bigint[])"
-        )
-        self._heartbeat = (
-            f"UPDATE {checkpoints} c SET heartbeat = now()"
-            " FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS w(key, lane, epoch)"
-            f" WHERE c.outbox = w.lane AND c.epoch = w.epoch AND w.key IN ({held_keys()})"
-            " RETURNING w.key"
-        )
+        self.queries = LeaseQueries(schema)
         self.log = structlog.get_logger("relay.lease")
 
     async def _connection(self) -> asyncpg.Connection:
@@ -213,11 +194,7 @@ class LeaseConnection:
         if limit <= 0 or not wanted:
             return []
         async with self.statement() as conn:
-            rows = await conn.fetch(
-                "SELECT k FROM unnest($1::bigint[]) AS k WHERE pg_try_advisory_lock(k) LIMIT $2",
-                wanted,
-                limit,
-            )
+            rows = await conn.fetch(self.queries.try_locks, wanted, limit)
         taken = [int(r["k"]) for r in rows]
         self.held.update(taken)
         return taken
@@ -225,7 +202,7 @@ class LeaseConnection:
     async def holders(self, keys: Sequence[int], lanes: Sequence[str]) -> dict[int, Holder]:
         """Who holds each of these locks now (with the lane's heartbeat age), in one query."""
         async with self.statement() as conn:
-            rows = await conn.fetch(self._holders, list(keys), list(lanes))
+            rows = await conn.fetch(self.queries.holders, list(keys), list(lanes))
         return {
             int(r["key"]): Holder(
                 r["pid"], str(r["application_name"]).removesuffix(":lease"), r["heartbeat_age"]
@@ -237,7 +214,7 @@ class LeaseConnection:
         """End a silent holder's session (it frees its locks); False without the right."""
         try:
             async with self.statement() as conn:
-                done = bool(await conn.fetchval("SELECT pg_terminate_backend($1)", holder.pid))
+                done = bool(await conn.fetchval(self.queries.terminate, holder.pid))
         except asyncpg.InsufficientPrivilegeError as exc:
             self.log.warning("cannot end the silent holder's session", error=str(exc))
             return False
@@ -297,7 +274,7 @@ class LeaseConnection:
             rows = await answered_within(
                 max(0.0, started + self.config.check_timeout - _now()),
                 conn.fetch(
-                    self._heartbeat,
+                    self.queries.heartbeat,
                     list(watched),
                     [w.lane for w in watched.values()],
                     [w.epoch for w in watched.values()],
@@ -344,8 +321,8 @@ class LeaseConnection:
         self.held.discard(key)
         try:  # ahead of the line, as a proof: a hand-over must not wait for every lane's writes
             async with asyncio.timeout(self.config.check_timeout), self.lock:
-                await self.conn.execute("SELECT pg_advisory_unlock($1)", key)
-                await self.conn.execute("SELECT pg_notify($1, $2)", LEASE_CHANNEL, channel_key)
+                await self.conn.execute(self.queries.unlock, key)
+                await self.conn.execute(NOTIFY, LEASE_CHANNEL, channel_key)
         except Exception:  # noqa: BLE001 - any failure here means: drop the socket
             self.abandon("lease connection dropped: unlocking a lease failed")
 

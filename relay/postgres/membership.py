@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from relay.postgres.sql import quote
+from relay.postgres.queries import MembershipQueries
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +36,6 @@ class Member:
     connected: bool = True  # the session that wrote its row is still there
 
 
-def members_query(table: str) -> str:
-    """Rows of namespace $1 but identity $2, silent for less than $3 seconds, and whether
-    the session that wrote each is still there."""
-    return (
-        f"SELECT r.identity, r.outboxes::text AS outboxes, r.room,"
-        " EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
-        " AND a.datname = current_database()) AS connected"
-        f" FROM {table} r WHERE r.namespace = $1 AND r.identity <> $2"
-        " AND r.seen_at > now() - make_interval(secs => $3)"
-    )
-
-
 def _member(row: asyncpg.Record) -> Member:
     return Member(row["identity"], json.loads(row["outboxes"]), row["room"], row["connected"])
 
@@ -56,7 +44,8 @@ async def live_members(
     conn: asyncpg.Connection, schema: str, namespace: str, stale_after: float
 ) -> list[Member]:
     """Every replica of the namespace whose row is fresh, for `relay status` and the CLI."""
-    rows = await conn.fetch(members_query(f"{quote(schema)}.replicas"), namespace, "", stale_after)
+    members = MembershipQueries(schema).members
+    rows = await conn.fetch(members, namespace, "", stale_after)
     return sorted((_member(r) for r in rows), key=lambda m: m.identity)
 
 
@@ -69,23 +58,12 @@ class Membership:
         outboxes: Mapping[str, int],
         room: Callable[[], int | None] = lambda: None,
     ) -> None:
-        self.table = f"{quote(schema)}.replicas"
+        self.queries = MembershipQueries(schema)
         self.namespace = namespace
         self.identity = identity
         self.outboxes = dict(outboxes)
         self.room = room
         self.left = False  # once leaving, a late pass must not say it is alive again
-        self._members = members_query(self.table)
-        # $1 namespace, $2 identity, $3 seconds, $4 outboxes, $5 room
-        self._beat = (
-            f"WITH me AS (INSERT INTO {self.table} (identity, namespace, pid, seen_at, outboxes,"
-            " room) VALUES ($2, $1, pg_backend_pid(), now(), $4::jsonb, $5)"
-            " ON CONFLICT (identity) DO UPDATE SET namespace = excluded.namespace,"
-            " pid = excluded.pid, seen_at = now(), outboxes = excluded.outboxes,"
-            " room = excluded.room),"
-            f" gone AS (DELETE FROM {self.table} WHERE seen_at < now() - interval '1 day')"
-            f" {self._members}"
-        )
 
     @property
     def me(self) -> Member:
@@ -96,12 +74,13 @@ class Membership:
         included (`connected` says which are live for sharing lanes)."""
         args = (self.namespace, self.identity, stale_after)
         if self.left:
-            rows = await conn.fetch(self._members, *args)
+            rows = await conn.fetch(self.queries.members, *args)
         else:
-            rows = await conn.fetch(self._beat, *args, json.dumps(self.outboxes), self.room())
+            outboxes = json.dumps(self.outboxes)
+            rows = await conn.fetch(self.queries.beat, *args, outboxes, self.room())
         return [self.me, *(_member(r) for r in rows)]
 
     async def leave(self, conn: asyncpg.Connection) -> None:
         """A graceful stop: the others may take this replica's share at once."""
         self.left = True
-        await conn.execute(f"DELETE FROM {self.table} WHERE identity = $1", self.identity)
+        await conn.execute(self.queries.leave, self.identity)

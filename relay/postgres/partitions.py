@@ -24,9 +24,8 @@ import asyncpg
 from relay.config import ColumnsConfig
 from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
-from relay.postgres.skipping import Layer, Skip, predicate, stacked
-from relay.postgres.source import lane_expression
-from relay.postgres.sql import qualified, quote
+from relay.postgres.queries import PartitionQueries, lane_at, published
+from relay.postgres.skipping import Layer, Skip, stacked
 
 # In the outcome of an operator's command that a change of partitions ended.
 PARTITIONS_CHANGED = "partitions_changed"
@@ -86,9 +85,6 @@ def mismatch(outbox: str, recorded: PartitionSet, configured: int, who: str | No
     )
 
 
-_RECORD = "outbox, partitions, start_position, start_xmin, pinned, changed_by"
-
-
 def _record(row: asyncpg.Record) -> PartitionSet:
     return PartitionSet(
         row["outbox"],
@@ -102,26 +98,11 @@ def _record(row: asyncpg.Record) -> PartitionSet:
 
 class Partitions:
     def __init__(self, schema: str) -> None:
-        self._outboxes = f"{quote(schema)}.outboxes"
-        self._checkpoints = f"{quote(schema)}.checkpoints"
-        self._parked = f"{quote(schema)}.parked"
-        self._commands = f"{quote(schema)}.commands"
-        # $1 outbox, $2 count, $3 start, $4 start_xmin, $5 who. The first claim records the
-        # count and the start; a claim with the recorded count clears an operator's pin.
-        self._admit = (
-            f"INSERT INTO {self._outboxes} AS o (outbox, partitions, start_position,"
-            " start_xmin, changed_by) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (outbox) DO UPDATE"
-            " SET start_position = coalesce(o.start_position, excluded.start_position),"
-            " start_xmin = CASE WHEN o.start_position IS NULL THEN excluded.start_xmin"
-            " ELSE o.start_xmin END, pinned = o.pinned AND o.partitions <> excluded.partitions"
-            f" RETURNING {_RECORD}"
-        )
+        self.queries = PartitionQueries(schema)
 
     async def read(self, conn: asyncpg.Connection, outbox: str) -> PartitionSet | None:
         """The outbox's record; None before its first claim."""
-        row = await conn.fetchrow(
-            f"SELECT {_RECORD} FROM {self._outboxes} WHERE outbox = $1", outbox
-        )
+        row = await conn.fetchrow(self.queries.read, outbox)
         return None if row is None else _record(row)
 
     async def count(self, conn: asyncpg.Connection, outbox: str, configured: int) -> int:
@@ -133,10 +114,7 @@ class Partitions:
         """In the caller's transaction: refuse (PartitionsChanged) a lane of another count
         than the outbox runs with, and keep the count from changing until the transaction
         ends (a change takes the record FOR UPDATE first). No record yet: any count."""
-        recorded = await conn.fetchval(
-            f"SELECT partitions FROM {self._outboxes} WHERE outbox = $1 FOR KEY SHARE",
-            lane.outbox,
-        )
+        recorded = await conn.fetchval(self.queries.hold, lane.outbox)
         if recorded is not None and recorded != lane.count:
             raise PartitionsChanged(
                 f"outbox {lane.outbox!r} runs with {recorded} partition(s) now, not"
@@ -160,19 +138,15 @@ class Partitions:
         Raises PartitionsChanged (the caller's transaction then creates nothing) when the
         recorded count is another.
         """
-        record = _record(await conn.fetchrow(self._admit, outbox, count, start, start_xmin, by))
+        row = await conn.fetchrow(self.queries.admit, outbox, count, start, start_xmin, by)
+        record = _record(row)
         if record.partitions != count:
             raise PartitionsChanged(mismatch(outbox, record, count), record.partitions, count)
         return record
 
     async def settle_start(self, conn: asyncpg.Connection, outbox: str, position: int) -> None:
         """`start: end`, once the first claim's barrier passed: where every new lane starts."""
-        await conn.execute(
-            f"UPDATE {self._outboxes} SET start_position = least(start_position, $2),"
-            " start_xmin = NULL WHERE outbox = $1 AND start_xmin IS NOT NULL",
-            outbox,
-            position,
-        )
+        await conn.execute(self.queries.settle_start, outbox, position)
 
     async def repartition(
         self,
@@ -192,9 +166,7 @@ class Partitions:
         (PartitionsChanged).
         """
         async with conn.transaction():
-            record = await conn.fetchrow(
-                f"SELECT {_RECORD} FROM {self._outboxes} WHERE outbox = $1 FOR UPDATE", outbox
-            )
+            record = await conn.fetchrow(self.queries.lock, outbox)
             current = None if record is None else _record(record)
             # No record: the outbox never ran, so any count is its count, with no lane yet.
             before = (expect or 1) if current is None else current.partitions
@@ -204,12 +176,7 @@ class Partitions:
                 )
             if count == before:  # nothing to do: leave checkpoints, epochs and states alone
                 return Repartitioned(outbox, before, count, 0, 0, 0)
-            rows = await conn.fetch(
-                "SELECT outbox, position, epoch, start_xmin, broker, skip::text AS skip,"
-                " retry_position, attempts, rejections, retry_rule"
-                f" FROM {self._checkpoints} WHERE {_of_outbox('outbox')} FOR UPDATE",
-                outbox,
-            )
+            rows = await conn.fetch(self.queries.lanes, outbox)
             old = lanes_of(outbox, before)
             moved = 0
             if rows or (current is not None and current.start_position is not None):
@@ -221,9 +188,7 @@ class Partitions:
             # A command for an old lane can no longer be carried out there: the CLI that
             # waits for it reads this outcome and carries it out on the new lanes.
             await conn.execute(
-                f"UPDATE {self._commands} SET finished_at = now(), outcome = $2::jsonb,"
-                " state = CASE state WHEN 'pending' THEN 'expired' ELSE 'failed' END"
-                f" WHERE {_of_outbox('outbox')} AND state IN ('pending', 'running')",
+                self.queries.end_commands,
                 outbox,
                 json.dumps(
                     {
@@ -232,15 +197,7 @@ class Partitions:
                     }
                 ),
             )
-            await conn.execute(
-                f"INSERT INTO {self._outboxes} AS o (outbox, partitions, pinned, changed_by)"
-                " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO UPDATE SET partitions = $2,"
-                " pinned = $3, changed_by = $4, updated_at = now()",
-                outbox,
-                count,
-                pinned,
-                by,
-            )
+            await conn.execute(self.queries.set_count, outbox, count, pinned, by)
         return Repartitioned(outbox, before, count, start, 0, moved, skipped)
 
     async def _rewrite(  # noqa: PLR0917 - one transaction's state
@@ -276,10 +233,9 @@ class Partitions:
         older = [Skip.from_json(by_name[lane.name]["skip"]) for lane in old if lane.name in by_name]
         skip = stacked(Layer(len(old), tuple(positions)), older, start)
         skipped = 0 if skip is None else await self._published(conn, skip, start, columns, table)
-        await conn.execute(f"DELETE FROM {self._checkpoints} WHERE {_of_outbox('outbox')}", outbox)
+        await conn.execute(self.queries.drop_lanes, outbox)
         await conn.executemany(
-            f"INSERT INTO {self._checkpoints} (outbox, position, epoch, start_xmin, broker, skip)"
-            " VALUES ($1, $2, $3, $4, $5, $6::jsonb)",
+            self.queries.new_lane,
             [
                 (lane.name, start, epoch, xmin, broker, None if skip is None else skip.as_json())
                 for lane in lanes_of(outbox, count)
@@ -302,21 +258,16 @@ class Partitions:
         """A message an old lane was retrying keeps its count of failures in the new lane
         that owns its aggregate now, so that `park_after` counts across the change. (Two in
         one new lane: the first it will meet keeps its count.)"""
-        pos = quote(columns.position)
-        lane = lane_of_count(columns, str(count))
+        lane_of_retried = lane_at(table, columns, count)
         for row in sorted(
             (r for r in rows if r["retry_position"] is not None),
             key=lambda r: -int(r["retry_position"]),
         ):
-            index = await conn.fetchval(
-                f"SELECT ({lane})::int FROM {qualified(table)} WHERE {pos} = $1",
-                row["retry_position"],
-            )
+            index = await conn.fetchval(lane_of_retried, row["retry_position"])
             if index is None:  # the row is gone: nothing to count
                 continue
             await conn.execute(
-                f"UPDATE {self._checkpoints} SET retry_position = $2, attempts = $3,"
-                " rejections = $4, retry_rule = $5 WHERE outbox = $1",
+                self.queries.carry_retry,
                 outbox if count == 1 else f"{outbox}/{index}",
                 row["retry_position"],
                 row["attempts"],
@@ -328,43 +279,10 @@ class Partitions:
         self, conn: asyncpg.Connection, skip: Skip, start: int, columns: ColumnsConfig, table: str
     ) -> int:
         """Events after `start` that the old lanes had published: the new lanes skip them."""
-        pos = quote(columns.position)
-
-        def lane_by(count: str) -> str:
-            return lane_of_count(columns, count)
-
-        published = predicate(pos, lane_by, 3, len(skip.layers))
-        return int(
-            await conn.fetchval(
-                f"SELECT count(*) FROM {qualified(table)} WHERE {pos} > $1 AND {pos} <= $2"
-                f" AND {published}",
-                start,
-                skip.upto,
-                *skip.arguments(),
-            )
-        )
+        sql = published(table, columns, len(skip.layers))
+        return int(await conn.fetchval(sql, start, skip.upto, *skip.arguments()))
 
     async def _move_parked(self, conn: asyncpg.Connection, outbox: str, count: int) -> int:
         """Parked messages follow their aggregate to its new lane."""
-        if count == 1:
-            target = "$1"
-        else:
-            lane = lane_expression("aggregate_type", "aggregate_id", count)
-            target = f"$1 || '/' || ({lane})::text"
-        status = await conn.execute(
-            f"UPDATE {self._parked} SET outbox = {target} WHERE {_of_outbox('outbox')}", outbox
-        )
+        status = await conn.execute(self.queries.move_parked(count), outbox)
         return int(status.split()[-1])
-
-
-def lane_of_count(columns: ColumnsConfig, count: str) -> str:
-    """The lane expression of the event table's rows, for a count given as SQL."""
-    return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
-
-
-def _of_outbox(column: str) -> str:
-    """`column` names the outbox $1 or one of its lanes (`$1/<n>`), of whatever count.
-
-    Not LIKE: an outbox name may hold `_`, which LIKE would take for any character.
-    """
-    return f"({column} = $1 OR left({column}, length($1) + 1) = $1 || '/')"

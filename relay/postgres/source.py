@@ -41,50 +41,8 @@ from relay.core.lanes import Lane
 from relay.core.nesting import MAX_DEPTH, TooDeep, headroom, text_depth
 from relay.errors import SourceError
 from relay.postgres import event_table
+from relay.postgres.queries import SourceQueries
 from relay.postgres.skipping import Skip
-from relay.postgres.skipping import predicate as skipping_predicate
-from relay.postgres.sql import qualified, quote
-
-# Every transaction that takes a position holds RowExclusiveLock on the sequence from its
-# first nextval until it ends (Postgres takes it in nextval and keeps it for the whole
-# transaction): whichever table, partition or inheritance child it inserts into, and also
-# once it is prepared for two-phase commit, when the lock moves to a row with no pid.
-_HOLDERS = """
-SELECT DISTINCT virtualtransaction FROM pg_locks
-WHERE locktype = 'relation' AND relation = $1::regclass AND granted
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND pid IS DISTINCT FROM pg_backend_pid()
-"""
-_STILL_HOLDING = _HOLDERS + " AND virtualtransaction = ANY($2::text[])"
-# The oldest top-level transaction id among the sequence's lock holders, or $2 (the next
-# xid) when none has one yet; compared by age, so xid wraparound is harmless.
-_OLDEST_HOLDER = """
-SELECT x::text::int8 FROM (
-  SELECT t.transactionid AS x FROM pg_locks s
-  JOIN pg_locks t ON t.virtualtransaction = s.virtualtransaction
-    AND t.locktype = 'transactionid' AND t.granted
-  WHERE s.locktype = 'relation' AND s.relation = $1::regclass AND s.granted
-    AND s.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    AND s.pid IS DISTINCT FROM pg_backend_pid()
-  UNION ALL SELECT $2::xid
-) holders ORDER BY age(x) DESC LIMIT 1
-"""
-_CAN_READ_SEQUENCE = (
-    "SELECT has_sequence_privilege($1::regclass, 'SELECT')"
-    " OR has_sequence_privilege($1::regclass, 'USAGE')"
-)
-_SESSIONS = """
-SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
-       coalesce(a.state, '') AS state,
-       extract(epoch FROM now() - a.xact_start)::float8 AS xact_age
-FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'virtualxid' AND l.virtualtransaction = ANY($1::text[])
-"""
-_PREPARED = """
-SELECT p.gid, p.owner, extract(epoch FROM now() - p.prepared)::float8 AS xact_age
-FROM pg_locks l JOIN pg_prepared_xacts p ON p.transaction = l.transactionid
-WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = ANY($1::text[])
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,23 +83,6 @@ class Blocker:
 OnBlocked = Callable[[Blocker | None], Awaitable[None]]
 
 
-def lane_of(columns: ColumnsConfig, count: int) -> str:
-    """SQL for the lane (0 to count - 1) of a row of the event table."""
-    return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
-
-
-def lane_expression(aggregate_type: str, aggregate_id: str, count: int | str) -> str:
-    """A stable hash of the aggregate, into `count` lanes.
-
-    `hashtextextended` is what PostgreSQL's hash partitioning uses, so it gives the same
-    value on every release and architecture. Type and id are hashed together, so that
-    two aggregate types sharing an id are spread on their own; a NULL counts as empty,
-    so that every row, even a malformed one, belongs to exactly one lane.
-    """
-    key = f"coalesce({aggregate_type}::text, '') || '/' || coalesce({aggregate_id}::text, '')"
-    return f"((hashtextextended({key}, 0) % {count}) + {count}) % {count}"
-
-
 class EventSource:
     """The event table, seen through the config's table and column names; with a split
     lane, only that lane's rows."""
@@ -152,96 +93,8 @@ class EventSource:
         """`metadata=False` reads NULL for it: the outbox's expressions never read it."""
         self.config = config
         self.lane = lane
-        self.table = qualified(config.table)
-        cols = config.columns
-        self._in_lane = (
-            f"{lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else None
-        )
-        only = f" AND {self._in_lane}" if self._in_lane else ""
-        optional = [
-            quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
-            quote(cols.created_at) if cols.created_at else "NULL::timestamptz",
-        ]
-        select = ", ".join(
-            [
-                quote(cols.position),
-                quote(cols.aggregate_type) + "::text",
-                quote(cols.aggregate_id) + "::text",
-                quote(cols.version) + "::int8",
-                quote(cols.type) + "::text",
-                quote(cols.payload) + "::text",
-                *optional,
-            ]
-        )
-        pos = quote(cols.position)
-
-        def page(skip: str = "") -> str:
-            return (
-                f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only}{skip} "
-                f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
-                f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
-            )
-
-        def lane_by(count: str) -> str:
-            return lane_expression(quote(cols.aggregate_type), quote(cols.aggregate_id), count)
-
-        def skipping(first: int, layers: int) -> str:
-            """A lane made by a repartition, before it passes `Skip.upto`: leave out what
-            the old lanes had published (skipping.py), parameters from `$first`."""
-            return page(f" AND NOT {skipping_predicate(pos, lane_by, first, layers)}")
-
-        self._read_sql = f"SELECT {select} {page()}"
-        # The same page, cut before the stored payloads pass $6 bytes (the first row always
-        # stays, however large): rows beyond it never reach the relay's memory. The size is
-        # pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
-        # text only in the outer query, for the rows kept: the page's other rows cost an
-        # index entry each, not a conversion of their payload. Its own columns' names are
-        # event_table.READ_COLUMNS, which a table may not use.
-        row_pos, row_size, row_before, page_rows = event_table.READ_COLUMNS
-
-        def bounded(rows: str) -> str:
-            return (
-                f"SELECT {select}, {page_rows} FROM (SELECT *, sum({row_size}) OVER"
-                f" (ORDER BY {row_pos} ROWS UNBOUNDED PRECEDING) - {row_size} AS {row_before},"
-                f" count(*) OVER () AS {page_rows} FROM (SELECT *, {pos} AS {row_pos},"
-                f" coalesce(pg_column_size({quote(cols.payload)}), 0) AS {row_size} {rows}) page)"
-                f" sized WHERE {row_before} + {row_size} <= $6 OR {row_before} = 0"
-                f" ORDER BY {row_pos}"
-            )
-
-        self._read_bounded_sql = bounded(page())
-        # By the number of layers: the page of a lane made by a repartition.
-        self._skipping_sql: dict[tuple[bool, int], str] = {}
-
-        def skipping_sql(bounded_by_size: bool, layers: int) -> str:
-            key = (bounded_by_size, layers)
-            if key not in self._skipping_sql:
-                if bounded_by_size:
-                    self._skipping_sql[key] = bounded(skipping(7, layers))
-                else:
-                    self._skipping_sql[key] = f"SELECT {select} {skipping(6, layers)}"
-            return self._skipping_sql[key]
-
-        self._skipping = skipping_sql
-        self._read_all_sql = f"SELECT {select} FROM {self.table} ORDER BY {pos} DESC LIMIT $1"
-        self._read_at_sql = f"SELECT {select} FROM {self.table} WHERE {pos} = ANY($1::bigint[])"
-        self._count_sql = (
-            f"SELECT count(*) FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{only}"
-            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
-            f" AND {quote(cols.type)} = ANY($4::text[])"
-        )
-        self._age_sql = (
-            f"SELECT extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8"
-            f" FROM {self.table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
-            if cols.created_at
-            else None
-        )
-        self._since_sql = (
-            f"SELECT min({pos}) FROM {self.table} WHERE {quote(cols.created_at)} >= $1"
-            if cols.created_at
-            else None
-        )
-        self._only = only
+        self.queries = SourceQueries(config, lane, metadata=metadata)
+        self.table = self.queries.table
         self._sequence: str | None = None
         self.clock_offset = 0.0  # database clock minus this host's, from the last head()
 
@@ -249,14 +102,14 @@ class EventSource:
         """Fail at start-up on what would silently break the gap-free read."""
         self._sequence = await event_table.verify(conn, self.config, self.table)
 
-    async def _last_value_and(self, conn: asyncpg.Connection, other: str) -> asyncpg.Record:
-        """The sequence's last value, and `other`, read in one statement."""
+    async def _last_value(self, conn: asyncpg.Connection, statement: str) -> asyncpg.Record:
+        """The sequence's last value, and what else `statement` reads with it."""
         if self._sequence is None:
             await self.check(conn)
-        row = await conn.fetchrow(
-            f"SELECT pg_sequence_last_value($1::regclass), {other}", self._sequence
-        )
-        if row[0] is None and not await conn.fetchval(_CAN_READ_SEQUENCE, self._sequence):
+        row = await conn.fetchrow(statement, self._sequence)
+        if row[0] is None and not await conn.fetchval(
+            self.queries.can_read_sequence, self._sequence
+        ):
             # PostgreSQL 18 answers NULL, as for a sequence never used, instead of an error:
             # the relay would see an empty log for ever and publish nothing, silently.
             raise SourceError(
@@ -268,7 +121,7 @@ class EventSource:
 
     async def head(self, conn: asyncpg.Connection) -> int:
         """The last position handed out (committed or not), 0 for an empty log."""
-        row = await self._last_value_and(conn, "extract(epoch FROM clock_timestamp())::float8")
+        row = await self._last_value(conn, self.queries.head)
         # Latency and lag are measured by the database's clock, never this host's.
         self.clock_offset = row[1] - time.time()
         return int(row[0] or 0)
@@ -286,13 +139,11 @@ class EventSource:
         """
         if start == "beginning":
             return 0, None
-        row = await self._last_value_and(
-            conn, "pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296"
-        )
+        row = await self._last_value(conn, self.queries.head_and_next_xid)
         head, next_xid = int(row[0] or 0), int(row[1])
         # Then the holders, as the barrier does: one that took a position up to the head
         # and has not ended is among them.
-        oldest = await conn.fetchval(_OLDEST_HOLDER, self._sequence, next_xid)
+        oldest = await conn.fetchval(self.queries.oldest_holder, self._sequence, next_xid)
         return head, int(oldest)
 
     async def first_open_position(
@@ -302,14 +153,7 @@ class EventSource:
         `start_xmin` (compared by age, so xid wraparound is harmless): in this lane, and in
         the whole table (where every lane of the outbox may start). One scan of the table,
         once in a lane's life."""
-        pos = quote(self.config.columns.position)
-        lane = f"min({pos}) FILTER (WHERE {self._in_lane})" if self._in_lane else f"min({pos})"
-        row = await conn.fetchrow(
-            f"SELECT {lane}, min({pos}) FROM {self.table} WHERE {pos} <= $1"
-            " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)",
-            upto,
-            start_xmin,
-        )
+        row = await conn.fetchrow(self.queries.first_open, upto, start_xmin)
         return (
             None if row[0] is None else int(row[0]),
             None if row[1] is None else int(row[1]),
@@ -321,11 +165,12 @@ class EventSource:
         """Return L once every position up to it is final; None if `stop` was set first."""
         last = await self.head(conn)
         # Only now: a transaction that takes a position after L was read need not be waited for.
-        waiting = [r[0] for r in await conn.fetch(_HOLDERS, self._sequence)]
+        waiting = [r[0] for r in await conn.fetch(self.queries.holders, self._sequence)]
         started = time.monotonic()
         pause, reported = 0.0005, False
         while waiting:
-            waiting = [r[0] for r in await conn.fetch(_STILL_HOLDING, self._sequence, waiting)]
+            still = await conn.fetch(self.queries.still_holding, self._sequence, waiting)
+            waiting = [r[0] for r in still]
             if not waiting:
                 break
             waited = time.monotonic() - started
@@ -346,11 +191,11 @@ class EventSource:
         """The oldest of the transactions waited for: a session, or a prepared transaction."""
         found = [
             Blocker(r["pid"], r["application_name"], r["state"], r["xact_age"] or 0.0, waited)
-            for r in await conn.fetch(_SESSIONS, waiting)
+            for r in await conn.fetch(self.queries.sessions, waiting)
         ]
         found += [
             Blocker(None, "", "prepared", r["xact_age"] or 0.0, waited, r["gid"], r["owner"])
-            for r in await conn.fetch(_PREPARED, waiting)
+            for r in await conn.fetch(self.queries.prepared, waiting)
         ]
         if not found:  # it ended between the two queries
             return Blocker(None, "", "ended", 0.0, waited)
@@ -375,31 +220,32 @@ class EventSource:
         args = (after, upto, limit, aggregates, list(types))
         names = self.config.columns
         skipping = None if skip is None else skip.past(after)
+        queries = self.queries
         if max_bytes is None:
             if skipping is None:
-                rows = await conn.fetch(self._read_sql, *args)
+                rows = await conn.fetch(queries.read, *args)
             else:
-                sql = self._skipping(False, len(skipping.layers))
+                sql = queries.skipping(False, len(skipping.layers))
                 rows = await conn.fetch(sql, *args, *skipping.arguments())
             return [_event(r, names) for r in rows], False
         if skipping is None:
-            rows = await conn.fetch(self._read_bounded_sql, *args, max_bytes)
+            rows = await conn.fetch(queries.read_bounded, *args, max_bytes)
         else:
-            sql = self._skipping(True, len(skipping.layers))
+            sql = queries.skipping(True, len(skipping.layers))
             rows = await conn.fetch(sql, *args, max_bytes, *skipping.arguments())
         cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
         return [_event(r, names) for r in rows], cut
 
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
         """Seconds since the oldest event after `after` was written (database clock)."""
-        if self._age_sql is None:
+        if self.queries.pending_age is None:
             return 0.0
-        age = await conn.fetchval(self._age_sql, after)
+        age = await conn.fetchval(self.queries.pending_age, after)
         return max(float(age or 0.0), 0.0)
 
     async def events_at(self, conn: asyncpg.Connection, positions: Sequence[int]) -> list[Event]:
         """The events at these positions that still exist, in position order."""
-        rows = await conn.fetch(self._read_at_sql, list(positions))
+        rows = await conn.fetch(self.queries.at_positions, list(positions))
         return sorted((_event(r, self.config.columns) for r in rows), key=lambda e: e.position)
 
     async def count(
@@ -412,20 +258,21 @@ class EventSource:
         types: Sequence[str],
     ) -> int:
         """How many events in (after, upto] an outbox would publish."""
-        return int(await conn.fetchval(self._count_sql, after, upto, aggregates, list(types)))
+        count = await conn.fetchval(self.queries.count, after, upto, aggregates, list(types))
+        return int(count)
 
     async def first_position_since(self, conn: asyncpg.Connection, when: datetime) -> int | None:
         """The first position written at or after `when` (needs a created_at column)."""
-        if self._since_sql is None:
+        if self.queries.first_since is None:
             raise SourceError(
                 "source.columns.created_at is not set: --from-time needs a created_at column"
             )
-        value = await conn.fetchval(self._since_sql, when)
+        value = await conn.fetchval(self.queries.first_since, when)
         return None if value is None else int(value)
 
     async def latest(self, conn: asyncpg.Connection, count: int) -> list[Event]:
         """The last `count` events, oldest first; for `relay check`."""
-        rows = await conn.fetch(self._read_all_sql, count)
+        rows = await conn.fetch(self.queries.latest, count)
         return [_event(r, self.config.columns) for r in reversed(rows)]
 
 

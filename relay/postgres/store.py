@@ -18,9 +18,9 @@ import asyncpg
 from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
+from relay.postgres.queries import StoreQueries
 from relay.postgres.skipping import Skip
 from relay.postgres.source import Blocker
-from relay.postgres.sql import holds_lock, quote
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +87,7 @@ _PARKED_COLUMNS = ", ".join(f.name for f in fields(ParkedMessage))
 
 class Store:
     def __init__(self, schema: str) -> None:
-        s = quote(schema)
-        self._checkpoints = f"{s}.checkpoints"
-        self._parked = f"{s}.parked"
+        self.queries = StoreQueries(schema, _PARKED_COLUMNS)
 
     async def claim(
         self,
@@ -108,25 +106,8 @@ class Store:
         `broker` is recorded with each checkpoint written under this claim; the claim says
         which broker the row was last written for.
         """
-        await conn.execute(
-            f"INSERT INTO {self._checkpoints} (outbox, position, start_xmin, broker)"
-            " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO NOTHING",
-            outbox,
-            start,
-            start_xmin,
-            broker,
-        )
-        row = await conn.fetchrow(
-            f"UPDATE {self._checkpoints} SET epoch = epoch + 1, holder = $2, held_since = now(),"
-            " heartbeat = now(), state = CASE WHEN halted IS NULL THEN 'relaying' ELSE 'halted'"
-            " END, blocking = NULL, updated_at = now()"
-            f" WHERE outbox = $1 AND {holds_lock('$3')}"
-            " RETURNING epoch, position, halted, retry_position, retry_rule, attempts, rejections,"
-            " start_xmin, broker, skip::text",
-            outbox,
-            holder,
-            key,
-        )
+        await conn.execute(self.queries.create_checkpoint, outbox, start, start_xmin, broker)
+        row = await conn.fetchrow(self.queries.claim, outbox, holder, key)
         if row is None:
             raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
         retry = None
@@ -154,48 +135,23 @@ class Store:
         conn: asyncpg.Connection,
         claim: Claim,
         action: str,
-        assignments: str,
+        statement: str,
         *values: object,
-        where: str = "",
     ) -> None:
-        """The one way a holder writes its checkpoint row: only at its claim's epoch, and only
-        on the connection that holds its lock ($1 lane, $2 epoch, $3 lock key; `values` from
-        $4), else FencedError naming `action`."""
-        also = f" AND {where}" if where else ""
-        status = await conn.execute(
-            f"UPDATE {self._checkpoints} SET {assignments}"
-            f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$3')}{also}",
-            claim.outbox,
-            claim.epoch,
-            claim.key,
-            *values,
-        )
+        """Run one of the fenced writes (queries.fenced) under `claim`, `values` from $4;
+        FencedError naming `action` if it matched no row."""
+        status = await conn.execute(statement, claim.outbox, claim.epoch, claim.key, *values)
         _fenced_unless_updated(status, claim, action)
 
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """Move the checkpoint forwards and mark the outbox healthy."""
-        await self._fenced(
-            conn,
-            claim,
-            f"moving the checkpoint to {position}",
-            "position = $4, state = 'relaying', attempts = 0, last_error = NULL,"
-            " retry_position = NULL, rejections = 0, updated_at = now(),"
-            " broker = coalesce($5, broker)",
-            position,
-            claim.broker,
-            where="position <= $4",
-        )
+        action = f"moving the checkpoint to {position}"
+        await self._fenced(conn, claim, action, self.queries.advance, position, claim.broker)
 
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
         previous = await conn.fetchval(
-            f"UPDATE {self._checkpoints} c SET position = $3, halted = NULL, skip = NULL,"
-            " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
-            " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now(),"
-            " broker = coalesce($5, c.broker)"
-            f" FROM {self._checkpoints} old"
-            " WHERE c.outbox = $1 AND old.outbox = c.outbox AND c.epoch = $2"
-            f" AND c.position >= $3 AND {holds_lock('$4')} RETURNING old.position",
+            self.queries.rewind,
             claim.outbox,
             claim.epoch,
             position,
@@ -224,8 +180,7 @@ class Store:
             conn,
             claim,
             f"reporting state {state}",
-            "state = $4, attempts = $5, last_error = $6, retry_position = $7, rejections = $8,"
-            " retry_rule = $9, updated_at = now()",
+            self.queries.report,
             state,
             attempts,
             last_error,
@@ -236,23 +191,12 @@ class Store:
 
     async def halt(self, conn: asyncpg.Connection, claim: Claim, reason: str) -> None:
         """Stop the outbox until an operator's replay: it stays halted across restarts."""
-        await self._fenced(
-            conn,
-            claim,
-            "halting the outbox",
-            "halted = $4, state = 'halted', last_error = $4, blocking = NULL, updated_at = now()",
-            reason,
-        )
+        await self._fenced(conn, claim, "halting the outbox", self.queries.halt, reason)
 
     async def settle_start(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """`start: end`: put the first checkpoint where the first open transaction's events are."""
-        await self._fenced(
-            conn,
-            claim,
-            f"settling the starting position at {position}",
-            "position = least(position, $4), start_xmin = NULL, updated_at = now()",
-            position,
-        )
+        action = f"settling the starting position at {position}"
+        await self._fenced(conn, claim, action, self.queries.settle_start, position)
 
     async def report_blocking(
         self, conn: asyncpg.Connection, claim: Claim, blocker: Blocker | None
@@ -267,10 +211,7 @@ class Store:
             conn,
             claim,
             "reporting a blocking transaction",
-            "blocking = $4::jsonb,"
-            " state = CASE WHEN $4::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
-            " updated_at = CASE WHEN $4::jsonb IS NULL OR blocking IS NULL THEN now()"
-            " ELSE updated_at END",
+            self.queries.report_blocking,
             value,
         )
 
@@ -282,12 +223,7 @@ class Store:
         event = parking.event
         async with conn.transaction():
             await conn.execute(
-                f"INSERT INTO {self._parked} (outbox, position, event_type, aggregate_type,"
-                " aggregate_id, version, message_id, message_type, destination, message_key, body,"
-                " reason, error, attempts, rule)"
-                " VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)"
-                " ON CONFLICT (outbox, position, rule) DO UPDATE SET attempts = excluded.attempts,"
-                " error = excluded.error, reason = excluded.reason, parked_at = now()",
+                self.queries.park,
                 claim.outbox,
                 event.position,
                 event.type,
@@ -303,12 +239,7 @@ class Store:
             await self.advance(conn, claim, parking.upto)
 
     async def checkpoints(self, conn: asyncpg.Connection) -> list[CheckpointRow]:
-        rows = await conn.fetch(
-            "SELECT outbox, position, epoch, holder, state, attempts, last_error, blocking,"
-            " extract(epoch FROM now() - c.updated_at)::float8 AS since_update,"
-            f" (SELECT count(*) FROM {self._parked} p WHERE p.outbox = c.outbox) AS parked"
-            f" FROM {self._checkpoints} c ORDER BY outbox"
-        )
+        rows = await conn.fetch(self.queries.checkpoints)
         return [
             CheckpointRow(
                 **{**dict(r), "blocking": json.loads(r["blocking"]) if r["blocking"] else None}
@@ -318,79 +249,48 @@ class Store:
 
     async def position(self, conn: asyncpg.Connection, outbox: str) -> int | None:
         """The outbox's checkpoint; None before its first claim."""
-        value = await conn.fetchval(
-            f"SELECT position FROM {self._checkpoints} WHERE outbox = $1", outbox
-        )
+        value = await conn.fetchval(self.queries.position, outbox)
         return None if value is None else int(value)
 
     async def parked(
         self, conn: asyncpg.Connection, lanes: str | list[str], ids: list[int] | None = None
     ) -> list[ParkedMessage]:
         """Parked messages of these lanes in position order; only `ids` when given."""
-        rows = await conn.fetch(
-            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE outbox = ANY($1::text[])"
-            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[])) ORDER BY position, id",
-            [lanes] if isinstance(lanes, str) else lanes,
-            ids,
-        )
+        chosen = [lanes] if isinstance(lanes, str) else lanes
+        rows = await conn.fetch(self.queries.parked, chosen, ids)
         return [ParkedMessage(**dict(r)) for r in rows]
 
     async def parked_attempts(
         self, conn: asyncpg.Connection, lanes: list[str], ids: list[int] | None = None
     ) -> dict[int, int]:
         """Each parked message's attempts so far (of these lanes; only `ids` when given)."""
-        rows = await conn.fetch(
-            f"SELECT id, attempts FROM {self._parked} WHERE outbox = ANY($1::text[])"
-            " AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))",
-            lanes,
-            ids,
-        )
+        rows = await conn.fetch(self.queries.parked_attempts, lanes, ids)
         return {r["id"]: r["attempts"] for r in rows}
 
     async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> ParkedMessage | None:
-        row = await conn.fetchrow(
-            f"SELECT {_PARKED_COLUMNS} FROM {self._parked} WHERE id = $1", id_
-        )
+        row = await conn.fetchrow(self.queries.parked_by_id, id_)
         return ParkedMessage(**dict(row)) if row else None
 
     async def parked_lanes(
         self, conn: asyncpg.Connection, lanes: list[str], ids: list[int]
     ) -> dict[int, str]:
         """Which of `lanes` parked each of these messages (ids of other outboxes are left out)."""
-        rows = await conn.fetch(
-            f"SELECT id, outbox FROM {self._parked} WHERE id = ANY($1::bigint[])"
-            " AND outbox = ANY($2::text[])",
-            ids,
-            lanes,
-        )
+        rows = await conn.fetch(self.queries.parked_lanes, ids, lanes)
         return {int(r["id"]): str(r["outbox"]) for r in rows}
 
     async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
-        return int(
-            await conn.fetchval(f"SELECT count(*) FROM {self._parked} WHERE outbox = $1", outbox)
-        )
+        return int(await conn.fetchval(self.queries.parked_count, outbox))
 
     async def drop_parked(
         self, conn: asyncpg.Connection, ids: list[int] | None, outboxes: list[str]
     ) -> list[int]:
         """Delete parked messages by id, or all of `outboxes` when `ids` is None."""
-        rows = await conn.fetch(
-            f"DELETE FROM {self._parked} WHERE outbox = ANY($2::text[])"
-            " AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) RETURNING id",
-            ids,
-            outboxes,
-        )
+        rows = await conn.fetch(self.queries.drop_parked, ids, outboxes)
         return sorted(r["id"] for r in rows)
 
     async def unpark(self, conn: asyncpg.Connection, claim: Claim, ids: list[int]) -> None:
         """These parked messages were published: forget them (holder only)."""
-        await conn.execute(
-            f"DELETE FROM {self._parked} WHERE id = ANY($1::bigint[]) AND outbox = $2"
-            f" AND {holds_lock('$3')}",
-            ids,
-            claim.outbox,
-            claim.key,
-        )
+        await conn.execute(self.queries.unpark, ids, claim.outbox, claim.key)
 
     async def still_parked(
         self, conn: asyncpg.Connection, claim: Claim, failed: dict[int, tuple[str, str]]
@@ -399,10 +299,7 @@ class Store:
         (`failed` maps each id to them), in one statement (holder only)."""
         ids = list(failed)
         await conn.execute(
-            f"UPDATE {self._parked} p SET attempts = p.attempts + 1, error = f.error,"
-            " reason = f.reason FROM unnest($1::bigint[], $2::text[], $3::text[])"
-            " AS f(id, error, reason)"
-            f" WHERE p.id = f.id AND p.outbox = $4 AND {holds_lock('$5')}",
+            self.queries.still_parked,
             ids,
             [failed[i][0] for i in ids],
             [failed[i][1] for i in ids],

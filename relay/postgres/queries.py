@@ -1,0 +1,569 @@
+"""The relay's statements, named in one place, each built once from the names in the config.
+
+One class per thing they address: `SourceQueries`, the application's event table (in the
+config's table and column names) and the catalogs the drain barrier reads; then the
+relay's own tables in `database.schema`: `StoreQueries` (checkpoints and parked
+messages), `PartitionQueries` (the partition set), `CommandQueries`, `MembershipQueries`
+and `LeaseQueries`. The class that runs a statement builds its queries once, in its own
+constructor, and uses them by name: EventSource, Store, Partitions, CommandQueue,
+Membership and LeaseConnection.
+
+Names from the config are quoted here (sql.quote, sql.qualified) as the text is built;
+values never are in the text: each is a $n parameter, listed with its statement. The
+schema's DDL stays with the migrations (migrations.py), what the relay checks of the
+event table and of its rights with those checks (event_table.py, rights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from relay.config import ColumnsConfig, SourceConfig
+from relay.core.lanes import Lane
+from relay.postgres import event_table
+from relay.postgres.skipping import predicate
+from relay.postgres.sql import held_keys, holds_lock, lock_holder, qualified, quote
+
+NOTIFY: Final = "SELECT pg_notify($1, $2)"  # $1 channel, $2 payload
+
+# The event table
+
+
+def lane_of(columns: ColumnsConfig, count: int | str) -> str:
+    """SQL for the lane (0 to count - 1) of a row of the event table; `count` may be SQL."""
+    return lane_expression(quote(columns.aggregate_type), quote(columns.aggregate_id), count)
+
+
+def lane_expression(aggregate_type: str, aggregate_id: str, count: int | str) -> str:
+    """A stable hash of the aggregate, into `count` lanes.
+
+    `hashtextextended` is what PostgreSQL's hash partitioning uses, so it gives the same
+    value on every release and architecture. Type and id are hashed together, so that
+    two aggregate types sharing an id are spread on their own; a NULL counts as empty,
+    so that every row, even a malformed one, belongs to exactly one lane.
+    """
+    key = f"coalesce({aggregate_type}::text, '') || '/' || coalesce({aggregate_id}::text, '')"
+    return f"((hashtextextended({key}, 0) % {count}) + {count}) % {count}"
+
+
+class SourceQueries:
+    """The statements of one lane's EventSource (a split lane's reads see its rows only).
+
+    A page of events ($1 after, $2 upto, $3 limit, $4 aggregate types or NULL for all, $5
+    event types) selects, in position order: position, aggregate_type, aggregate_id,
+    version, type, payload, metadata and created_at (NULL when the config has none, or
+    when metadata is not read).
+    """
+
+    # Every transaction that takes a position holds RowExclusiveLock on the sequence from
+    # its first nextval until it ends (Postgres takes it in nextval and keeps it for the
+    # whole transaction): whichever table, partition or inheritance child it inserts into,
+    # and also once it is prepared for two-phase commit, when the lock moves to a row with
+    # no pid. $1 the sequence (as regclass text).
+    holders: Final = """
+SELECT DISTINCT virtualtransaction FROM pg_locks
+WHERE locktype = 'relation' AND relation = $1::regclass AND granted
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND pid IS DISTINCT FROM pg_backend_pid()
+"""
+    # Those of them among $2 (virtual transaction ids).
+    still_holding: Final = holders + " AND virtualtransaction = ANY($2::text[])"
+    # The oldest top-level transaction id among the sequence's lock holders, or $2 (the next
+    # xid) when none has one yet; compared by age, so xid wraparound is harmless.
+    oldest_holder: Final = """
+SELECT x::text::int8 FROM (
+  SELECT t.transactionid AS x FROM pg_locks s
+  JOIN pg_locks t ON t.virtualtransaction = s.virtualtransaction
+    AND t.locktype = 'transactionid' AND t.granted
+  WHERE s.locktype = 'relation' AND s.relation = $1::regclass AND s.granted
+    AND s.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND s.pid IS DISTINCT FROM pg_backend_pid()
+  UNION ALL SELECT $2::xid
+) holders ORDER BY age(x) DESC LIMIT 1
+"""
+    can_read_sequence: Final = (
+        "SELECT has_sequence_privilege($1::regclass, 'SELECT')"
+        " OR has_sequence_privilege($1::regclass, 'USAGE')"
+    )
+    # The sessions, and the prepared transactions, of the virtual transactions $1.
+    sessions: Final = """
+SELECT DISTINCT a.pid, coalesce(a.application_name, '') AS application_name,
+       coalesce(a.state, '') AS state,
+       extract(epoch FROM now() - a.xact_start)::float8 AS xact_age
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'virtualxid' AND l.virtualtransaction = ANY($1::text[])
+"""
+    prepared: Final = """
+SELECT p.gid, p.owner, extract(epoch FROM now() - p.prepared)::float8 AS xact_age
+FROM pg_locks l JOIN pg_prepared_xacts p ON p.transaction = l.transactionid
+WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = ANY($1::text[])
+"""
+    # The sequence $1's last value (NULL: never used, or not readable), in one statement
+    # with the database's clock, or with the next xid to be handed out.
+    head: Final = (
+        "SELECT pg_sequence_last_value($1::regclass), extract(epoch FROM clock_timestamp())::float8"
+    )
+    head_and_next_xid: Final = (
+        "SELECT pg_sequence_last_value($1::regclass),"
+        " pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296"
+    )
+
+    def __init__(
+        self, config: SourceConfig, lane: Lane | None = None, *, metadata: bool = True
+    ) -> None:
+        """`metadata=False` selects NULL for it."""
+        cols = self._columns = config.columns
+        self.table: Final = qualified(config.table)
+        in_lane = f"{lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else None
+        self._only: Final = f" AND {in_lane}" if in_lane else ""
+        optional = [
+            quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
+            quote(cols.created_at) if cols.created_at else "NULL::timestamptz",
+        ]
+        self._select: Final = ", ".join(
+            [
+                quote(cols.position),
+                quote(cols.aggregate_type) + "::text",
+                quote(cols.aggregate_id) + "::text",
+                quote(cols.version) + "::int8",
+                quote(cols.type) + "::text",
+                quote(cols.payload) + "::text",
+                *optional,
+            ]
+        )
+        pos, table, only = quote(cols.position), self.table, self._only
+        # The page.
+        self.read: Final = f"SELECT {self._select} {self._page()}"
+        # The page, and $6 the most bytes of stored payload: see `_bounded`.
+        self.read_bounded: Final = self._bounded(self._page())
+        # By `skipping`: the page of a lane made by a repartition, by the number of layers.
+        self._skipping: Final[dict[tuple[bool, int], str]] = {}
+        # The last $1 events, newest first.
+        self.latest: Final = f"SELECT {self._select} FROM {table} ORDER BY {pos} DESC LIMIT $1"
+        # The events at the positions $1 (int8[]).
+        self.at_positions: Final = (
+            f"SELECT {self._select} FROM {table} WHERE {pos} = ANY($1::bigint[])"
+        )
+        # How many events the page would hold without its limit: $1 after, $2 upto, $3
+        # aggregate types (NULL: all), $4 event types.
+        self.count: Final = (
+            f"SELECT count(*) FROM {table} WHERE {pos} > $1 AND {pos} <= $2{only}"
+            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
+            f" AND {quote(cols.type)} = ANY($4::text[])"
+        )
+        # Seconds since the lane's first event after $1 was written (database clock); None
+        # without a created_at column.
+        self.pending_age: Final = (
+            f"SELECT extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8"
+            f" FROM {table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
+            if cols.created_at
+            else None
+        )
+        # The first position written at or after $1 (timestamptz); None without created_at.
+        self.first_since: Final = (
+            f"SELECT min({pos}) FROM {table} WHERE {quote(cols.created_at)} >= $1"
+            if cols.created_at
+            else None
+        )
+        # The lowest position up to $1 written by a transaction at least as new as xid $2
+        # (int8, its epoch cut off), in the lane and in the whole table.
+        first = f"min({pos}) FILTER (WHERE {in_lane})" if in_lane else f"min({pos})"
+        self.first_open: Final = (
+            f"SELECT {first}, min({pos}) FROM {table} WHERE {pos} <= $1"
+            " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)"
+        )
+
+    def skipping(self, bounded: bool, layers: int) -> str:
+        """The page (`read`, or `read_bounded` when `bounded`) of a lane made by a
+        repartition, before it passes `Skip.upto`: less what the old lanes had published
+        (skipping.py), `layers` layers of parameters from $6 ($7 when bounded) on."""
+        key = (bounded, layers)
+        if key not in self._skipping:
+            pos = quote(self._columns.position)
+            left_out = predicate(pos, self._lane_by, 7 if bounded else 6, layers)
+            page = self._page(f" AND NOT {left_out}")
+            self._skipping[key] = (
+                self._bounded(page) if bounded else f"SELECT {self._select} {page}"
+            )
+        return self._skipping[key]
+
+    def _lane_by(self, count: str) -> str:
+        return lane_of(self._columns, count)
+
+    def _page(self, skip: str = "") -> str:
+        cols = self._columns
+        pos = quote(cols.position)
+        return (
+            f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{self._only}{skip} "
+            f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
+            f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
+        )
+
+    def _bounded(self, rows: str) -> str:
+        """The page `rows`, cut before the stored payloads pass $6 bytes (the first row always
+        stays, however large): rows beyond it never reach the relay's memory. The size is
+        pg_column_size, as stored (compressed, not detoasted), and the columns are cast to
+        text only in the outer query, for the rows kept: the page's other rows cost an index
+        entry each, not a conversion of their payload. Its own columns' names are
+        event_table.READ_COLUMNS, which a table may not use; the last, the page's row count
+        before the cut, follows the selected ones."""
+        row_pos, row_size, row_before, page_rows = event_table.READ_COLUMNS
+        pos, payload = quote(self._columns.position), quote(self._columns.payload)
+        return (
+            f"SELECT {self._select}, {page_rows} FROM (SELECT *, sum({row_size}) OVER"
+            f" (ORDER BY {row_pos} ROWS UNBOUNDED PRECEDING) - {row_size} AS {row_before},"
+            f" count(*) OVER () AS {page_rows} FROM (SELECT *, {pos} AS {row_pos},"
+            f" coalesce(pg_column_size({payload}), 0) AS {row_size} {rows}) page)"
+            f" sized WHERE {row_before} + {row_size} <= $6 OR {row_before} = 0"
+            f" ORDER BY {row_pos}"
+        )
+
+
+def lane_at(table: str, columns: ColumnsConfig, count: int) -> str:
+    """The lane, of `count`, of the event at position $1 (no row if it is gone)."""
+    return (
+        f"SELECT ({lane_of(columns, count)})::int FROM {qualified(table)}"
+        f" WHERE {quote(columns.position)} = $1"
+    )
+
+
+def published(table: str, columns: ColumnsConfig, layers: int) -> str:
+    """How many events in ($1, $2] some of `layers` layers says were published (their
+    parameters from $3 on: Skip.arguments)."""
+    pos = quote(columns.position)
+
+    def lane_by(count: str) -> str:
+        return lane_of(columns, count)
+
+    return (
+        f"SELECT count(*) FROM {qualified(table)} WHERE {pos} > $1 AND {pos} <= $2"
+        f" AND {predicate(pos, lane_by, 3, layers)}"
+    )
+
+
+# The relay's own tables
+
+
+def _tables(schema: str, *names: str) -> list[str]:
+    return [f"{quote(schema)}.{name}" for name in names]
+
+
+def fenced(checkpoints: str, assignments: str, where: str = "") -> str:
+    """The one way a holder writes its checkpoint row: only at its claim's epoch, and only
+    on the connection that holds its lock ($1 lane, $2 epoch, $3 lock key; `assignments`
+    take their values from $4)."""
+    also = f" AND {where}" if where else ""
+    return (
+        f"UPDATE {checkpoints} SET {assignments}"
+        f" WHERE outbox = $1 AND epoch = $2 AND {holds_lock('$3')}{also}"
+    )
+
+
+class StoreQueries:
+    """The checkpoints' and the parked messages' statements (Store)."""
+
+    def __init__(self, schema: str, parked_columns: str) -> None:
+        """`parked_columns`: what a parked message is read as (ParkedMessage's fields)."""
+        checkpoints, parked = _tables(schema, "checkpoints", "parked")
+        # $1 lane, $2 position, $3 start_xmin, $4 broker; an existing row stays as it is.
+        self.create_checkpoint: Final = (
+            f"INSERT INTO {checkpoints} (outbox, position, start_xmin, broker)"
+            " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO NOTHING"
+        )
+        # $1 lane, $2 holder, $3 lock key: the next epoch.
+        self.claim: Final = (
+            f"UPDATE {checkpoints} SET epoch = epoch + 1, holder = $2, held_since = now(),"
+            " heartbeat = now(), state = CASE WHEN halted IS NULL THEN 'relaying' ELSE 'halted'"
+            " END, blocking = NULL, updated_at = now()"
+            f" WHERE outbox = $1 AND {holds_lock('$3')}"
+            " RETURNING epoch, position, halted, retry_position, retry_rule, attempts, rejections,"
+            " start_xmin, broker, skip::text"
+        )
+        # The fenced writes: $1 lane, $2 epoch, $3 lock key, then their own.
+        # $4 position (never backwards), $5 broker (NULL: unchanged).
+        self.advance: Final = fenced(
+            checkpoints,
+            "position = $4, state = 'relaying', attempts = 0, last_error = NULL,"
+            " retry_position = NULL, rejections = 0, updated_at = now(),"
+            " broker = coalesce($5, broker)",
+            where="position <= $4",
+        )
+        # $4 state, $5 attempts, $6 last_error, $7 retry_position, $8 rejections, $9 rule.
+        self.report: Final = fenced(
+            checkpoints,
+            "state = $4, attempts = $5, last_error = $6, retry_position = $7, rejections = $8,"
+            " retry_rule = $9, updated_at = now()",
+        )
+        # $4 reason.
+        self.halt: Final = fenced(
+            checkpoints,
+            "halted = $4, state = 'halted', last_error = $4, blocking = NULL, updated_at = now()",
+        )
+        # $4 position (never forwards).
+        self.settle_start: Final = fenced(
+            checkpoints, "position = least(position, $4), start_xmin = NULL, updated_at = now()"
+        )
+        # $4 the blocking transaction (JSON), NULL when none.
+        self.report_blocking: Final = fenced(
+            checkpoints,
+            "blocking = $4::jsonb,"
+            " state = CASE WHEN $4::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
+            " updated_at = CASE WHEN $4::jsonb IS NULL OR blocking IS NULL THEN now()"
+            " ELSE updated_at END",
+        )
+        # $1 lane, $2 epoch, $3 position (never forwards), $4 lock key, $5 broker: the
+        # position it was at.
+        self.rewind: Final = (
+            f"UPDATE {checkpoints} c SET position = $3, halted = NULL, skip = NULL,"
+            " state = CASE WHEN old.halted IS NULL THEN c.state ELSE 'relaying' END,"
+            " last_error = CASE WHEN old.halted IS NULL THEN c.last_error END, updated_at = now(),"
+            " broker = coalesce($5, c.broker)"
+            f" FROM {checkpoints} old"
+            " WHERE c.outbox = $1 AND old.outbox = c.outbox AND c.epoch = $2"
+            f" AND c.position >= $3 AND {holds_lock('$4')} RETURNING old.position"
+        )
+        # Every row, with its count of parked messages.
+        self.checkpoints: Final = (
+            "SELECT outbox, position, epoch, holder, state, attempts, last_error, blocking,"
+            " extract(epoch FROM now() - c.updated_at)::float8 AS since_update,"
+            f" (SELECT count(*) FROM {parked} p WHERE p.outbox = c.outbox) AS parked"
+            f" FROM {checkpoints} c ORDER BY outbox"
+        )
+        # $1 lane.
+        self.position: Final = f"SELECT position FROM {checkpoints} WHERE outbox = $1"
+        # $1 lane, $2 position, $3-$6 the event's type and aggregate, $7-$11 the message's
+        # id, type, destination, key and body, $12 reason, $13 error, $14 attempts, $15 rule.
+        self.park: Final = (
+            f"INSERT INTO {parked} (outbox, position, event_type, aggregate_type,"
+            " aggregate_id, version, message_id, message_type, destination, message_key, body,"
+            " reason, error, attempts, rule)"
+            " VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)"
+            " ON CONFLICT (outbox, position, rule) DO UPDATE SET attempts = excluded.attempts,"
+            " error = excluded.error, reason = excluded.reason, parked_at = now()"
+        )
+        # Parked messages of the lanes $1 (text[]), only the ids $2 (int8[]) unless NULL.
+        chosen = "outbox = ANY($1::text[]) AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))"
+        self.parked: Final = (
+            f"SELECT {parked_columns} FROM {parked} WHERE {chosen} ORDER BY position, id"
+        )
+        self.parked_attempts: Final = f"SELECT id, attempts FROM {parked} WHERE {chosen}"
+        # $1 id.
+        self.parked_by_id: Final = f"SELECT {parked_columns} FROM {parked} WHERE id = $1"
+        # The ids $1 (int8[]) that the lanes $2 (text[]) parked.
+        self.parked_lanes: Final = (
+            f"SELECT id, outbox FROM {parked} WHERE id = ANY($1::bigint[])"
+            " AND outbox = ANY($2::text[])"
+        )
+        # $1 lane.
+        self.parked_count: Final = f"SELECT count(*) FROM {parked} WHERE outbox = $1"
+        # $1 ids (int8[]; NULL: all), $2 lanes (text[]): the ids deleted.
+        self.drop_parked: Final = (
+            f"DELETE FROM {parked} WHERE outbox = ANY($2::text[])"
+            " AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) RETURNING id"
+        )
+        # $1 ids, $2 lane, $3 lock key (holder only).
+        self.unpark: Final = (
+            f"DELETE FROM {parked} WHERE id = ANY($1::bigint[]) AND outbox = $2"
+            f" AND {holds_lock('$3')}"
+        )
+        # $1 ids, $2 their errors, $3 their reasons, $4 lane, $5 lock key (holder only).
+        self.still_parked: Final = (
+            f"UPDATE {parked} p SET attempts = p.attempts + 1, error = f.error,"
+            " reason = f.reason FROM unnest($1::bigint[], $2::text[], $3::text[])"
+            " AS f(id, error, reason)"
+            f" WHERE p.id = f.id AND p.outbox = $4 AND {holds_lock('$5')}"
+        )
+
+
+# An outbox's row of the partition set, as every statement of it returns the row.
+PARTITION_SET: Final = "outbox, partitions, start_position, start_xmin, pinned, changed_by"
+
+
+def of_outbox(column: str) -> str:
+    """`column` names the outbox $1 or one of its lanes (`$1/<n>`), of whatever count.
+
+    Not LIKE: an outbox name may hold `_`, which LIKE would take for any character.
+    """
+    return f"({column} = $1 OR left({column}, length($1) + 1) = $1 || '/')"
+
+
+class PartitionQueries:
+    """The partition set's statements (Partitions), and a change of it: $1 is the outbox."""
+
+    def __init__(self, schema: str) -> None:
+        outboxes, checkpoints, parked, commands = _tables(
+            schema, "outboxes", "checkpoints", "parked", "commands"
+        )
+        self._parked = parked
+        # $2 count, $3 start, $4 start_xmin, $5 who. The first claim records the count and
+        # the start; a claim with the recorded count clears an operator's pin.
+        self.admit: Final = (
+            f"INSERT INTO {outboxes} AS o (outbox, partitions, start_position,"
+            " start_xmin, changed_by) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (outbox) DO UPDATE"
+            " SET start_position = coalesce(o.start_position, excluded.start_position),"
+            " start_xmin = CASE WHEN o.start_position IS NULL THEN excluded.start_xmin"
+            " ELSE o.start_xmin END, pinned = o.pinned AND o.partitions <> excluded.partitions"
+            f" RETURNING {PARTITION_SET}"
+        )
+        self.read: Final = f"SELECT {PARTITION_SET} FROM {outboxes} WHERE outbox = $1"
+        # The recorded count, kept from changing until the transaction ends.
+        self.hold: Final = f"SELECT partitions FROM {outboxes} WHERE outbox = $1 FOR KEY SHARE"
+        # $2 position.
+        self.settle_start: Final = (
+            f"UPDATE {outboxes} SET start_position = least(start_position, $2),"
+            " start_xmin = NULL WHERE outbox = $1 AND start_xmin IS NOT NULL"
+        )
+        # A change: the row, then every lane's checkpoint row, locked.
+        self.lock: Final = self.read + " FOR UPDATE"
+        self.lanes: Final = (
+            "SELECT outbox, position, epoch, start_xmin, broker, skip::text AS skip,"
+            " retry_position, attempts, rejections, retry_rule"
+            f" FROM {checkpoints} WHERE {of_outbox('outbox')} FOR UPDATE"
+        )
+        self.drop_lanes: Final = f"DELETE FROM {checkpoints} WHERE {of_outbox('outbox')}"
+        # executemany: $1 lane, $2 position, $3 epoch, $4 start_xmin, $5 broker, $6 skip.
+        self.new_lane: Final = (
+            f"INSERT INTO {checkpoints} (outbox, position, epoch, start_xmin, broker, skip)"
+            " VALUES ($1, $2, $3, $4, $5, $6::jsonb)"
+        )
+        # $1 the new lane, $2 retry_position, $3 attempts, $4 rejections, $5 retry_rule.
+        self.carry_retry: Final = (
+            f"UPDATE {checkpoints} SET retry_position = $2, attempts = $3,"
+            " rejections = $4, retry_rule = $5 WHERE outbox = $1"
+        )
+        # $2 the outcome (JSON) of the old lanes' commands that had not finished.
+        self.end_commands: Final = (
+            f"UPDATE {commands} SET finished_at = now(), outcome = $2::jsonb,"
+            " state = CASE state WHEN 'pending' THEN 'expired' ELSE 'failed' END"
+            f" WHERE {of_outbox('outbox')} AND state IN ('pending', 'running')"
+        )
+        # $2 count, $3 pinned, $4 who.
+        self.set_count: Final = (
+            f"INSERT INTO {outboxes} AS o (outbox, partitions, pinned, changed_by)"
+            " VALUES ($1, $2, $3, $4) ON CONFLICT (outbox) DO UPDATE SET partitions = $2,"
+            " pinned = $3, changed_by = $4, updated_at = now()"
+        )
+
+    def move_parked(self, count: int) -> str:
+        """The parked messages of the outbox's lanes, each to its aggregate's lane of `count`."""
+        if count == 1:
+            target = "$1"
+        else:
+            lane = lane_expression("aggregate_type", "aggregate_id", count)
+            target = f"$1 || '/' || ({lane})::text"
+        return f"UPDATE {self._parked} SET outbox = {target} WHERE {of_outbox('outbox')}"
+
+
+class CommandQueries:
+    """The commands table's statements (CommandQueue)."""
+
+    def __init__(self, schema: str) -> None:
+        (table,) = _tables(schema, "commands")
+        # $1 lane, $2 kind, $3 args (JSON), $4 requested_by: the id.
+        self.submit: Final = (
+            f"INSERT INTO {table} (outbox, kind, args, requested_by)"
+            " VALUES ($1, $2, $3::jsonb, $4) RETURNING id"
+        )
+        # $1 id.
+        self.result: Final = f"SELECT state, executed_by, outcome FROM {table} WHERE id = $1"
+        self.expire: Final = (
+            f"UPDATE {table} SET state = 'expired', finished_at = now()"
+            " WHERE id = $1 AND state = 'pending'"
+        )
+        # $1 lane.
+        self.waiting: Final = (
+            f"SELECT EXISTS (SELECT 1 FROM {table} WHERE outbox = $1 AND state = 'pending')"
+        )
+        # $1 lane, $2 executed_by, $3 lock key (holder only): the oldest pending one.
+        self.take: Final = (
+            f"UPDATE {table} SET state = 'running', executed_by = $2 WHERE id = ("
+            f" SELECT id FROM {table} WHERE outbox = $1 AND state = 'pending'"
+            " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
+            f" AND {holds_lock('$3')} RETURNING id, outbox, kind, args, requested_by"
+        )
+        # $1 id, $2 state, $3 outcome (JSON).
+        self.finish: Final = (
+            f"UPDATE {table} SET state = $2, outcome = $3::jsonb, finished_at = now() WHERE id = $1"
+        )
+        # As `submit`, carried out already: $5 state, $6 outcome (JSON).
+        self.record: Final = (
+            f"INSERT INTO {table} (outbox, kind, args, requested_by, state, executed_by,"
+            " finished_at, outcome) VALUES ($1, $2, $3::jsonb, $4, $5, $4, now(), $6::jsonb)"
+            " RETURNING id"
+        )
+        # $1 lane.
+        self.abandon_running: Final = (
+            f"UPDATE {table} SET state = 'failed', finished_at = now(),"
+            ' outcome = \'{"error": "the holder stopped while carrying it out"}\'::jsonb'
+            " WHERE outbox = $1 AND state = 'running'"
+        )
+
+
+class MembershipQueries:
+    """The replicas' heartbeat rows (Membership)."""
+
+    def __init__(self, schema: str) -> None:
+        (table,) = _tables(schema, "replicas")
+        # Rows of namespace $1 but identity $2, silent for less than $3 seconds, and whether
+        # the session that wrote each is still there.
+        self.members: Final = (
+            f"SELECT r.identity, r.outboxes::text AS outboxes, r.room,"
+            " EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
+            " AND a.datname = current_database()) AS connected"
+            f" FROM {table} r WHERE r.namespace = $1 AND r.identity <> $2"
+            " AND r.seen_at > now() - make_interval(secs => $3)"
+        )
+        # `members`, after writing $2's own row ($4 outboxes as JSON, $5 room) and deleting
+        # rows a day old.
+        self.beat: Final = (
+            f"WITH me AS (INSERT INTO {table} (identity, namespace, pid, seen_at, outboxes,"
+            " room) VALUES ($2, $1, pg_backend_pid(), now(), $4::jsonb, $5)"
+            " ON CONFLICT (identity) DO UPDATE SET namespace = excluded.namespace,"
+            " pid = excluded.pid, seen_at = now(), outboxes = excluded.outboxes,"
+            " room = excluded.room),"
+            f" gone AS (DELETE FROM {table} WHERE seen_at < now() - interval '1 day')"
+            f" {self.members}"
+        )
+        # $1 identity.
+        self.leave: Final = f"DELETE FROM {table} WHERE identity = $1"
+
+
+# The key of an advisory lock row of pg_locks (see sql._advisory).
+_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
+
+
+class LeaseQueries:
+    """The lease session's statements (LeaseConnection): advisory locks and heartbeats."""
+
+    # The free locks among the keys $1 (int8[]), taken in order, at most $2.
+    try_locks: Final = (
+        "SELECT k FROM unnest($1::bigint[]) AS k WHERE pg_try_advisory_lock(k) LIMIT $2"
+    )
+    # The session holding lock $1: pid, application_name.
+    holder_of: Final = lock_holder("$1")
+    terminate: Final = "SELECT pg_terminate_backend($1)"  # $1 pid
+    unlock: Final = "SELECT pg_advisory_unlock($1)"  # $1 key
+
+    def __init__(self, schema: str) -> None:
+        (checkpoints,) = _tables(schema, "checkpoints")
+        # Who holds each of the locks $1 (int8[]), with the heartbeat age of its lane in $2
+        # (text[], by position).
+        self.holders: Final = (
+            f"SELECT {_KEY} AS key, l.pid, coalesce(a.application_name, '') AS application_name,"
+            " extract(epoch FROM now() - c.heartbeat)::float8 AS heartbeat_age"
+            " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+            " LEFT JOIN unnest($1::bigint[], $2::text[]) AS w(key, lane) ON w.key = "
+            + _KEY
+            + f" LEFT JOIN {checkpoints} c ON c.outbox = w.lane"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            f" AND {_KEY} = ANY($1::bigint[])"
+        )
+        # The proof: stamp the heartbeat of each lane $2 (text[]) at its epoch $3 (int8[])
+        # whose lock $1 (int8[]) this session holds; the keys proven.
+        self.heartbeat: Final = (
+            f"UPDATE {checkpoints} c SET heartbeat = now()"
+            " FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS w(key, lane, epoch)"
+            f" WHERE c.outbox = w.lane AND c.epoch = w.epoch AND w.key IN ({held_keys()})"
+            " RETURNING w.key"
+        )
