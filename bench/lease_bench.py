@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -56,6 +57,26 @@ _KINDS = {
     ("relay.runtime.outbox", "OutboxRelay", "_carry_out_commands"): "commands",
 }
 _STATEMENTS = ("execute", "executemany", "fetch", "fetchval", "fetchrow")
+# `--compare` with a tree from before relay/ops/ was split: the same code under older names.
+_OLDER = {
+    "relay.runtime.": "relay.ops.",
+    "relay.cli.main": "relay.ops.cli",
+    "LeaseConnection": "LeaseSession",
+}
+
+
+def _older(name: str) -> str:
+    for new, old in _OLDER.items():
+        name = name.replace(new, old)
+    return name
+
+
+def _import(module: str) -> Any:
+    """The module of the relay on the path, under its name there."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        return importlib.import_module(_older(module))
 
 
 # -- the probe, inside the relay's process ---------------------------------------------------
@@ -135,7 +156,6 @@ def _tag(owner: Any, name: str, kind: str) -> None:
 
 def install(out: Path) -> None:
     """Patch the relay importable here so that its lease connection reports to a probe."""
-    import importlib  # noqa: PLC0415
 
     import asyncpg  # noqa: PLC0415
 
@@ -144,26 +164,28 @@ def install(out: Path) -> None:
     probe = Probe(out)
     lock = _timed_lock(probe)
     for (module, cls, name), kind in _KINDS.items():
-        owner: Any = importlib.import_module(module)
-        owner = getattr(owner, cls) if cls else owner
+        owner: Any = _import(module)
+        if cls:
+            owner = getattr(owner, cls, None) or getattr(owner, _older(cls))
         if hasattr(owner, name):
             _tag(owner, name, kind)
-    init = lease.LeaseConnection.__init__
+    connection_class: Any = getattr(lease, "LeaseConnection", None) or lease.LeaseSession  # type: ignore[attr-defined]
+    init = connection_class.__init__
 
     def init_with_probe(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.lock = lock()
         probe.lag_task = asyncio.get_running_loop().create_task(probe.sample_lag())
 
-    lease.LeaseConnection.__init__ = init_with_probe  # type: ignore[method-assign]
-    connect = lease.LeaseConnection._connection
+    connection_class.__init__ = init_with_probe
+    connect = connection_class._connection
 
     async def connection(self: Any) -> Any:
         conn = await connect(self)
         probe.lease_connections.add(conn)
         return conn
 
-    lease.LeaseConnection._connection = connection  # type: ignore[method-assign]
+    connection_class._connection = connection
     for name in _STATEMENTS:
         _count_statements(asyncpg.Connection, name, probe)
 
@@ -183,7 +205,7 @@ def _count_statements(cls: Any, name: str, probe: Probe) -> None:
 def run_relay(config: str, out: str) -> None:
     """The child: `relay run --config config`, with the probe writing to `out`."""
     install(Path(out))
-    from relay.cli.main import main  # noqa: PLC0415
+    main = _import("relay.cli.main").main
 
     sys.argv = ["relay", "run", "--config", config]
     main()
