@@ -28,6 +28,7 @@ from relay.mapping.mapper import Mapper
 from relay.postgres.command_queue import CommandKind, CommandQueue, CommandRequest
 from relay.postgres.database import Database
 from relay.postgres.lease import Lease, LeaseConnection
+from relay.postgres.membership import live_members
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import PARTITIONS_CHANGED, Partitions, PartitionsChanged
 from relay.postgres.source import EventSource
@@ -176,7 +177,13 @@ class Operator:
     ) -> CommandResult:
         """Do it under the lane's lease if free; else ask its holder; take over if it leaves."""
         lease = Lease(session, lane.name)
+        said = False
         while True:
+            changing = await self._changing_over(lane)
+            if changing is not None:
+                said = _wait_for_the_change(lane, changing, asking, said)
+                await asyncio.sleep(0.1)
+                continue
             try:
                 if await lease.try_acquire():
                     return await self._directly(lease, lane, asking.kind, args)
@@ -185,6 +192,33 @@ class Operator:
                 await lease.release()
             if result is not None:
                 return result
+
+    async def _changing_over(self, lane: Lane) -> str | None:
+        """Why the CLI must not carry a command out on `lane` itself now, if it must not.
+
+        When every live replica that runs the outbox says one other count, and the count is
+        not pinned, they change the outbox over as soon as its lanes are free (replica.py).
+        Work the CLI did on an old lane meanwhile would be redone on the new ones when the
+        change lands between two lanes of the command: a third copy of a replay's events.
+        """
+        lease = self.config.lease
+        async with self.db.one_shot("cli") as conn:
+            record = await self.partitions.read(conn, self.outbox)
+            members = await live_members(
+                conn, self.config.database.schema_, lease.namespace, lease.takeover_after
+            )
+        if record is not None and record.partitions != lane.count:  # it has changed over
+            raise PartitionsMoved(
+                f"{self.outbox} runs with {record.partitions} partitions now, not {lane.count}"
+            )
+        counts = {m.outboxes[self.outbox] for m in members if self.outbox in m.outboxes}
+        if record is None or record.pinned or len(counts) != 1 or lane.count in counts:
+            return None
+        (count,) = counts
+        return (
+            f"the outbox is changing over from {lane.count} to {count} partitions (every live"
+            f" replica that runs it is configured with {count})"
+        )
 
     async def _through_holder(
         self, lease: Lease, lane: Lane, args: dict[str, Any], asking: _Asking
@@ -326,6 +360,20 @@ class Operator:
             if position is not None:
                 found[lane.name] = position
         return found
+
+
+def _wait_for_the_change(lane: Lane, changing: str, asking: _Asking, said: bool) -> bool:
+    """Say once that the command waits for a change-over; past the deadline, give up."""
+    if time.monotonic() >= asking.deadline:
+        here = f"{changing}, and it did not within {asking.wait:g}s; {lane.name} was not asked"
+        raise CommandTimeout(f"{here}, and nothing was changed", here=here)
+    if not said:
+        log.warning(
+            "waiting for the outbox to change over before carrying the command out",
+            outbox=lane.name,
+            reason=changing,
+        )
+    return True
 
 
 def _partly_done(

@@ -11,6 +11,7 @@ relays an outbox at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -731,3 +732,77 @@ async def test_a_message_being_retried_keeps_its_count_of_failures_across_a_chan
 
 async def _at_least(value: Awaitable[int], least: int) -> bool:
     return await value >= least
+
+
+@dataclass
+class Replica:
+    """A replica's heartbeat row and nothing else: live to the fleet, holding no lane."""
+
+    dsn: str
+    count: int
+    identity: str = "relay:about-to-change:1"
+
+    async def beat(self) -> None:
+        """Keep the row fresh until cancelled."""
+        async with connect(self.dsn) as conn:
+            await conn.execute(
+                "INSERT INTO relay.replicas (identity, namespace, pid, seen_at, outboxes)"
+                " VALUES ($1, 'relay', 0, now(), $2::jsonb)",
+                self.identity,
+                json.dumps({"loans": self.count}),
+            )
+            while True:
+                await conn.execute(
+                    "UPDATE relay.replicas SET seen_at = now() WHERE identity = $1", self.identity
+                )
+                await asyncio.sleep(0.25)
+
+
+async def test_the_cli_leaves_a_command_to_a_fleet_about_to_change_the_count_over(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """No replica holds the outbox's lanes, and every live replica that runs it says another
+    count: they change it over as soon as its lanes are free. A replay carried out by the CLI
+    on an old lane meanwhile would be carried out again on the new ones (a third copy of
+    that lane's events), so the CLI waits for the change, and then asks the new lanes."""
+    old, new = configs.loans(2), configs.loans(3)
+    migrate_cli(old)
+    backlog = await append_backlog(events_table, 60, aggregates=6)
+    first = relay_process(["run", "--config", str(old)])
+    await delivered(nats_url, copies, set(backlog.values()))
+    await until(old, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
+    first.terminate()
+    assert await first.wait_async() == 0
+    beating = asyncio.create_task(Replica(events_table, 3).beat())
+    try:
+        async with connect(events_table) as conn:
+
+            async def beating_now() -> bool:
+                return bool(await conn.fetchval("SELECT count(*) FROM relay.replicas"))
+
+            await eventually(beating_now)
+        timed_out = await asyncio.to_thread(
+            run_cli, ["replay", "loans", "--from-start", "--timeout", "3", "--config", str(old)]
+        )
+        assert timed_out.returncode == 1, timed_out.stderr
+        assert "changing over" in timed_out.stderr, timed_out.stderr
+        assert len(await fetch_all(nats_url, copies)) == 60, "nothing was replayed"
+        replay = relay_process(["replay", "loans", "--from-start", "--json", "--config", str(old)])
+        await replay.wait_for_log(
+            "waiting for the outbox to change over before carrying the command out"
+        )
+        relay_process(["run", "--config", str(new)])
+        assert await replay.wait_async(60) == 0, replay.output()
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+    assert json.loads(replay.stdout_path.read_text())["events"] == 60
+
+    async def sent_twice() -> bool:
+        return len(await fetch_all(nats_url, copies)) >= 120
+
+    await eventually(sent_twice, timeout=30)
+    received = Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, copies))
+    assert set(received.values()) == {2}, "every event once more, on the new lanes only"
+    assert await recorded(events_table) == 3
