@@ -679,8 +679,9 @@ async def test_a_replay_that_times_out_on_one_lane_says_which_lanes_it_already_m
     """The CLI asks each lane in turn. When the holder of the second does not answer in
     time, the first lane's replay has happened: the error must say so, not that nothing
     was changed (found attacking: an operator was told nothing happened while one lane
-    re-sent 1,080 events)."""
-    config = configs.loans(2, lease={"max_per_replica": 1})
+    re-sent 1,080 events). The paused holder stays the holder: a minute passes before the
+    other replica may end it as silent, whatever the machine's load."""
+    config = configs.loans(2, lease={"max_per_replica": 1, "takeover_after": "60s"})
     migrate_cli(config)
     backlog = await append_backlog(events_table, 40, aggregates=8)
     one = relay_process(["run", "--config", str(config)])
