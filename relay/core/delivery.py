@@ -207,8 +207,11 @@ class Delivery:
         return outcomes
 
     def _acknowledged(self, done: list[Item]) -> None:
-        attempts = self.retry.attempts if self.retry is not None else 0
-        self.retry = None
+        retry, attempts = self.retry, 0
+        if retry is not None and any(
+            i.event.position == retry.position and i.rule == retry.rule for i in done
+        ):  # the failing message went through; a replay's prefix before it keeps the count
+            attempts, self.retry = retry.attempts, None
         duplicates = self.publisher.duplicates - self._duplicates_seen
         self._duplicates_seen = self.publisher.duplicates
         self.state.published += len(done)

@@ -280,11 +280,15 @@ class StoreQueries:
             " start_xmin, broker, skip::text"
         )
         # The fenced writes: $1 lane, $2 epoch, $3 lock key, then their own.
-        # $4 position (never backwards), $5 broker (NULL: unchanged).
+        # $4 position (never backwards), $5 broker (NULL: unchanged). The retry count stays
+        # with a failing message beyond $4 (a replay's events before it went through).
+        kept = "CASE WHEN retry_position > $4 THEN {} END"
         self.advance: Final = fenced(
             checkpoints,
-            "position = $4, state = 'relaying', attempts = 0, last_error = NULL,"
-            " retry_position = NULL, rejections = 0, updated_at = now(),"
+            "position = $4, state = 'relaying', last_error = NULL, updated_at = now(),"
+            f" attempts = coalesce({kept.format('attempts')}, 0),"
+            f" rejections = coalesce({kept.format('rejections')}, 0),"
+            f" retry_position = {kept.format('retry_position')},"
             " broker = coalesce($5, broker)",
             where="position <= $4",
         )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.delivery import RetryCount
 from relay.errors import FencedError
 from relay.postgres.lease import lock_key
 from relay.postgres.store import Store
@@ -62,3 +63,24 @@ def test_lock_key_is_stable_and_namespaced() -> None:
     digest = hashlib.sha256(b"relay/loans-outbox").digest()
     assert lock_key("relay", "loans-outbox") == int.from_bytes(digest[:8], "big", signed=True)
     assert -(2**63) <= lock_key("x", "y") < 2**63
+
+
+async def test_the_checkpoint_moving_up_to_a_failing_message_keeps_its_count(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """After a replay, the events before the message being retried go through again: the
+    count recorded for it stays (a new holder goes on with it) until the checkpoint passes it."""
+    await load_and_migrate(tmp_path, config_dict(events_table, nats_url, unique_name("f")))
+    store, key = Store("relay"), lock_key("relay", "loans")
+    async with connect(events_table) as conn:
+        assert await conn.fetchval("SELECT pg_try_advisory_lock($1)", key)
+        claim = await store.claim(conn, "loans", "replica-a", 0, key)
+        retry = RetryCount(position=8, attempts=7, rejections=6)
+        await store.report(conn, claim, "retrying", retry.attempts, "too large", retry=retry)
+        await store.advance(conn, claim, 7)
+        again = await store.claim(conn, "loans", "replica-a", 0, key)
+        assert (again.retry, again.position) == (retry, 7)
+        await store.advance(conn, again, 8)
+        last = await store.claim(conn, "loans", "replica-a", 0, key)
+        assert last.retry is None
+        await conn.execute("SELECT pg_advisory_unlock_all()")

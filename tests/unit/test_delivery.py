@@ -244,6 +244,28 @@ async def test_an_operators_command_interrupts_the_retrying_but_keeps_the_count(
     assert publisher.attempts["m1"] == 3
 
 
+async def test_a_replay_back_before_the_failing_message_keeps_its_count() -> None:
+    """A replay moves the checkpoint back before the message being retried: the events in
+    between are acknowledged again, and the failing message's count goes on (found
+    attacking: it went back to 1, so that replays could keep a poison message from ever
+    parking)."""
+    interrupt = asyncio.Event()
+
+    def script(mid: str, n: int) -> PublishError | None:
+        if mid == "m3" and n == 2:
+            interrupt.set()  # the replay arrives during the second attempt
+        return REJECTED if mid == "m3" else None
+
+    publisher, checkpoint = ScriptedPublisher(script), MemoryCheckpoint(position=2)
+    relay = delivery(publisher, interrupt=interrupt)
+    assert not await relay.deliver(checkpoint, [item(3)])
+    interrupt.clear()  # the replay moved the checkpoint back to 0: 1 and 2 go again
+    checkpoint.position = 0
+    assert await relay.deliver(checkpoint, [item(1), item(2), item(3)])
+    assert checkpoint.parked == [(3, "rejected", 3)]  # one more attempt, not three
+    assert publisher.attempts == {"m1": 1, "m2": 1, "m3": 3}
+
+
 async def test_the_count_of_a_previous_holder_goes_on() -> None:
     publisher = ScriptedPublisher(fails("m7", 99, REJECTED))
     checkpoint = MemoryCheckpoint(position=6)
