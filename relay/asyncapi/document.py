@@ -13,13 +13,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from relay.asyncapi.inference import (
+from relay.asyncapi.envelopes import (
     DATA_CONTENT_TYPE,
-    Schema,
     embedded_schema,
     envelope_schema,
     headers_schema,
-    payload_schema,
 )
 from relay.asyncapi.servers import Object, servers
 from relay.asyncapi.view import OutboxView, RuleView
@@ -27,6 +25,7 @@ from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig
 from relay.config.broker_identity import host_of
 from relay.core.publishing import STRUCTURED
 from relay.mapping.expressions import template_pieces
+from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from relay.asyncapi.inference import expression_schema, payload_schema
 from relay.asyncapi.servers import servers
 from relay.config import (
     BrokerConfig,
@@ -23,6 +22,7 @@ from relay.config import (
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
+from relay.mapping.inference import expression_schema, payload_schema
 from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
 
 

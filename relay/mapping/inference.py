@@ -1,0 +1,120 @@
+"""What a rule's expressions yield, as JSON Schema, for the documents that describe it.
+
+Inference reads the JMESPath syntax tree and says only what is certain: the envelope's own
+fields have known types, a value read from `data` or `metadata` can be anything (null
+included), a multi-select hash is an object with exactly those keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jmespath
+
+Schema = dict[str, Any]
+
+ENVELOPE_FIELDS: dict[str, Schema] = {
+    "position": {"type": "integer"},
+    "aggregate_type": {"type": "string"},
+    "aggregate_id": {"type": "string"},
+    "version": {"type": "integer"},
+    "type": {"type": "string"},
+    "data": {},
+    "metadata": {},
+    "created_at": {"type": ["string", "null"], "format": "date-time"},
+}
+
+_FUNCTIONS: dict[str, Schema] = {
+    "to_string": {"type": "string"},
+    "join": {"type": "string"},
+    "type": {"type": "string"},
+    "length": {"type": "integer"},
+    "abs": {"type": "number"},
+    "ceil": {"type": "number"},
+    "floor": {"type": "number"},
+    "sum": {"type": "number"},
+    "avg": {"type": ["number", "null"]},
+    "to_number": {"type": ["number", "null"]},
+    "contains": {"type": "boolean"},
+    "starts_with": {"type": "boolean"},
+    "ends_with": {"type": "boolean"},
+    "keys": {"type": "array", "items": {"type": "string"}},
+    "values": {"type": "array"},
+    "sort": {"type": "array"},
+    "sort_by": {"type": "array"},
+    "to_array": {"type": "array"},
+    "map": {"type": "array"},
+    "merge": {"type": "object"},
+}
+_PROJECTIONS = ("projection", "value_projection", "filter_projection", "flatten", "slice")
+
+
+# -- payloads ---------------------------------------------------------------------------------
+
+
+def payload_schema(payload: str | Mapping[str, str]) -> Schema:
+    """What a payload mapping is known to produce; `{}` where nothing is known."""
+    if isinstance(payload, str):
+        return expression_schema(payload)
+    return _object({name: _described(expression_schema(e), e) for name, e in payload.items()})
+
+
+def expression_schema(expression: str) -> Schema:
+    return _infer(jmespath.compile(expression.strip()).parsed)
+
+
+def _object(properties: dict[str, Schema]) -> Schema:
+    """A mapping or a multi-select hash: every key is present (null when nothing was found)."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _described(schema: Schema, expression: str) -> Schema:
+    return {**schema, "description": f"`{expression}` of the stored event."}
+
+
+def _infer(node: Mapping[str, Any]) -> Schema:
+    kind, children = node["type"], node.get("children", [])
+    if kind == "field":
+        return dict(ENVELOPE_FIELDS.get(node["value"], {"type": "null"}))
+    if kind == "current":
+        return {"type": "object", "properties": dict(ENVELOPE_FIELDS)}
+    if kind == "literal":
+        return {"const": node["value"]}
+    if kind == "multi_select_dict":
+        return _object({pair["value"]: _infer(pair["children"][0]) for pair in children})
+    if kind == "multi_select_list":
+        return {"type": "array", "minItems": len(children), "maxItems": len(children)}
+    if kind == "not_expression":
+        return {"type": "boolean"}
+    if kind == "comparator":
+        return {"type": "boolean" if node["value"] in ("eq", "ne") else ["boolean", "null"]}
+    if kind == "or_expression":
+        first, second = (_infer(child) for child in children)
+        return first if first == second else {}
+    if kind == "function_expression":
+        return _function(node["value"], children)
+    if kind in _PROJECTIONS or (kind == "subexpression" and children[-1]["type"] in _PROJECTIONS):
+        return {"type": ["array", "null"]}
+    return {}
+
+
+def _function(name: str, args: list[Mapping[str, Any]]) -> Schema:
+    if name != "merge":
+        return dict(_FUNCTIONS.get(name, {}))
+    # The keys of the hashes merged in are certain; whatever else `data` holds is not.
+    properties: dict[str, Schema] = {}
+    required: list[str] = []
+    for arg in args:
+        schema = _infer(arg)
+        properties.update(schema.get("properties", {}))
+        required += [key for key in schema.get("required", []) if key not in required]
+    merged: Schema = {"type": "object"}
+    if properties:
+        merged.update(properties=properties, required=required)
+    return merged
