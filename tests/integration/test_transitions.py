@@ -106,6 +106,16 @@ async def lane_rows(dsn: str, name: str = "loans") -> list[str]:
     return [r["outbox"] for r in rows]
 
 
+async def copies_once_all_are_in(nats_url: str, stream: str, messages: int) -> set[int]:
+    """How many copies of each id the stream holds, once it holds `messages` in all."""
+
+    async def all_in() -> bool:
+        return len(await fetch_all(nats_url, stream)) >= messages
+
+    await eventually(all_in, timeout=30)
+    return set(Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, stream)).values())
+
+
 async def recorded(dsn: str, name: str = "loans") -> int | None:
     async with connect(dsn) as conn:
         value = await conn.fetchval("SELECT partitions FROM relay.outboxes WHERE outbox = $1", name)
@@ -614,12 +624,8 @@ async def test_a_replay_waiting_for_a_holder_when_the_outbox_changes_over_reache
     assert await replay.wait_async(60) == 0, replay.output()
     assert json.loads(replay.stdout_path.read_text())["events"] == 120
 
-    async def sent_twice() -> bool:
-        return len(await fetch_all(nats_url, copies)) >= 240
-
-    await eventually(sent_twice, timeout=30)
-    received = Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, copies))
-    assert set(received.values()) == {2}, "every event once more, none left out"
+    copies_each = await copies_once_all_are_in(nats_url, copies, 240)
+    assert copies_each == {2}, "every event once more, none left out"
     assert await recorded(events_table) == 3
 
 
@@ -800,10 +806,6 @@ async def test_the_cli_leaves_a_command_to_a_fleet_about_to_change_the_count_ove
             await beating
     assert json.loads(replay.stdout_path.read_text())["events"] == 60
 
-    async def sent_twice() -> bool:
-        return len(await fetch_all(nats_url, copies)) >= 120
-
-    await eventually(sent_twice, timeout=30)
-    received = Counter(m.headers["ce-id"] for m in await fetch_all(nats_url, copies))
-    assert set(received.values()) == {2}, "every event once more, on the new lanes only"
+    copies_each = await copies_once_all_are_in(nats_url, copies, 120)
+    assert copies_each == {2}, "every event once more, on the new lanes only"
     assert await recorded(events_table) == 3
