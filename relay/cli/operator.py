@@ -267,7 +267,14 @@ class Operator:
         try:
             broker = broker_identity(self.config.brokers[outbox.broker])
             claimant = holding.Claimant(
-                lane, outbox.start, source, self.store, self.queue, self.partitions, broker
+                lane,
+                outbox.start,
+                source,
+                self.store,
+                self.queue,
+                self.partitions,
+                broker,
+                replica=False,
             )
             try:
                 claimed = await holding.claim(lease, claimant, reader)

@@ -132,13 +132,18 @@ class Partitions:
         start: int,
         start_xmin: int | None,
         by: str,
+        replica: bool,
     ) -> PartitionSet:
         """Check a claimant's count inside its claim's transaction; the first one records it.
 
         Raises PartitionsChanged (the caller's transaction then creates nothing) when the
-        recorded count is another.
+        recorded count is another. Only a `replica`'s claim ends an operator's pin: the
+        CLI claims a lane only to carry a command out, and were that to end the pin, a
+        replica still configured with the old count would change the outbox back at once.
         """
-        row = await conn.fetchrow(self.queries.admit, outbox, count, start, start_xmin, by)
+        row = await conn.fetchrow(
+            self.queries.admit, outbox, count, start, start_xmin, by, replica
+        )
         record = _record(row)
         if record.partitions != count:
             raise PartitionsChanged(mismatch(outbox, record, count), record.partitions, count)

@@ -399,14 +399,16 @@ class PartitionQueries:
             schema, "outboxes", "checkpoints", "parked", "commands"
         )
         self._parked = parked
-        # $2 count, $3 start, $4 start_xmin, $5 who. The first claim records the count and
-        # the start; a claim with the recorded count clears an operator's pin.
+        # $2 count, $3 start, $4 start_xmin, $5 who, $6 a replica's claim. The first claim
+        # records the count and the start; a replica's claim with the recorded count clears
+        # an operator's pin (the CLI's claim, for a command, leaves it).
         self.admit: Final = (
             f"INSERT INTO {outboxes} AS o (outbox, partitions, start_position,"
             " start_xmin, changed_by) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (outbox) DO UPDATE"
             " SET start_position = coalesce(o.start_position, excluded.start_position),"
             " start_xmin = CASE WHEN o.start_position IS NULL THEN excluded.start_xmin"
-            " ELSE o.start_xmin END, pinned = o.pinned AND o.partitions <> excluded.partitions"
+            " ELSE o.start_xmin END,"
+            " pinned = o.pinned AND (o.partitions <> excluded.partitions OR NOT $6::bool)"
             f" RETURNING {PARTITION_SET}"
         )
         self.read: Final = f"SELECT {PARTITION_SET} FROM {outboxes} WHERE outbox = $1"

@@ -38,6 +38,7 @@ class Claimant:
     commands: CommandQueue
     partitions: Partitions
     broker: str | None = None  # the outbox's broker identity, recorded with its checkpoint
+    replica: bool = True  # False for the CLI's claim, which leaves an operator's pin in place
 
 
 async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) -> ClaimedOutbox:
@@ -60,6 +61,7 @@ async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) ->
             start=position,
             start_xmin=start_xmin,
             by=lease.identity,
+            replica=c.replica,
         )
         assert record.start_position is not None  # admit records the first claim's start
         claimed = await c.store.claim(

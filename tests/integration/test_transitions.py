@@ -501,6 +501,49 @@ async def test_after_relay_repartition_a_replica_with_the_old_count_waits_instea
     assert held_by(await status(two), stale) == []
 
 
+async def pinned(dsn: str, name: str = "loans") -> bool:
+    async with connect(dsn) as conn:
+        return bool(
+            await conn.fetchval("SELECT pinned FROM relay.outboxes WHERE outbox = $1", name)
+        )
+
+
+async def test_a_cli_command_on_a_pinned_outbox_leaves_the_pin_in_place(
+    events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
+) -> None:
+    """Only a replica's claim ends an operator's pin. The CLI claims the pinned lanes
+    itself to carry a replay out while no replica holds them; were that claim to end the
+    pin, a replica still configured with the old count would change the outbox back at
+    once, and the replayed range would go out a third time."""
+    two, three = configs.loans(2), configs.loans(3)
+    migrate_cli(two)
+    backlog = await append_backlog(events_table, 60, aggregates=6)
+    first = relay_process(["run", "--config", str(two)])
+    await delivered(nats_url, copies, set(backlog.values()))
+    await until(two, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
+    first.terminate()
+    assert await first.wait_async(15) == 0
+    done = run_cli(["repartition", "loans", "--partitions", "3", "--config", str(three)])
+    assert done.returncode == 0, done.stderr
+    stale = relay_process(["run", "--config", str(two)])
+    await stale.wait_for_log(lambda r: "relay repartition loans --partitions 2" in json.dumps(r))
+
+    replay = await asyncio.to_thread(
+        run_cli, ["replay", "loans", "--from-start", "--json", "--config", str(two)]
+    )
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["events"] == 60
+    assert await pinned(events_table), "the CLI's claim ended the operator's pin"
+    assert await recorded(events_table) == 3
+
+    fresh = relay_process(["run", "--config", str(three)])
+    await until(three, lambda rows: held_by(rows, fresh) == lane_names(3))
+    assert not await pinned(events_table), "a replica's claim with the pinned count ends it"
+    assert await recorded(events_table) == 3
+    assert await copies_once_all_are_in(nats_url, copies, 120) == {2}, "no third copy"
+    assert held_by(await status(three), stale) == []
+
+
 async def test_a_frozen_last_replica_of_the_old_count_does_not_stall_the_change_over(
     events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
