@@ -141,9 +141,7 @@ class Partitions:
         CLI claims a lane only to carry a command out, and were that to end the pin, a
         replica still configured with the old count would change the outbox back at once.
         """
-        row = await conn.fetchrow(
-            self.queries.admit, outbox, count, start, start_xmin, by, replica
-        )
+        row = await conn.fetchrow(self.queries.admit, outbox, count, start, start_xmin, by, replica)
         record = _record(row)
         if record.partitions != count:
             raise PartitionsChanged(mismatch(outbox, record, count), record.partitions, count)
