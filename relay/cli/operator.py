@@ -28,7 +28,7 @@ from relay.mapping.mapper import Mapper
 from relay.postgres.command_queue import CommandKind, CommandQueue, CommandRequest
 from relay.postgres.database import Database
 from relay.postgres.lease import Lease, LeaseConnection
-from relay.postgres.membership import live_members
+from relay.postgres.membership import change_coming, live_members
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import PARTITIONS_CHANGED, Partitions, PartitionsChanged
 from relay.postgres.source import EventSource
@@ -179,11 +179,7 @@ class Operator:
         lease = Lease(session, lane.name)
         said = False
         while True:
-            changing = await self._changing_over(lane)
-            if changing is not None:
-                said = _wait_for_the_change(lane, changing, asking, said)
-                await asyncio.sleep(0.1)
-                continue
+            said = await self._while_changing_over(lane, asking, said)
             try:
                 if await lease.try_acquire():
                     return await self._directly(lease, lane, asking.kind, args)
@@ -193,8 +189,9 @@ class Operator:
             if result is not None:
                 return result
 
-    async def _changing_over(self, lane: Lane) -> str | None:
-        """Why the CLI must not carry a command out on `lane` itself now, if it must not.
+    async def _while_changing_over(self, lane: Lane, asking: _Asking, said: bool) -> bool:
+        """Wait, on one connection, while the CLI must not carry a command out on `lane`
+        itself; True once it has said that it waits.
 
         When every live replica that runs the outbox says one other count, and the count is
         not pinned, they change the outbox over as soon as its lanes are free (replica.py).
@@ -202,23 +199,27 @@ class Operator:
         change lands between two lanes of the command: a third copy of a replay's events.
         """
         lease = self.config.lease
+        schema = self.config.database.schema_
         async with self.db.one_shot("cli") as conn:
-            record = await self.partitions.read(conn, self.outbox)
-            members = await live_members(
-                conn, self.config.database.schema_, lease.namespace, lease.takeover_after
-            )
-        if record is not None and record.partitions != lane.count:  # it has changed over
-            raise PartitionsMoved(
-                f"{self.outbox} runs with {record.partitions} partitions now, not {lane.count}"
-            )
-        counts = {m.outboxes[self.outbox] for m in members if self.outbox in m.outboxes}
-        if record is None or record.pinned or len(counts) != 1 or lane.count in counts:
-            return None
-        (count,) = counts
-        return (
-            f"the outbox is changing over from {lane.count} to {count} partitions (every live"
-            f" replica that runs it is configured with {count})"
-        )
+            while True:
+                record = await self.partitions.read(conn, self.outbox)
+                if record is None:
+                    return said
+                if record.partitions != lane.count:  # it has changed over
+                    raise PartitionsMoved(
+                        f"{self.outbox} runs with {record.partitions} partitions now,"
+                        f" not {lane.count}"
+                    )
+                members = await live_members(conn, schema, lease.namespace, lease.takeover_after)
+                count = change_coming(self.outbox, record.partitions, record.pinned, members)
+                if count is None:
+                    return said
+                changing = (
+                    f"the outbox is changing over from {lane.count} to {count} partitions"
+                    f" (every live replica that runs it is configured with {count})"
+                )
+                said = _wait_for_the_change(lane, changing, asking, said)
+                await asyncio.sleep(0.1)
 
     async def _through_holder(
         self, lease: Lease, lane: Lane, args: dict[str, Any], asking: _Asking

@@ -18,7 +18,7 @@ changing an outbox's count waits for it, where sharing lanes does not.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import asyncpg
@@ -34,6 +34,25 @@ class Member:
     outboxes: Mapping[str, int]  # outbox -> the partition count its config gives it
     room: int | None  # more lanes it may take, of any outbox; None: no cap
     connected: bool = True  # the session that wrote its row is still there
+
+
+def change_coming(
+    outbox: str, recorded: int, pinned: bool, members: Iterable[Member]
+) -> int | None:
+    """The count the fleet changes the outbox over to by itself, if a change is coming.
+
+    One change is coming when every live replica that runs the outbox says one count, other
+    than the `recorded` one, and no operator's `relay repartition` pinned it. Every fresh
+    row speaks, connected or not: a replica reconnecting after its sessions were cut must
+    not be taken for gone, or one stray replica of another count that reconnected first
+    would change the fleet's outbox over. The replicas act on it (they change over); the
+    CLI waits for it (a command it carried out on an old lane would be redone on the new).
+    """
+    counts = {m.outboxes[outbox] for m in members if outbox in m.outboxes}
+    if pinned or len(counts) != 1:
+        return None
+    (count,) = counts
+    return None if count == recorded else count
 
 
 def _member(row: asyncpg.Record) -> Member:

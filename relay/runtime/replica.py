@@ -44,7 +44,7 @@ from relay.errors import DatabaseError, FencedError
 from relay.fleet.repartition import change_over
 from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection
-from relay.postgres.membership import Member, Membership
+from relay.postgres.membership import Member, Membership, change_coming
 from relay.postgres.partitions import PartitionsChanged, PartitionSet, mismatch
 from relay.runtime import holding
 from relay.runtime.context import OutboxContext
@@ -278,9 +278,6 @@ class OutboxReplica:
         over once every live replica that runs it says this replica's count (True then)."""
         self._hand_over(len(self._held))  # none: a change needs every lane's lock
         reason = mismatch(self.name, record, self.count)
-        # Every fresh row speaks, connected or not: a replica reconnecting after its
-        # sessions were cut must not be taken for gone, or one stray replica of another
-        # count that reconnected first would change the fleet's outbox over.
         others = sorted(
             (m.identity, m.outboxes[self.name])
             for m in members
@@ -290,7 +287,8 @@ class OutboxReplica:
         for ctx in self.lanes:
             ctx.state.mismatched(reason)
         self.lanes[0].metrics.partitions_mismatch.labels(self.name).set(1)
-        if not record.pinned and not dissent:
+        coming = change_coming(self.name, record.partitions, record.pinned, members)
+        if coming == self.count:  # `members` holds this replica too
             done = await change_over(
                 self.session,
                 self.lanes[0].relay_config,
