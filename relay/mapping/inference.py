@@ -25,28 +25,19 @@ ENVELOPE_FIELDS: dict[str, Schema] = {
     "created_at": {"type": ["string", "null"], "format": "date-time"},
 }
 
-_FUNCTIONS: dict[str, Schema] = {
-    "to_string": {"type": "string"},
-    "join": {"type": "string"},
-    "type": {"type": "string"},
-    "length": {"type": "integer"},
-    "abs": {"type": "number"},
-    "ceil": {"type": "number"},
-    "floor": {"type": "number"},
-    "sum": {"type": "number"},
-    "avg": {"type": ["number", "null"]},
-    "to_number": {"type": ["number", "null"]},
-    "contains": {"type": "boolean"},
-    "starts_with": {"type": "boolean"},
-    "ends_with": {"type": "boolean"},
-    "keys": {"type": "array", "items": {"type": "string"}},
-    "values": {"type": "array"},
-    "sort": {"type": "array"},
-    "sort_by": {"type": "array"},
-    "to_array": {"type": "array"},
-    "map": {"type": "array"},
-    "merge": {"type": "object"},
-}
+# What each JMESPath built-in returns, grouped by its result; a function not listed
+# (min, max, not_null, reverse, ...) returns whatever its arguments hold.
+_RETURNS: tuple[tuple[Schema, tuple[str, ...]], ...] = (
+    ({"type": "string"}, ("to_string", "join", "type")),
+    ({"type": "integer"}, ("length",)),
+    ({"type": "number"}, ("abs", "ceil", "floor", "sum")),
+    ({"type": ["number", "null"]}, ("avg", "to_number")),
+    ({"type": "boolean"}, ("contains", "starts_with", "ends_with")),
+    ({"type": "array", "items": {"type": "string"}}, ("keys",)),
+    ({"type": "array"}, ("values", "sort", "sort_by", "to_array", "map")),
+    ({"type": "object"}, ("merge",)),
+)
+_FUNCTIONS: dict[str, Schema] = {name: schema for schema, names in _RETURNS for name in names}
 _PROJECTIONS = ("projection", "value_projection", "filter_projection", "flatten", "slice")
 
 
