@@ -1,28 +1,17 @@
-"""Fixtures: Postgres, NATS JetStream, fault-injecting proxies and relay subprocesses.
-
-Services come from the machine when reachable (as in CI) and are started embedded otherwise,
-so `python3 dev.py test` works on a fresh laptop. Set RELAY_TEST_EMBEDDED=1 to force the
-embedded ones. pytest runs with warnings as errors: every fixture closes what it opens.
+"""The tiers, by folder, and what loads for each: the unit tier alone (`-m "not integration"`)
+loads no server fixture; every other run loads them from tests/support/service_fixtures.py
+and the brokers' server modules. pytest runs with warnings as errors: every fixture closes
+what it opens.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
-
-from tests.support import postgres
-from tests.support.jetstream import create_stream, delete_stream, unique_name
-from tests.support.nats_server import MACHINE_URL, NatsServer, jetstream_reachable
-from tests.support.proxy import TcpProxy
-from tests.support.relay_process import RelayProcess
-
-FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
 
 # The tier is the folder: tests/unit/ runs in seconds with nothing on the machine
 # (`pytest -m "not integration"`); everything else is the `integration` tier. A unit test
@@ -53,7 +42,7 @@ UNIT = TESTS / "unit"
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """The unit tier alone (`-m "not integration"`) is one folder: the others are not even
     imported, since each of their tests would be deselected."""
-    if config.option.markexpr.strip() != "not integration":
+    if not _unit_tier_only(config):
         return None
     path = collection_path.resolve()
     if path == TESTS or not path.is_relative_to(TESTS) or path.is_relative_to(UNIT):
@@ -74,160 +63,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             )
 
 
-# Each broker's test server lives in its own module, beside the adapter it tests.
-pytest_plugins = [
+# The fixtures that reach or start a server, and each broker's test server (in its own
+# module, beside the adapter it tests). The unit tier alone never loads them: importing
+# them costs seconds that its tests, which touch no server, do not need.
+SERVICE_PLUGINS = (
+    "tests.support.service_fixtures",
     "tests.support.kafka_server",
     "tests.support.rabbitmq_server",
     "tests.support.sqs_server",
-]
+)
 
 
-# -- Postgres -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def pg_admin_dsn() -> Iterator[str]:
-    """DSN of a Postgres superuser connection (database `postgres`)."""
-    if not FORCE_EMBEDDED and postgres.reachable(postgres.MACHINE_DSN):
-        yield postgres.MACHINE_DSN
+def pytest_configure(config: pytest.Config) -> None:
+    if _unit_tier_only(config):
         return
-    server = postgres.EmbeddedPostgres()
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+    for plugin in SERVICE_PLUGINS:
+        config.pluginmanager.import_plugin(plugin)
 
 
-@pytest.fixture
-def database(pg_admin_dsn: str) -> Iterator[str]:
-    """DSN of a fresh, empty database, dropped after the test."""
-    dsn = postgres.create_database(pg_admin_dsn)
-    try:
-        yield dsn
-    finally:
-        postgres.drop_database(pg_admin_dsn, dsn)
-
-
-@pytest.fixture(scope="session")
-def private_pg_admin_dsn() -> Iterator[str]:
-    """A private Postgres of the tests' own, with settings the machine's server lacks.
-
-    `max_prepared_transactions` lets tests prepare transactions for two-phase commit; the
-    shared server has it at 0 and must not be restarted.
-    """
-    server = postgres.EmbeddedPostgres({"max_prepared_transactions": "10"})
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def private_database(private_pg_admin_dsn: str) -> Iterator[str]:
-    """DSN of a fresh, empty database on the private server, dropped after the test."""
-    dsn = postgres.create_database(private_pg_admin_dsn)
-    try:
-        yield dsn
-    finally:
-        postgres.drop_database(private_pg_admin_dsn, dsn)
-
-
-@pytest.fixture
-def events_table(database: str) -> str:
-    """DSN of a fresh database holding the example `events` table."""
-    postgres.run_sql_file(database, postgres.EVENTS_SQL)
-    return database
-
-
-# -- NATS -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def nats_url() -> Iterator[str]:
-    """URL of a shared JetStream-enabled NATS server. Tests use unique stream names on it."""
-    if not FORCE_EMBEDDED and jetstream_reachable():
-        yield MACHINE_URL
-        return
-    with tempfile.TemporaryDirectory(prefix="relay-nats-") as tmp:
-        server = NatsServer(Path(tmp) / "store").start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
-
-
-@pytest.fixture
-async def stream(nats_url: str) -> AsyncIterator[str]:
-    """A fresh stream on the shared server capturing `<name>.>`; `<name>` is also the subject."""
-    name = unique_name("stream")
-    await create_stream(nats_url, name, [f"{name}.>"])
-    try:
-        yield name
-    finally:
-        await delete_stream(nats_url, name)
-
-
-@pytest.fixture
-async def copies(nats_url: str) -> AsyncIterator[str]:
-    """A stream like `stream` that keeps re-sent copies, so that a test can count them: its
-    duplicate window is JetStream's shortest (100 ms)."""
-    name = unique_name("copies")
-    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
-    try:
-        yield name
-    finally:
-        await delete_stream(nats_url, name)
-
-
-@pytest.fixture
-def nats_factory(tmp_path: Path) -> Iterator[Callable[[], NatsServer]]:
-    """Start private NATS servers a test may stop, kill or restart: `server = nats_factory()`."""
-    servers: list[NatsServer] = []
-
-    def start() -> NatsServer:
-        server = NatsServer(tmp_path / f"nats-{len(servers)}")
-        servers.append(server)
-        return server.start()
-
-    yield start
-    for server in servers:
-        server.kill()
-
-
-# -- fault injection and the relay process --------------------------------------------------
-
-
-@pytest.fixture
-def tcp_proxy() -> Iterator[Callable[..., TcpProxy]]:
-    """Start proxies in front of a host:port: `proxy = tcp_proxy(host, port, record=False)`."""
-    proxies: list[TcpProxy] = []
-
-    def start(host: str, port: int, *, record: bool = False) -> TcpProxy:
-        proxy = TcpProxy(host, port, record=record)
-        proxies.append(proxy)
-        return proxy
-
-    yield start
-    for proxy in proxies:
-        proxy.close()
-
-
-@pytest.fixture
-def relay_process(
-    tmp_path: Path,
-) -> Iterator[Callable[..., RelayProcess]]:
-    """Start relay subprocesses: `relay_process(["run", "--config", path], env={...})`."""
-    processes: list[RelayProcess] = []
-
-    def start(args: Sequence[str], env: Mapping[str, str] | None = None) -> RelayProcess:
-        process = RelayProcess(args, tmp_path / f"relay-{len(processes)}", env)
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        process.kill()
-        process.wait()
+def _unit_tier_only(config: pytest.Config) -> bool:
+    return bool(config.option.markexpr.strip() == "not integration")
 
 
 @pytest.fixture
