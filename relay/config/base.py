@@ -248,6 +248,10 @@ def _check_host(spec: str) -> None:
         _check_port(port)
 
 
+# What a URL may ask of the server it connects to: the relay connects to the primary alone.
+PRIMARY_SESSION_ATTRS = ("primary", "read-write", "any")
+
+
 def check_postgres_url(url: str) -> None:
     """Raise UrlError unless libpq and asyncpg would both read `url` as written."""
     if "://" not in url and _KEYWORD_DSN.match(url):
@@ -273,6 +277,13 @@ def check_postgres_url(url: str) -> None:
     for ports in query.get("port", []):
         for port in ports.split(","):
             _check_port(port)
+    for attrs in query.get("target_session_attrs", []):
+        if attrs not in PRIMARY_SESSION_ATTRS:
+            raise UrlError(
+                f"target_session_attrs={attrs} is not for the relay, which writes on every"
+                " connection and so always connects to the primary (a standby is passed"
+                f" over): leave it out, or write one of {', '.join(PRIMARY_SESSION_ATTRS)}"
+            )
 
 
 def check_amqp_url(url: str) -> None:

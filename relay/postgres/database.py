@@ -43,12 +43,21 @@ NOT_NOW = (asyncpg.InsufficientResourcesError,)
 # statement_timeout would cancel the relay's reads, an idle_session_timeout would close its
 # listener. Its connections bring their own; each waits where it must (a lease check has its
 # own deadline, in the client).
-_OWN_TIMEOUTS = {
+# The relay writes on every connection (checkpoints, leases, heartbeats), so a database or
+# role default of read-only transactions would fail each write: its sessions say otherwise.
+_OWN_SETTINGS = {
     "statement_timeout": "0",
     "lock_timeout": "0",
     "idle_in_transaction_session_timeout": "0",
     "idle_session_timeout": "0",
+    "default_transaction_read_only": "off",
 }
+
+# Every connection goes to the primary: a standby (in recovery) is passed over, so that a
+# multi-host URL, or a DNS name that moves in a failover, finds the primary wherever it is,
+# and a relay that reaches only standbys waits for a promotion instead of failing its first
+# write. asyncpg asks the server's `in_hot_standby` (PostgreSQL 14+), at no extra round trip.
+_PRIMARY = "primary"
 
 
 class DatabaseUnavailable(DatabaseError):
@@ -65,7 +74,7 @@ class Database:
     async def connect(self, role: str, **server_settings: str) -> asyncpg.Connection:
         settings = {
             "application_name": f"{self.identity}:{role}"[:63],
-            **_OWN_TIMEOUTS,
+            **_OWN_SETTINGS,
             **server_settings,
         }
         try:
@@ -73,7 +82,10 @@ class Database:
                 self.config.url.get_secret_value(),
                 timeout=self.config.connect_timeout,
                 server_settings=settings,
+                target_session_attrs=_PRIMARY,
             )
+        except asyncpg.TargetServerAttributeNotMatched:
+            raise await self._no_primary() from None
         except (asyncpg.ClientConfigurationError, ValueError):
             # The driver refused the settings before connecting: no retry can fix that, so
             # this is not DatabaseUnavailable. Its text may quote a piece of the URL (and so
@@ -86,6 +98,10 @@ class Database:
                 "user or password are percent-encoded"
             ) from None
         except CONNECTION_LOST as exc:
+            if len(hosts(self.config.url.get_secret_value())) > 1:
+                # asyncpg names only the last host it could not reach, even when another
+                # answered as a standby: say what each one is.
+                raise await self._no_primary() from exc
             raise DatabaseUnavailable(
                 f"cannot reach the database at {self.address}: {_text(exc)}"
             ) from exc
@@ -98,6 +114,40 @@ class Database:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {_text(exc)}"
             ) from exc
+
+    async def _no_primary(self) -> DatabaseUnavailable:
+        """No host of the URL took the connection as the primary: ask each what it is, so
+        that the log says which is a standby waiting for promotion and which is down."""
+        url = self.config.url.get_secret_value()
+        found = await asyncio.gather(*(self._what_is(url, host, port) for host, port in hosts(url)))
+        return DatabaseUnavailable(
+            f"no primary among the database's hosts ({'; '.join(found)}); the relay writes on"
+            " every connection, so it waits for a primary (a promotion, or the URL's hosts"
+            " changed) and retries"
+        )
+
+    async def _what_is(self, url: str, host: str, port: int) -> str:
+        here = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        try:
+            conn = await asyncpg.connect(
+                url,
+                host=host,
+                port=port,
+                timeout=self.config.connect_timeout,
+                server_settings={"application_name": f"{self.identity}:probe"[:63]},
+                target_session_attrs="any",
+            )
+        except (*CONNECTION_LOST, *NOT_NOW, asyncpg.PostgresError) as exc:
+            return f"{here} cannot be reached: {_text(exc)}"
+        try:
+            recovering = await conn.fetchval("SELECT pg_is_in_recovery()")
+        except (*CONNECTION_LOST, asyncpg.PostgresError) as exc:
+            return f"{here} did not answer: {_text(exc)}"
+        finally:
+            conn.terminate()
+        if recovering:
+            return f"{here} is a standby (in recovery: read-only until it is promoted)"
+        return f"{here} is the primary now"
 
     @property
     def address(self) -> str:
@@ -145,12 +195,23 @@ def address(url: str) -> str:
     """The host:port list of a postgresql:// URL (checked at load), with the default port."""
     rest = url.strip().partition("://")[2]
     authority = re.match(r"[^/?]*", rest)
-    hosts = authority.group().rpartition("@")[2] if authority else ""
-    if not hosts:
+    listed = authority.group().rpartition("@")[2] if authority else ""
+    if not listed:
         return "the default host (PGHOST or the local socket)"
     return ",".join(
-        h if re.search(r":\d+$", h) else f"{h.rstrip(':')}:5432" for h in hosts.split(",")
+        h if re.search(r":\d+$", h) else f"{h.rstrip(':')}:5432" for h in listed.split(",")
     )
+
+
+def hosts(url: str) -> list[tuple[str, int]]:
+    """The URL's hosts with their ports (IPv6 without brackets); none for the default host."""
+    found = []
+    for entry in address(url).split(","):
+        host, sep, port = entry.rpartition(":")
+        if not sep or not port.isdigit():
+            return []
+        found.append((host.strip("[]"), int(port)))
+    return found
 
 
 def _text(exc: BaseException) -> str:

