@@ -59,7 +59,7 @@ def test_chart_versions_follow_the_project() -> None:
 
 def test_helm_lint_is_clean(chart: Any) -> None:
     assert helm_python is not None
-    for values in ({}, FULL, MIGRATION_JOB):
+    for values in ({}, FULL, MIGRATION_JOB, NETWORK_POLICY):
         report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
         assert report["errors"] == []
         problems = [m for m in report["messages"] if m["severity"] >= 2]
@@ -563,7 +563,52 @@ MIGRATION_JOB: dict[str, Any] = {
     },
 }
 
-SCENARIOS = {"default": {}, "production": FULL, "migration-job": MIGRATION_JOB}
+# The production values with the NetworkPolicy on: the config's database URL and NATS server
+# come from the environment, so their ports are given; Prometheus alone may scrape.
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+NETWORK_POLICY: dict[str, Any] = {
+    **FULL,
+    "migrations": {**FULL["migrations"], "job": {"enabled": True}},
+    "networkPolicy": {
+        "enabled": True,
+        "ingress": {"from": [PROMETHEUS]},
+        "egress": {
+            "database": {
+                "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                "ports": [{"port": 5432, "protocol": "TCP"}],
+            },
+            "brokers": {
+                "nats": {
+                    "to": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": "messaging"}
+                            },
+                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "nats"}},
+                        }
+                    ],
+                    "ports": [{"port": 4222, "protocol": "TCP"}],
+                }
+            },
+        },
+        "extraEgress": [
+            {
+                "to": [{"ipBlock": {"cidr": "10.30.0.5/32"}}],
+                "ports": [{"port": 4317, "protocol": "TCP"}],
+            }
+        ],
+    },
+}
+
+SCENARIOS = {
+    "default": {},
+    "production": FULL,
+    "migration-job": MIGRATION_JOB,
+    "network-policy": NETWORK_POLICY,
+}
 
 
 @pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
