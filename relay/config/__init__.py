@@ -132,6 +132,21 @@ PollInterval = Annotated[PositiveDuration, AfterValidator(_poll_floor)]
 NOTIFY_CHANNEL_MAX = 63 - len("relay_notify_")
 
 
+class SurviveFailoverConfig(Model):
+    """Publish an event only once its commit is on standbys: with asynchronous replication,
+    a failover can take back commits the standby never got, and a message already sent for
+    one would announce an event the database no longer has."""
+
+    standbys: Annotated[int, Field(ge=1, le=32)] = Field(
+        1, description="How many streaming standbys must have flushed an event's commit."
+    )
+    without_standbys: Literal["wait", "publish"] = Field(
+        "wait",
+        description="Fewer standbys streaming than `standbys`: hold every event back (wait),"
+        " or publish without them (publish).",
+    )
+
+
 class SourceConfig(Model):
     table: Annotated[
         str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_$]*\.)?[A-Za-z_][A-Za-z0-9_$]*$")
@@ -142,6 +157,7 @@ class SourceConfig(Model):
     notify_trigger: bool = False  # `relay migrate` installs a NOTIFY trigger
     poll_interval: PollInterval = 1.0
     barrier_report_after: Duration = 1.0
+    survive_failover: SurviveFailoverConfig | None = None  # off: publish once committed
 
     @field_validator("notify_channel")
     @classmethod

@@ -132,6 +132,16 @@ class Metrics:
             "relay_barrier_wait_seconds",
             "Time the drain barrier waited for writers' transactions to end.",
         )
+        # -- source.survive_failover
+        self.replication_wait = self._histogram(
+            "relay_replication_wait_seconds",
+            "Time events were held back until enough standbys had flushed their commits.",
+        )
+        self.standbys_missing = self._gauge(
+            "relay_standbys_missing",
+            "Streaming standbys short of source.survive_failover.standbys; 0 when enough"
+            " stream (events are held back, or published without them, meanwhile).",
+        )
 
     def _gauge(self, name: str, doc: str, labels: Sequence[str] = OUTBOX) -> Gauge:
         return Gauge(name, doc, list(labels), registry=self._series)

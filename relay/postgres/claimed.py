@@ -76,6 +76,10 @@ class ClaimedOutbox:
         async with self.writer.statement() as conn:
             await self.store.report_blocking(conn, self.claim, blocker)
 
+    async def report_standbys(self, held: str | None) -> None:
+        async with self.writer.statement() as conn:
+            await self.store.report_standbys(conn, self.claim, held)
+
     async def park(self, parking: Parking) -> None:
         async with self.writer.statement() as conn:
             await self.store.park(conn, self.claim, parking)

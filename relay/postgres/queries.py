@@ -46,6 +46,29 @@ def lane_expression(aggregate_type: str, aggregate_id: str, count: int | str) ->
     return f"((hashtextextended({key}, 0) % {count}) + {count}) % {count}"
 
 
+class ReplicationQueries:
+    """Where the primary's WAL is, and how far its streaming standbys have flushed it."""
+
+    # In bytes: every commit the caller's reads could see has its commit record before this
+    # point (the insert position: an asynchronous commit may be visible before its record
+    # is written). Right after a page header (24 bytes, 40 at a segment's start) nothing of
+    # that page is written yet: the last record ended at the page's start, which is as far
+    # as a standby of an idle primary ever flushes.
+    wal_position: Final = """
+SELECT CASE WHEN b % s IN (24, 40) THEN b - b % s ELSE b END FROM (
+  SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn AS b,
+    current_setting('wal_block_size')::numeric AS s) AS w
+"""
+    # $1 a WAL position in bytes: physical standbys streaming (a walsender of no database;
+    # logical ones, such as a CDC slot's, serve a database) and how many have flushed it.
+    standbys: Final = """
+SELECT count(*) AS streaming,
+  count(*) FILTER (WHERE r.flush_lsn - '0/0'::pg_lsn >= $1::numeric) AS flushed
+FROM pg_stat_replication r JOIN pg_stat_activity a ON a.pid = r.pid
+WHERE r.state = 'streaming' AND a.datid IS NULL
+"""
+
+
 class SourceQueries:
     """The statements of one lane's EventSource (a split lane's reads see its rows only).
 
@@ -314,6 +337,12 @@ class StoreQueries:
             " state = CASE WHEN $4::jsonb IS NULL THEN 'relaying' ELSE 'waiting' END,"
             " updated_at = CASE WHEN $4::jsonb IS NULL OR blocking IS NULL THEN now()"
             " ELSE updated_at END",
+        )
+        # $4 why events are held back until standbys have them, NULL once they are not.
+        self.report_standbys: Final = fenced(
+            checkpoints,
+            "state = CASE WHEN $4::text IS NULL THEN 'relaying' ELSE 'waiting for standbys' END,"
+            " last_error = $4, updated_at = now()",
         )
         # $1 lane, $2 epoch, $3 position (never forwards), $4 lock key, $5 broker: the
         # position it was at.

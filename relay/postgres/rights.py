@@ -160,7 +160,18 @@ async def check_rights(conn: asyncpg.Connection, config: RelayConfig) -> Rights:
     found: list[Missing] = []
     found += await _event_table(conn, config, to)
     found += await _own_schema(conn, config, role)
-    if not role["read_all_stats"]:
+    if not role["read_all_stats"] and config.source.survive_failover is not None:
+        found.append(
+            Missing(
+                "membership in pg_read_all_stats (seeing how far the standbys are)",
+                "source.survive_failover holds events back until standbys have flushed them,"
+                " and pg_stat_replication shows their positions only to that role's members:"
+                " without it no standby would ever seem to have them, and nothing would be"
+                " published",
+                f"GRANT pg_read_all_stats TO {to};",
+            )
+        )
+    elif not role["read_all_stats"]:
         found.append(
             Missing(
                 "membership in pg_read_all_stats (seeing other roles' sessions)",

@@ -215,6 +215,15 @@ class Store:
             value,
         )
 
+    async def report_standbys(
+        self, conn: asyncpg.Connection, claim: Claim, held: str | None
+    ) -> None:
+        """Say why events are held back until standbys have them (source.survive_failover),
+        or that they no longer are."""
+        await self._fenced(
+            conn, claim, "reporting the standbys", self.queries.report_standbys, held
+        )
+
     async def park(self, conn: asyncpg.Connection, claim: Claim, parking: Parking) -> None:
         """Keep the message aside and move to `parking.upto`, in one transaction.
 

@@ -18,6 +18,7 @@ from relay.core.publishing import Publisher
 from relay.mapping.mapper import Mapper
 from relay.postgres.command_queue import CommandQueue
 from relay.postgres.partitions import Partitions
+from relay.postgres.replication import ReplicationWait
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 from relay.runtime.commands import CommandRunner
@@ -52,6 +53,7 @@ class OutboxContext:
     # The relay's stop, set at SIGTERM, before the lanes' own are: from then on a lane
     # takes no new command, which would otherwise be carried out and then handed on.
     shutdown: asyncio.Event
+    replication: ReplicationWait | None = None  # source.survive_failover, when set
 
     @classmethod
     def build(
@@ -73,6 +75,8 @@ class OutboxContext:
         source = EventSource(relay_config.source, lane, metadata=mapper.reads_metadata)
         store = Store(schema)
         metrics.register_lane(lane.labels)
+        if relay_config.source.survive_failover is not None:  # alerts see it from the start
+            metrics.standbys_missing.labels(*lane.labels).set(0)
         return cls(
             name=lane.name,
             lane=lane,
@@ -93,4 +97,9 @@ class OutboxContext:
             stop=asyncio.Event(),
             wakes=Wakes(),
             shutdown=shutdown,
+            replication=(
+                None
+                if (survive := relay_config.source.survive_failover) is None
+                else ReplicationWait(survive)
+            ),
         )

@@ -42,6 +42,7 @@ from relay.errors import DatabaseError
 from relay.mapping.mapper import CompiledRule, items_of
 from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.database import CONNECTION_LOST
+from relay.postgres.replication import OnShort, Standbys
 from relay.postgres.source import Blocker
 from relay.runtime.context import OutboxContext
 
@@ -92,6 +93,8 @@ class OutboxRelay:
         self._lag_measured = 0.0
         self._pass_started = 0.0  # when the last barrier began: polling keeps its cadence
         self._halted: str | None = None  # set: nothing moves until an operator's replay
+        self._standbys_said = 0.0  # when the log last said the standbys were short
+        self._standbys_held: str | None = None  # why events are held back, as last said
 
     async def run(self, hold: Hold) -> None:
         """Relay until `stop`, after the in-flight batch; driver errors become DatabaseError."""
@@ -199,9 +202,54 @@ class OutboxRelay:
             if horizon < position:
                 await self._halt(s, horizon, position)
                 return None
+            if horizon > position and not await self._replicated(s):
+                return None
             self._horizon = horizon
             await self._measure_lag(s, head=horizon)
         return await self._read(s, position)
+
+    async def _replicated(self, s: Hold) -> bool:
+        """With `source.survive_failover`: hold what the barrier found final back until
+        enough standbys have flushed it (postgres/replication.py); False if stopped."""
+        wait = self.ctx.replication
+        if wait is None:
+            return True
+        started = time.monotonic()
+        if not await wait.until_flushed(s.reader, self._short_of_standbys(s), self.ctx.stop):
+            return False
+        self.ctx.metrics.replication_wait.labels(*self.labels).observe(time.monotonic() - started)
+        return True
+
+    def _short_of_standbys(self, s: Hold) -> OnShort:
+        """Say why events are held back (or go out without standbys): the gauge and the
+        lane's state at every look, `relay status` when that changes, the log at most every
+        10 s."""
+        state = self.ctx.state
+
+        async def report(standbys: Standbys | None) -> None:
+            missing = 0 if standbys is None else standbys.missing
+            self.ctx.metrics.standbys_missing.labels(*self.labels).set(missing)
+            publish = missing > 0 and _without_standbys(self) == "publish"
+            held = None if standbys is None or publish else standbys.describe()
+            if held is not None:
+                state.waiting(held)
+            elif state.activity == "waiting":
+                state.relaying()
+            if held != self._standbys_held:
+                await s.claimed.report_standbys(held)
+            self._standbys_held = held
+            if standbys is None or time.monotonic() - self._standbys_said < 10.0:
+                return
+            self._standbys_said = time.monotonic()
+            self.log.warning(
+                "publishing without the standbys source.survive_failover asks for"
+                if publish
+                else "holding events back until standbys have them",
+                standbys=standbys.describe(),
+                waited=round(standbys.waited, 1),
+            )
+
+        return report
 
     async def _read(self, s: Hold, position: int) -> Batch:
         """Up to a batch of the final prefix after `position`, mapped."""
@@ -379,6 +427,12 @@ class OutboxRelay:
         the reader, so the read ahead finishes first)."""
         await ahead.settle()  # the lag is measured on the reader
         await self._measure_lag(s)
+
+
+def _without_standbys(relay: OutboxRelay) -> str:
+    """`source.survive_failover.without_standbys` of the relay's config."""
+    survive = relay.ctx.relay_config.source.survive_failover
+    return "wait" if survive is None else survive.without_standbys
 
 
 def _within(max_bytes: int, per_event: list[list[Item]]) -> tuple[list[Item], int]:

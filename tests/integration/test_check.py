@@ -218,6 +218,28 @@ async def test_rights_that_only_cost_a_feature_are_warnings(
     assert f"fix: GRANT pg_signal_backend TO {role};" in result.stderr
 
 
+async def test_survive_failover_makes_reading_the_standbys_positions_required(
+    roles: Callable[..., Awaitable[str]], migrated: str, tmp_path: Path
+) -> None:
+    """Without pg_read_all_stats, pg_stat_replication hides every standby's position: the
+    relay would hold every event back for ever, so the right is required, not a warning."""
+    dsn = await roles("REVOKE pg_read_all_stats FROM {role}")
+    role = urlsplit(dsn).username
+    data = config_dict(dsn, "nats://127.0.0.1:1", "library")
+    data["source"]["survive_failover"] = {"standbys": 1}
+    path = save(tmp_path, data, "survive.yaml")
+    result = await asyncio.to_thread(run_cli, ["check", "--config", str(path), "--offline"])
+    assert result.returncode == 1, result.stderr
+    (line,) = errors(result.stderr)
+    assert line.startswith(
+        "error: database: membership in pg_read_all_stats (seeing how far the standbys are)"
+    ), line
+    assert line.endswith(f"fix: GRANT pg_read_all_stats TO {role};"), line
+    await admin(migrated, f"GRANT pg_read_all_stats TO {role}")
+    fixed = await asyncio.to_thread(run_cli, ["check", "--config", str(path), "--offline"])
+    assert fixed.returncode == 0, fixed.stderr
+
+
 async def test_a_holder_this_role_may_not_end_is_named(
     roles: Callable[..., Awaitable[str]], tmp_path: Path
 ) -> None:

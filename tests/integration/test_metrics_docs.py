@@ -104,6 +104,8 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
     stream = unique_name("docs")
     await create_stream(nats_url, stream, [f"{stream}.>"])
     data = config_dict(events_table, nats_url, stream, aggregates=["book"])
+    # Its series exist; no standby streams here, so events go out without one.
+    data["source"]["survive_failover"] = {"standbys": 1, "without_standbys": "publish"}
     nowhere = unique_name("nostream")  # no stream captures it: retried for ever
     data["outboxes"]["stuck"] = {
         "broker": "nats",

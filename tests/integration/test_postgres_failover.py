@@ -14,9 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from relay.demo.embedded import EmbeddedPostgres
 from tests.support.db import append_many, connect
 from tests.support.delivery import append_backlog, book_lent, event_id
+from tests.support.http import get, http_port
+from tests.support.jetstream import fetch_all
 from tests.support.lanes import delivered, status
 from tests.support.postgres import create_database, run_sql_file, with_database
 from tests.support.relay_process import RelayProcess, run_cli
@@ -111,3 +115,108 @@ async def test_a_multi_host_url_follows_the_primary_through_a_failover(
         rows = await status(config)
         assert all(row["holder"] for row in rows), rows
         assert all(replica.returncode is None for replica in replicas)
+
+
+async def ids_in(dsn: str) -> set[str]:
+    async with connect(dsn) as conn:
+        rows = await conn.fetch("SELECT aggregate_id, version FROM events")
+    return {event_id(r["aggregate_id"], r["version"]) for r in rows}
+
+
+@pytest.mark.parametrize("survive", [True, False], ids=["survive_failover", "plain"])
+async def test_events_a_failover_takes_back_are_published_only_without_survive_failover(
+    tmp_path: Path, nats_url: str, stream: str, relay_process: Start, survive: bool
+) -> None:
+    """Asynchronous replication, and the standby's link frozen while writers commit: the
+    primary acknowledges commits the standby never gets, then dies, and the standby is
+    promoted. Plainly, the relay has published those events already (phantoms: consumers
+    hold events the database no longer has). With `source.survive_failover`, it held them
+    back until a standby had them, so it published none of them; nothing is lost either
+    way."""
+    with replicated_pair(frozen_link=True) as (primary, standby):
+        assert standby.via is not None
+        dsn = create_database(primary.dsn)
+        database = dsn.rpartition("/")[2]
+        run_sql_file(dsn)
+        data = config_dict(multi_host(dsn, primary, standby), nats_url, stream)
+        if survive:  # after the failover no standby is left: publish without one then
+            data["source"]["survive_failover"] = {"standbys": 1, "without_standbys": "publish"}
+        config = save(tmp_path, data)
+        migrate_cli(config)
+        first = await append_backlog(dsn, 20, aggregates=4)
+        relay = relay_process(["run", "--config", str(config)])
+        await delivered(nats_url, stream, set(first.values()))
+        await replayed_all(primary, standby, database)
+
+        standby.via.pause()
+        lost_commits = [book_lent(f"lost-{i % 5 + 1}", i // 5 + 1) for i in range(30)]
+        async with connect(dsn) as conn:
+            await append_many(conn, lost_commits)
+        taken_back = {event_id(e.aggregate_id, e.version) for e in lost_commits}
+        if survive:
+            await relay.wait_for_log("holding events back until standbys have them")
+            on_stream = {m.headers["Nats-Msg-Id"] for m in await fetch_all(nats_url, stream)}
+            assert not on_stream & taken_back, "published before a standby had them"
+        else:
+            await delivered(nats_url, stream, set(first.values()) | taken_back)
+        primary.halt("immediate")
+        standby.promote()
+
+        promoted = with_database(standby.dsn, database)
+        later = [book_lent(f"after-{i % 5 + 1}", i // 5 + 1) for i in range(10)]
+        async with connect(promoted) as conn:
+            await append_many(conn, later)
+        survived = await ids_in(promoted)
+        assert not survived & taken_back, "the failover took those commits back"
+        delivery = await delivered(
+            nats_url, stream, survived, keep=lambda i: not i.startswith("book/lost-")
+        )
+        phantoms = {m.headers["Nats-Msg-Id"] for m in await fetch_all(nats_url, stream)}
+        phantoms -= survived
+        print(f"survive_failover={survive}: {len(phantoms)} phantom(s), {len(delivery.ids)} stored")
+        assert phantoms == (set() if survive else taken_back)
+
+
+async def test_with_no_standby_streaming_events_are_held_back_and_status_says_why(
+    tmp_path: Path, nats_url: str, stream: str, relay_process: Start
+) -> None:
+    """`without_standbys: wait`: while the standby is down nothing is published; the lane's
+    `relay status` and the `relay_standbys_missing` gauge say why; once the standby streams
+    again and has the events, they go out."""
+    with replicated_pair() as (primary, standby):
+        dsn = create_database(primary.dsn)
+        run_sql_file(dsn)
+        data = config_dict(dsn, nats_url, stream)
+        data["source"]["survive_failover"] = {"standbys": 1}
+        config = save(tmp_path, data)
+        migrate_cli(config)
+        relay = relay_process(["run", "--config", str(config)])
+        port = await http_port(relay)
+        first = await append_backlog(dsn, 10, aggregates=2)
+        await delivered(nats_url, stream, set(first.values()))
+
+        standby.halt()
+        held = [book_lent(f"held-{i % 2 + 1}", i // 2 + 1) for i in range(10)]
+        async with connect(dsn) as conn:
+            await append_many(conn, held)
+        await relay.wait_for_log("holding events back until standbys have them")
+
+        async def says_why() -> bool:
+            (row,) = await status(config)
+            return bool(row["state"] == "waiting for standbys")
+
+        await eventually(says_why, timeout=30)
+        (row,) = await status(config)
+        assert "0 standby(s) streaming, 1 needed" in row["last_error"], row
+        _, metrics = await get(port, "/metrics")
+        assert 'relay_standbys_missing{outbox="loans"} 1.0' in metrics
+        on_stream = {m.headers["Nats-Msg-Id"] for m in await fetch_all(nats_url, stream)}
+        assert on_stream == set(first.values()), "nothing published while no standby streams"
+
+        standby.resume()
+        later = {event_id(e.aggregate_id, e.version) for e in held}
+        await delivered(nats_url, stream, set(first.values()) | later)
+        (row,) = await status(config)
+        assert row["state"] != "waiting for standbys", row
+        _, metrics = await get(port, "/metrics")
+        assert 'relay_standbys_missing{outbox="loans"} 0.0' in metrics

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from relay.demo.embedded import EmbeddedPostgres, free_port
 from tests.support.postgres import with_address
+from tests.support.proxy import TcpProxy
 
 # The primary keeps WAL for a standby that connects late, and allows prepared transactions.
 PRIMARY_SETTINGS = {"wal_level": "replica", "max_wal_senders": "5", "hot_standby": "on"}
@@ -22,16 +23,20 @@ PRIMARY_SETTINGS = {"wal_level": "replica", "max_wal_senders": "5", "hot_standby
 class Standby(EmbeddedPostgres):
     """A streaming standby of `primary`, made by pg_basebackup, on its own port."""
 
-    def __init__(self, primary: EmbeddedPostgres) -> None:
+    def __init__(self, primary: EmbeddedPostgres, via: TcpProxy | None = None) -> None:
+        """`via`: a proxy to the primary that the standby streams through, so that a test
+        can freeze replication (the standby then falls behind while writers commit)."""
         super().__init__(primary.settings)
         self.primary = primary
+        self.via = via
         self._basebackup: Callable[..., str] = _binary("pg_basebackup")
 
     def start(self) -> str:
         self.pgdata.mkdir()
         if self._user is not None:
             self._grant_access()
-        source = ["-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres"]
+        port = self.primary.port if self.via is None else self.via.port
+        source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
         self._basebackup(
             ["-D", str(self.pgdata), "-R", "-X", "stream", "--checkpoint=fast", *source],
             user=self._user,
@@ -63,19 +68,28 @@ def multi_host(dsn: str, *servers: EmbeddedPostgres) -> str:
 
 
 @contextlib.contextmanager
-def replicated_pair() -> Iterator[tuple[EmbeddedPostgres, Standby]]:
-    """A primary and its standby, both stopped and deleted afterwards."""
+def replicated_pair(*, frozen_link: bool = False) -> Iterator[tuple[EmbeddedPostgres, Standby]]:
+    """A primary and its standby, both stopped and deleted afterwards. `frozen_link`: the
+    standby streams through a TcpProxy (`standby.via`) that a test may pause."""
     primary = EmbeddedPostgres(PRIMARY_SETTINGS)
-    standby = Standby(primary)
+    link: TcpProxy | None = None
     try:
         primary.start()
-        standby.start()
-        yield primary, standby
-    finally:
-        for server in (standby, primary):
+        link = TcpProxy("127.0.0.1", primary.port) if frozen_link else None
+        standby = Standby(primary, via=link)
+        try:
+            standby.start()
+            yield primary, standby
+        finally:
             with contextlib.suppress(Exception):
-                server.stop()
-            shutil.rmtree(Path(server.pgdata).parent, ignore_errors=True)
+                standby.stop()
+            shutil.rmtree(Path(standby.pgdata).parent, ignore_errors=True)
+    finally:
+        if link is not None:
+            link.close()
+        with contextlib.suppress(Exception):
+            primary.stop()
+        shutil.rmtree(Path(primary.pgdata).parent, ignore_errors=True)
 
 
 __all__ = ["PRIMARY_SETTINGS", "Standby", "free_port", "multi_host", "replicated_pair"]

@@ -258,6 +258,7 @@ def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.Monke
         "RelayUnexpectedDuplicates",
         "RelayPublishErrors",
         "RelayBarrierStuck",
+        "RelayStandbysMissing",
     }
     (lag,) = [r for r in rules if r["alert"] == "RelayLagHigh"]
     assert lag["expr"].strip().endswith("> 120")
