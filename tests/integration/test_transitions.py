@@ -126,6 +126,20 @@ def lane_names(k: int, name: str = "loans") -> list[str]:
     return sorted(lane.name for lane in lanes_of(name, k))
 
 
+async def relayed_then_stopped(
+    relay_process: Start, config: Path, dsn: str, nats_url: str, stream: str
+) -> None:
+    """60 events over 6 books, relayed by one replica of `config` that then stops
+    gracefully, every lane's checkpoint at the head."""
+    migrate_cli(config)
+    backlog = await append_backlog(dsn, 60, aggregates=6)
+    first = relay_process(["run", "--config", str(config)])
+    await delivered(nats_url, stream, set(backlog.values()))
+    await until(config, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
+    first.terminate()
+    assert await first.wait_async(15) == 0
+
+
 async def caught_up(dsn: str, rows: Rows) -> bool:
     """Every held lane's checkpoint is at the table's head."""
     async with connect(dsn) as conn:
@@ -516,13 +530,7 @@ async def test_a_cli_command_on_a_pinned_outbox_leaves_the_pin_in_place(
     pin, a replica still configured with the old count would change the outbox back at
     once, and the replayed range would go out a third time."""
     two, three = configs.loans(2), configs.loans(3)
-    migrate_cli(two)
-    backlog = await append_backlog(events_table, 60, aggregates=6)
-    first = relay_process(["run", "--config", str(two)])
-    await delivered(nats_url, copies, set(backlog.values()))
-    await until(two, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
-    first.terminate()
-    assert await first.wait_async(15) == 0
+    await relayed_then_stopped(relay_process, two, events_table, nats_url, copies)
     done = run_cli(["repartition", "loans", "--partitions", "3", "--config", str(three)])
     assert done.returncode == 0, done.stderr
     stale = relay_process(["run", "--config", str(two)])
@@ -816,13 +824,7 @@ async def test_the_cli_leaves_a_command_to_a_fleet_about_to_change_the_count_ove
     on an old lane meanwhile would be carried out again on the new ones (a third copy of
     that lane's events), so the CLI waits for the change, and then asks the new lanes."""
     old, new = configs.loans(2), configs.loans(3)
-    migrate_cli(old)
-    backlog = await append_backlog(events_table, 60, aggregates=6)
-    first = relay_process(["run", "--config", str(old)])
-    await delivered(nats_url, copies, set(backlog.values()))
-    await until(old, lambda rows: all(row["checkpoint"] == max(backlog) for row in rows))
-    first.terminate()
-    assert await first.wait_async() == 0
+    await relayed_then_stopped(relay_process, old, events_table, nats_url, copies)
     beating = asyncio.create_task(Replica(events_table, 3).beat())
     try:
         async with connect(events_table) as conn:

@@ -8,7 +8,9 @@ listen on 127.0.0.1 instead.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -79,6 +81,16 @@ def create_database(admin_dsn: str) -> str:
     name = f"relay_test_{uuid.uuid4().hex[:12]}"
     run_sync(_admin(admin_dsn, f'CREATE DATABASE "{name}"'))
     return with_database(admin_dsn, name)
+
+
+@contextlib.contextmanager
+def fresh_database(admin_dsn: str) -> Iterator[str]:
+    """DSN of a fresh, empty database on the server of `admin_dsn`, dropped afterwards."""
+    dsn = create_database(admin_dsn)
+    try:
+        yield dsn
+    finally:
+        drop_database(admin_dsn, dsn)
 
 
 def drop_database(admin_dsn: str, dsn: str) -> None:

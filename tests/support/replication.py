@@ -68,10 +68,13 @@ def multi_host(dsn: str, *servers: EmbeddedPostgres) -> str:
 
 
 @contextlib.contextmanager
-def replicated_pair(*, frozen_link: bool = False) -> Iterator[tuple[EmbeddedPostgres, Standby]]:
+def replicated_pair(
+    *, frozen_link: bool = False, settings: dict[str, str] | None = None
+) -> Iterator[tuple[EmbeddedPostgres, Standby]]:
     """A primary and its standby, both stopped and deleted afterwards. `frozen_link`: the
-    standby streams through a TcpProxy (`standby.via`) that a test may pause."""
-    primary = EmbeddedPostgres(PRIMARY_SETTINGS)
+    standby streams through a TcpProxy (`standby.via`) that a test may pause. `settings`:
+    more server settings for both."""
+    primary = EmbeddedPostgres({**PRIMARY_SETTINGS, **(settings or {})})
     link: TcpProxy | None = None
     try:
         primary.start()

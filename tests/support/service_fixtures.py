@@ -43,11 +43,8 @@ def pg_admin_dsn() -> Iterator[str]:
 @pytest.fixture
 def database(pg_admin_dsn: str) -> Iterator[str]:
     """DSN of a fresh, empty database, dropped after the test."""
-    dsn = postgres.create_database(pg_admin_dsn)
-    try:
+    with postgres.fresh_database(pg_admin_dsn) as dsn:
         yield dsn
-    finally:
-        postgres.drop_database(pg_admin_dsn, dsn)
 
 
 @pytest.fixture(scope="session")
@@ -67,11 +64,8 @@ def private_pg_admin_dsn() -> Iterator[str]:
 @pytest.fixture
 def private_database(private_pg_admin_dsn: str) -> Iterator[str]:
     """DSN of a fresh, empty database on the private server, dropped after the test."""
-    dsn = postgres.create_database(private_pg_admin_dsn)
-    try:
+    with postgres.fresh_database(private_pg_admin_dsn) as dsn:
         yield dsn
-    finally:
-        postgres.drop_database(private_pg_admin_dsn, dsn)
 
 
 @pytest.fixture
