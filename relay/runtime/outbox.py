@@ -238,7 +238,10 @@ class OutboxRelay:
             if held != self._standbys_held:
                 await s.claimed.report_standbys(held)
             self._standbys_held = held
-            if standbys is None or time.monotonic() - self._standbys_said < 10.0:
+            if standbys is None:
+                return
+            await self._measure_lag(s)  # held back for long, the lag keeps rising
+            if time.monotonic() - self._standbys_said < 10.0:
                 return
             self._standbys_said = time.monotonic()
             self.log.warning(

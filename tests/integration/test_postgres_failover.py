@@ -210,6 +210,7 @@ async def test_with_no_standby_streaming_events_are_held_back_and_status_says_wh
         assert "0 standby(s) streaming, 1 needed" in row["last_error"], row
         _, metrics = await get(port, "/metrics")
         assert 'relay_standbys_missing{outbox="loans"} 1.0' in metrics
+        assert 'relay_lag_events{outbox="loans"} 10.0' in metrics, "the lag is measured"
         on_stream = {m.headers["Nats-Msg-Id"] for m in await fetch_all(nats_url, stream)}
         assert on_stream == set(first.values()), "nothing published while no standby streams"
 
