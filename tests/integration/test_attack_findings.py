@@ -16,8 +16,8 @@ from tests.support.delivery import append_backlog
 from tests.support.jetstream import fetch_all
 from tests.support.lanes import delivered
 from tests.support.postgres import create_database, run_sql_file, with_database
-from tests.support.relay_process import RelayProcess
-from tests.support.replication import Standby, multi_host, replicated_pair
+from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.replication import Standby, free_port, multi_host, replicated_pair
 from tests.support.scenario import config_dict, eventually, migrate_cli, save
 
 Start = Callable[..., RelayProcess]
@@ -167,3 +167,39 @@ async def test_a_restarted_old_primary_beside_the_promoted_one_gets_no_second_ho
             f"a second holder: the replica on the old primary claimed {len(claims)} lane(s) "
             f"while {holder.pid} holds them on the promoted primary: {claims}"
         )
+
+
+async def test_hosts_given_in_the_query_are_named_when_none_is_a_primary(
+    tmp_path: Path, nats_url: str, stream: str
+) -> None:
+    """docs/configuration.md ("Writing the URL"): the host may be left out of the URL and
+    given in `?host=` (with `?port=`), and while no host is a primary the relay says which host
+    is a standby and which cannot be reached; docs/delivery.md: `relay check` against a standby
+    alone says so and exits 1. With the standby given as `?host=127.0.0.1&port=P`, every
+    command says `no primary among the database's hosts ()`: no host named, no standby said."""
+    with replicated_pair() as (primary, standby):
+        dsn = create_database(primary.dsn)
+        database = dsn.rpartition("/")[2]
+        url = f"postgresql://postgres@/{database}?host=127.0.0.1&port={standby.port}"
+        config = save(tmp_path, config_dict(url, nats_url, stream))
+        checked = await asyncio.to_thread(run_cli, ["check", "--offline", "-c", str(config)])
+        assert checked.returncode == 1, checked.stdout
+        assert f"127.0.0.1:{standby.port} is a standby (in recovery" in checked.stderr, (
+            checked.stderr
+        )
+
+
+def test_hosts_given_in_the_query_are_named_when_none_can_be_reached(
+    tmp_path: Path, nats_url: str, stream: str
+) -> None:
+    """The same URL form with hosts that refuse connections: the error blames `the default
+    host (PGHOST or the local socket)`, which the URL does not use, and names only the last
+    host it tried, not each one as for hosts written before the path."""
+    ports = [free_port(), free_port()]
+    url = f"postgresql://postgres@/app?host=127.0.0.1,127.0.0.1&port={ports[0]},{ports[1]}"
+    config = save(tmp_path, config_dict(url, nats_url, stream))
+    checked = run_cli(["check", "--offline", "-c", str(config)])
+    assert checked.returncode == 1, checked.stdout
+    assert "default host" not in checked.stderr, checked.stderr
+    for port in ports:
+        assert f"127.0.0.1:{port} cannot be reached" in checked.stderr, checked.stderr
