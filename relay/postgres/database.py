@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator
 
 import asyncpg
 
 from relay.config import DatabaseConfig
 from relay.errors import DatabaseError
+from relay.postgres.primary import Host, address, ask_each, hosts, no_primary, split_brain
 from relay.redaction import redact
 
 # The one classifier of driver errors: these mean "the database went away or the
@@ -78,7 +78,7 @@ class Database:
             **server_settings,
         }
         try:
-            return await asyncpg.connect(
+            conn = await asyncpg.connect(
                 self.config.url.get_secret_value(),
                 timeout=self.config.connect_timeout,
                 server_settings=settings,
@@ -114,22 +114,14 @@ class Database:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {_text(exc)}"
             ) from exc
+        return await self._one_primary(conn)
 
-    async def _no_primary(self) -> DatabaseUnavailable:
-        """No host of the URL took the connection as the primary: ask each what it is, so
-        that the log says which is a standby waiting for promotion and which is down."""
+    async def _hosts(self) -> list[Host]:
+        """What each host of the URL is now (primary.py)."""
         url = self.config.url.get_secret_value()
-        found = await asyncio.gather(*(self._what_is(url, host, port) for host, port in hosts(url)))
-        return DatabaseUnavailable(
-            f"no primary among the database's hosts ({'; '.join(found)}); the relay writes on"
-            " every connection, so it waits for a primary (a promotion, or the URL's hosts"
-            " changed) and retries"
-        )
 
-    async def _what_is(self, url: str, host: str, port: int) -> str:
-        here = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        try:
-            conn = await asyncpg.connect(
+        async def open_any(host: str, port: int) -> asyncpg.Connection:
+            return await asyncpg.connect(
                 url,
                 host=host,
                 port=port,
@@ -137,17 +129,26 @@ class Database:
                 server_settings={"application_name": f"{self.identity}:probe"[:63]},
                 target_session_attrs="any",
             )
-        except (*CONNECTION_LOST, *NOT_NOW, asyncpg.PostgresError) as exc:
-            return f"{here} cannot be reached: {_text(exc)}"
-        try:
-            recovering = await conn.fetchval("SELECT pg_is_in_recovery()")
-        except (*CONNECTION_LOST, asyncpg.PostgresError) as exc:
-            return f"{here} did not answer: {_text(exc)}"
-        finally:
-            conn.terminate()
-        if recovering:
-            return f"{here} is a standby (in recovery: read-only until it is promoted)"
-        return f"{here} is the primary now"
+
+        errors = (*CONNECTION_LOST, *NOT_NOW, asyncpg.PostgresError)
+        return await ask_each(url, open_any, errors, _text)
+
+    async def _no_primary(self) -> DatabaseUnavailable:
+        """No host of the URL took the connection as the primary: say what each one is, so
+        that the log names the standby waiting for promotion and the host that is down."""
+        return DatabaseUnavailable(no_primary(await self._hosts()))
+
+    async def _one_primary(self, conn: asyncpg.Connection) -> asyncpg.Connection:
+        """With several hosts, `conn` (to the first primary the driver found) is used only if
+        no other host answers as a primary too: after a failover, an old primary started
+        again as it was would otherwise get a holder of every lane beside the fleet's."""
+        if len(hosts(self.config.url.get_secret_value())) < 2:
+            return conn
+        why = split_brain(await self._hosts())
+        if why is None:
+            return conn
+        conn.terminate()
+        raise DatabaseUnavailable(why)
 
     @property
     def address(self) -> str:
@@ -189,29 +190,6 @@ def _not_now(exc: asyncpg.PostgresError) -> str:
     if isinstance(exc, asyncpg.TooManyConnectionsError):
         return "has no connection slot free for the relay now"
     return "is short of resources now"
-
-
-def address(url: str) -> str:
-    """The host:port list of a postgresql:// URL (checked at load), with the default port."""
-    rest = url.strip().partition("://")[2]
-    authority = re.match(r"[^/?]*", rest)
-    listed = authority.group().rpartition("@")[2] if authority else ""
-    if not listed:
-        return "the default host (PGHOST or the local socket)"
-    return ",".join(
-        h if re.search(r":\d+$", h) else f"{h.rstrip(':')}:5432" for h in listed.split(",")
-    )
-
-
-def hosts(url: str) -> list[tuple[str, int]]:
-    """The URL's hosts with their ports (IPv6 without brackets); none for the default host."""
-    found = []
-    for entry in address(url).split(","):
-        host, sep, port = entry.rpartition(":")
-        if not sep or not port.isdigit():
-            return []
-        found.append((host.strip("[]"), int(port)))
-    return found
 
 
 def _text(exc: BaseException) -> str:
