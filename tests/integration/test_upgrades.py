@@ -19,8 +19,17 @@ from typing import Any
 import pytest
 from nats.js.api import StreamConfig
 
+from relay.config import load_config
+from relay.postgres.migrations import LATEST, STEPS, migrate
 from tests.support.db import NewEvent, append, append_many, connect
-from tests.support.delivery import Delivery, Writer, append_backlog, book_lent, event_id
+from tests.support.delivery import (
+    Delivery,
+    Writer,
+    append_backlog,
+    book_lent,
+    event_id,
+    wait_for_count,
+)
 from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import delete_stream, unique_name
 from tests.support.lane_watch import LaneWatch
@@ -32,7 +41,7 @@ from tests.support.previous_release import (
     unpack,
 )
 from tests.support.relay_process import CURRENT, RelayProcess, run_cli
-from tests.support.scenario import config_dict, eventually, save
+from tests.support.scenario import config_dict, eventually, save, write_config
 
 # A message the streams refuse for good until the test raises their limit: 32 KB of loan id
 # against a 16 KB max_msg_size (NATS error 10054, a permanent rejection the relay counts).
@@ -438,3 +447,45 @@ async def test_rolling_upgrade_from_the_previous_release(
             " one in its batch go again with each retry"
         )
         assert len(delivery.duplicates) < BATCH, "at most one batch behind the refused message"
+
+
+# -- this release against the next one's schema --------------------------------------------
+
+NEXT_EXPAND = "ALTER TABLE {schema}.checkpoints ADD COLUMN next_release text"
+NEXT_CONTRACT = "ALTER TABLE {schema}.checkpoints DROP COLUMN next_release"
+
+
+async def test_this_release_runs_on_a_later_expand_step_and_refuses_a_contract(
+    events_table: str,
+    nats_url: str,
+    stream: str,
+    tmp_path: Path,
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """What makes this release the next one's previous release: a later release's migration
+    (played here with `migrate(steps=...)`) that only adds lets this relay start, relay and
+    answer commands, saying that it is older than its schema; one that declares it removed
+    what older relays use (CONTRACTS) makes it refuse, naming the version it needs."""
+    path = write_config(tmp_path, events_table, nats_url, stream)
+    config = load_config(path)
+    async with connect(events_table) as conn:
+        await migrate(conn, config, steps=(*STEPS, NEXT_EXPAND))
+        await append(conn, "book", "b1", 1, "BookLent", {"loanId": "L1", "memberId": "m"})
+    up_to_date = run_cli(["migrate", "--config", str(path)])
+    assert up_to_date.returncode == 0 and "up to date" in up_to_date.stdout, up_to_date.stderr
+    replica = relay_process(["run", "--config", str(path)])
+    record = await replica.wait_for_log("relay older than its schema")
+    assert f"at version {LATEST + 1}, newer than this relay ({LATEST})" in record["detail"]
+    await wait_for_count(nats_url, stream, lambda n: n == 1, process=replica)
+    assert run_cli(["status", "--config", str(path)]).returncode == 0
+    await stop(replica)
+
+    contracts = {LATEST + 2: LATEST + 1}
+    async with connect(events_table) as conn:
+        await migrate(conn, config, steps=(*STEPS, NEXT_EXPAND, NEXT_CONTRACT), contracts=contracts)
+    for command in (["run"], ["status"]):
+        refused = run_cli([*command, "--config", str(path)])
+        assert refused.returncode == 1, refused.stderr
+        assert (
+            f"needs a relay of schema version {LATEST + 1} or later): upgrade the relay"
+        ) in refused.stderr
