@@ -180,16 +180,18 @@ async def stop(process: RelayProcess) -> None:
     assert await process.wait_async(30) == 0, process.output()
 
 
-async def joined(dsn: str, *names: str) -> None:
-    """Wait until each named replica is in the live set (relay.replicas), as a pod's
-    readiness gates a rolling update's next step."""
+async def joined(dsn: str, *replicas: RelayProcess) -> None:
+    """Wait until each replica is in the live set (relay.replicas), as a pod's readiness
+    gates a rolling update's next step; one that exits meanwhile fails the test with its
+    output (an old release refusing the new schema says so there)."""
 
     async def listed() -> bool:
+        for replica in replicas:
+            assert replica.returncode is None, f"exited {replica.returncode}\n{replica.output()}"
         async with connect(dsn) as conn:
             rows = await conn.fetch("SELECT identity FROM relay.replicas")
-        return {name for name in names if any(f":{name}:" in r["identity"] for r in rows)} == {
-            *names
-        }
+        live = {str(r["identity"]).rpartition(":")[2] for r in rows}
+        return all(str(replica.pid) in live for replica in replicas)
 
     await eventually(listed, timeout=60)
 
@@ -325,14 +327,16 @@ async def test_migrate_keeps_everything_the_previous_release_wrote(
 # -- the rolling upgrade: the check that enforces expand, then contract --------------------
 
 
-async def flowing(dsn: str, writer: Writer, events: int = 20) -> None:
+async def flowing(dsn: str, writer: Writer, watch: LaneWatch, events: int = 20) -> None:
     """The writer commits `events` more, and every lane not held up by a refused message
-    relays past them: the fleet relays, counted in events rather than seconds."""
+    relays past them: the fleet relays, counted in events rather than seconds. A breach
+    the watch has seen meanwhile fails the test at once, naming it."""
     start = len(writer.appended)
     await eventually(lambda: len(writer.appended) >= start + events, timeout=30)
     mark = max(writer.appended)
 
     async def passed() -> bool:
+        assert watch.breaches == [], watch.breaches
         rows = (await checkpoints(dsn)).values()
         return len(rows) == 1 + SPLIT and all(
             row["position"] >= mark for row in rows if row["retry_position"] is None
@@ -376,8 +380,8 @@ async def test_rolling_upgrade_from_the_previous_release(
         watch.phase = "previous release"
         old_a = relays.start("old-a", old=True)
         old_b = relays.start("old-b", old=True)
-        await joined(dsn, "old-a", "old-b")
-        await flowing(dsn, writer)
+        await joined(dsn, old_a, old_b)
+        await flowing(dsn, writer, watch)
         async with connect(dsn) as conn:
             heavy_at = {message_id(e): await append(conn, *e[:5]) for e in (PARKED, RETRIED)}
 
@@ -387,30 +391,28 @@ async def test_rolling_upgrade_from_the_previous_release(
 
         await eventually(refused_under_old, timeout=60)
         (blocked,) = [lane for lane, r in (await checkpoints(dsn)).items() if r["rejections"]]
-        await flowing(dsn, writer)
+        await flowing(dsn, writer, watch)
 
         watch.phase = "migrated"
         relays.migrate(old=False)
-        await flowing(dsn, writer)
+        await flowing(dsn, writer, watch)
         watch.phase = "new-1 joined"
-        relays.start("new-1", old=False)
-        await joined(dsn, "new-1")
-        await flowing(dsn, writer)
+        await joined(dsn, relays.start("new-1", old=False))
+        await flowing(dsn, writer, watch)
         watch.phase = "old-a stopped"
         await stop(old_a)
-        await flowing(dsn, writer)
+        await flowing(dsn, writer, watch)
         watch.phase = "old-b restarted"
         await stop(old_b)
         old_b = relays.start("old-b2", old=True)
-        await joined(dsn, "old-b2")
-        await flowing(dsn, writer)
+        await joined(dsn, old_b)
+        await flowing(dsn, writer, watch)
         watch.phase = "new-2 joined"
-        relays.start("new-2", old=False)
-        await joined(dsn, "new-2")
-        await flowing(dsn, writer)
+        await joined(dsn, relays.start("new-2", old=False))
+        await flowing(dsn, writer, watch)
         watch.phase = "old-b2 stopped"
         await stop(old_b)
-        await flowing(dsn, writer)
+        await flowing(dsn, writer, watch)
         assert {h.split(":")[1] for h in watch.holders_seen} >= {"old-a", "old-b", "new-1"}
 
         async def retried_under_new() -> bool:
@@ -421,7 +423,7 @@ async def test_rolling_upgrade_from_the_previous_release(
         await lift_limits(nats_url, streams)
         done = await relays.cli("retry-parked", "loans", "--all", "--wait", "--timeout", "60")
         assert "published" in json.dumps(done), done
-        await flowing(dsn, writer)
+        await flowing(dsn, writer, watch)
     assert writer.errors == []
 
     under_old, under_new = (

@@ -116,5 +116,6 @@ class LaneWatch:
         seen.append(Seen(self.phase, holder, epoch, rejections))
 
     def _breach(self, what: str) -> None:
-        if len(self.breaches) < 50:  # the first ones say it; a stuck breach repeats
+        """Each breach once (a held lock is seen in every sample), in the phase first seen."""
+        if not any(seen.endswith(f"] {what}") for seen in self.breaches):
             self.breaches.append(f"[{self.phase}] {what}")
