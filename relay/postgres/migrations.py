@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import asyncpg
 
@@ -165,7 +166,7 @@ LATEST = len(STEPS)
 # relay uses, so relays built before it must refuse the schema. Step version -> the oldest
 # LATEST that still runs after it. Every other step expands (adds nullable or defaulted
 # columns, new tables): the previous release keeps running against it.
-CONTRACTS: dict[int, int] = {}
+CONTRACTS: Mapping[int, int] = MappingProxyType({})
 _MIGRATE_LOCK = 0x72656C61_796D6967  # "relaymig": one migrator at a time
 
 
@@ -246,7 +247,7 @@ async def migrate(
     config: RelayConfig,
     on_wait: OnWait | None = None,
     steps: tuple[str, ...] = STEPS,
-    contracts: dict[int, int] | None = None,
+    contracts: Mapping[int, int] | None = None,
 ) -> Migrated:
     """Apply the missing steps, then bring the NOTIFY trigger in line with the config.
 
