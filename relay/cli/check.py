@@ -33,7 +33,7 @@ from relay.fleet.identity import identity
 from relay.mapping.expressions import template_pieces
 from relay.mapping.mapper import CompiledRule, Mapper
 from relay.postgres.database import Database, too_old
-from relay.postgres.migrations import LATEST, ensure_migrated, schema_version
+from relay.postgres.migrations import LATEST, ensure_migrated, newer_schema, schema_version
 from relay.postgres.partitions import Partitions, mismatch
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
@@ -116,6 +116,8 @@ async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report
     except NotMigratedError as exc:
         report.problems.append(str(exc))
         return
+    if (newer := newer_schema(schema, version)) is not None:
+        report.warnings.append(newer)
     partitions = Partitions(schema)
     for name, outbox in config.outboxes.items():
         record = await partitions.read(conn, name)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import asyncpg
 
@@ -161,6 +162,11 @@ STEPS: tuple[str, ...] = (
 )
 
 LATEST = len(STEPS)
+# The steps that contract (docs/upgrading.md): each drops or changes something an older
+# relay uses, so relays built before it must refuse the schema. Step version -> the oldest
+# LATEST that still runs after it. Every other step expands (adds nullable or defaulted
+# columns, new tables): the previous release keeps running against it.
+CONTRACTS: Mapping[int, int] = MappingProxyType({})
 _MIGRATE_LOCK = 0x72656C61_796D6967  # "relaymig": one migrator at a time
 
 
@@ -172,18 +178,57 @@ async def schema_version(conn: asyncpg.Connection, schema: str) -> int:
     return int(await conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {table}"))
 
 
-async def ensure_migrated(conn: asyncpg.Connection, schema: str) -> None:
+async def readers_from(conn: asyncpg.Connection, schema: str) -> int:
+    """The oldest LATEST that may run against the schema: 0 unless a step contracted.
+
+    Recorded by `relay migrate` beside each version (a schema migrated before this was
+    recorded has none, and every relay since knows its steps).
+    """
+    table = f"{quote(schema)}.schema_version"
+    if not await _records_readers(conn, table):
+        return 0
+    return int(await conn.fetchval(f"SELECT coalesce(max(readers_from), 0) FROM {table}"))
+
+
+async def _records_readers(conn: asyncpg.Connection, table: str) -> bool:
+    return bool(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_attribute"
+            " WHERE attrelid = $1::regclass AND attname = 'readers_from' AND NOT attisdropped",
+            table,
+        )
+    )
+
+
+async def ensure_migrated(conn: asyncpg.Connection, schema: str) -> int:
+    """The schema's version, when this relay can run against it; else NotMigratedError.
+
+    A newer schema is accepted while its newer steps only expand it (`CONTRACTS`): the
+    previous release's replicas keep starting during a rolling upgrade, and after a rollback.
+    """
     version = await schema_version(conn, schema)
     if version < LATEST:
         raise NotMigratedError(
             f"the relay's tables in schema {schema!r} are at version {version}, this relay needs "
             f"{LATEST}: run `relay migrate --config FILE` first"
         )
-    if version > LATEST:
+    if version > LATEST and (oldest := await readers_from(conn, schema)) > LATEST:
         raise NotMigratedError(
-            f"schema {schema!r} is at version {version}, newer than this relay ({LATEST}): "
-            "upgrade the relay"
+            f"schema {schema!r} is at version {version}, newer than this relay ({LATEST}), and"
+            f" one of its steps removed what this relay uses (it needs a relay of schema"
+            f" version {oldest} or later): upgrade the relay"
         )
+    return version
+
+
+def newer_schema(schema: str, version: int) -> str | None:
+    """What a relay says when it runs against a schema newer than itself, or None."""
+    if version <= LATEST:
+        return None
+    return (
+        f"schema {schema!r} is at version {version}, newer than this relay ({LATEST}); its newer"
+        " steps only add to it, so this relay runs: finish upgrading the replicas"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +243,19 @@ OnWait = Callable[[str], None]
 
 
 async def migrate(
-    conn: asyncpg.Connection, config: RelayConfig, on_wait: OnWait | None = None
+    conn: asyncpg.Connection,
+    config: RelayConfig,
+    on_wait: OnWait | None = None,
+    steps: tuple[str, ...] = STEPS,
+    contracts: Mapping[int, int] | None = None,
 ) -> Migrated:
     """Apply the missing steps, then bring the NOTIFY trigger in line with the config.
 
     The relay's own tables are changed in one transaction; the application's event
     table is touched only when its trigger must change, and then politely (see
-    `_sync_notify_trigger`).
+    `_sync_notify_trigger`). Each version applied records the oldest relay that may still
+    run against the schema (`readers_from`); `steps` and `contracts` are parameters so that
+    a test can play a later release's migration.
     """
     schema = quote(config.database.schema_)
     applied: list[int] = []
@@ -215,13 +266,25 @@ async def migrate(
             f"CREATE TABLE IF NOT EXISTS {schema}.schema_version ("
             "version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
         )
+        # Added beside the table, not by a step: a step would make the previous release
+        # refuse the schema, and the column is what lets later steps avoid that. Altered
+        # only when missing, so that an up-to-date schema is not locked by each deploy.
+        if not await _records_readers(conn, f"{schema}.schema_version"):
+            await conn.execute(
+                f"ALTER TABLE {schema}.schema_version ADD COLUMN readers_from integer"
+            )
         current = await schema_version(conn, config.database.schema_)
-        for version, step in enumerate(STEPS, start=1):
+        oldest = await readers_from(conn, config.database.schema_)
+        contracting = CONTRACTS if contracts is None else contracts
+        for version, step in enumerate(steps, start=1):
             if version <= current:
                 continue
             await conn.execute(step.format(schema=schema))
+            oldest = max(oldest, contracting.get(version, 0))
             await conn.execute(
-                f"INSERT INTO {schema}.schema_version (version) VALUES ($1)", version
+                f"INSERT INTO {schema}.schema_version (version, readers_from) VALUES ($1, $2)",
+                version,
+                oldest,
             )
             applied.append(version)
     trigger = await _sync_notify_trigger(conn, schema, config.source, on_wait or _quiet)

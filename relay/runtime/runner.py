@@ -34,7 +34,7 @@ from relay.postgres.command_queue import COMMAND_CHANNEL
 from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable, too_old
 from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseConnection
 from relay.postgres.membership import Membership
-from relay.postgres.migrations import ensure_migrated
+from relay.postgres.migrations import ensure_migrated, newer_schema
 from relay.postgres.rights import check_rights
 from relay.postgres.source import EventSource
 from relay.runtime.context import OutboxContext
@@ -209,7 +209,9 @@ class Relay:
                 "database right missing", right=missing.what, why=missing.why, fix=missing.fix
             )
         rights.raise_if_required_missing()
-        await ensure_migrated(conn, self.config.database.schema_)
+        schema = self.config.database.schema_
+        if (newer := newer_schema(schema, await ensure_migrated(conn, schema))) is not None:
+            log.warning("relay older than its schema", detail=newer)
         await EventSource(self.config.source).check(conn)
 
     async def _supervise(

@@ -175,9 +175,10 @@ async def test_a_position_sequence_the_column_does_not_own_is_checked_too(
 async def test_check_refuses_what_run_refuses_and_warns_of_another_partition_count(
     migrated: str, tmp_path: Path
 ) -> None:
-    """Tables newer than this relay fail `relay run` at start-up: `relay check` says so
-    first. A changed `partitions` is no failure (replicas with this config wait, or change
-    the outbox over): `relay check` warns, with the words `relay run` logs."""
+    """Tables a later release contracted fail `relay run` at start-up: `relay check` says
+    so first; tables it only expanded are a warning. A changed `partitions` is no failure
+    (replicas with this config wait, or change the outbox over): `relay check` warns, with
+    the words `relay run` logs."""
     await admin(migrated, "INSERT INTO relay.outboxes (outbox, partitions) VALUES ('loans', 4)")
     result = await asyncio.to_thread(check, migrated, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -187,10 +188,20 @@ async def test_check_refuses_what_run_refuses_and_warns_of_another_partition_cou
     ) in result.stderr
 
     await admin(migrated, "DELETE FROM relay.outboxes")
+    # A later release's step that only expands: this relay runs, and says so.
     await admin(
         migrated,
         "INSERT INTO relay.schema_version (version) SELECT max(version) + 1"
         " FROM relay.schema_version",
+    )
+    expanded = await asyncio.to_thread(check, migrated, tmp_path)
+    assert expanded.returncode == 0, expanded.stderr
+    assert "newer than this relay" in expanded.stderr and "only add" in expanded.stderr
+    # One that contracts what this relay uses (it needs a relay of that later version).
+    await admin(
+        migrated,
+        "INSERT INTO relay.schema_version (version, readers_from) SELECT max(version) + 1,"
+        " max(version) FROM relay.schema_version",
     )
     newer = await asyncio.to_thread(check, migrated, tmp_path)
     assert newer.returncode == 1, newer.stderr

@@ -16,9 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# How the relay is started: this checkout's, from the venv. A test may pass another prefix
+# (the previous release's, see tests/support/previous_release.py).
+CURRENT: tuple[str, ...] = (sys.executable, "-m", "relay")
 
-def _command(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "relay", *args]
+
+def _command(args: Sequence[str], relay: Sequence[str] = CURRENT) -> list[str]:
+    return [*relay, *args]
 
 
 def _env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -26,11 +30,14 @@ def _env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def run_cli(
-    args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 60
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+    relay: Sequence[str] = CURRENT,
 ) -> subprocess.CompletedProcess[str]:
     """Run a one-shot command such as `migrate`; output is captured, exit codes never raise."""
     return subprocess.run(
-        _command(args),
+        _command(args, relay),
         env=_env(env),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -44,7 +51,11 @@ class RelayProcess:
     """A running `python -m relay <args>`; stdout and stderr go to files in `log_dir`."""
 
     def __init__(
-        self, args: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+        self,
+        args: Sequence[str],
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        relay: Sequence[str] = CURRENT,
     ) -> None:
         self.args = list(args)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +63,11 @@ class RelayProcess:
         self.stderr_path = log_dir / "stderr.log"
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self._process = subprocess.Popen(
-                _command(self.args), env=_env(env), stdin=subprocess.DEVNULL, stdout=out, stderr=err
+                _command(self.args, relay),
+                env=_env(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
             )
 
     @property
