@@ -3,8 +3,9 @@
 # Outbox Relay image: docker build -t outbox-relay:0.1.0 \
 #   --build-arg VERSION=0.1.0 --build-arg REVISION="$(git rev-parse HEAD)" \
 #   --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" .
-# See docs/deploy.md. Both stages use the same base image, so the virtualenv's
-# interpreter symlink (/usr/local/bin/python3.11) resolves in the runtime stage.
+# See docs/deploy.md; `python3 dev.py image` builds it with buildah on a Debian base. Both
+# stages use the same base image, so the virtualenv's interpreter symlink resolves in the
+# runtime stage (/usr/local/bin/python3 in the official image, /usr/bin/python3 in Debian's).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
@@ -17,7 +18,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/relay/venv \
     PATH=/opt/relay/venv/bin:$PATH
 
-RUN python -m venv /opt/relay/venv
+# python3: Debian's python3 package has no `python` command.
+RUN python3 -m venv /opt/relay/venv
 
 WORKDIR /src
 
@@ -74,6 +76,9 @@ ENV PATH=/opt/relay/venv/bin:$PATH \
 # Nothing is written outside /tmp, so the root filesystem can be read-only.
 WORKDIR /tmp
 USER 10001:10001
+
+# The copied virtualenv must find its interpreter in this stage too (see the top).
+RUN relay version
 
 # /metrics, /healthz, /readyz (http.port). No HEALTHCHECK: Kubernetes uses probes.
 EXPOSE 9464
