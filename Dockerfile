@@ -42,19 +42,6 @@ RUN pip install --no-cache-dir --no-deps . \
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 
-ARG VERSION=0.1.0
-ARG REVISION=unknown
-ARG CREATED=unknown
-ARG SOURCE=unknown
-
-LABEL org.opencontainers.image.title="outbox-relay" \
-      org.opencontainers.image.description="Relays a Postgres event table to message brokers." \
-      org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.revision="${REVISION}" \
-      org.opencontainers.image.source="${SOURCE}" \
-      org.opencontainers.image.created="${CREATED}" \
-      org.opencontainers.image.licenses="Apache-2.0"
-
 # tini as PID 1: forwards SIGTERM to the relay and reaps children (docs/deploy.md).
 # The version is the one in Debian bookworm; bump it with the base image.
 RUN apt-get update \
@@ -79,6 +66,20 @@ USER 10001:10001
 
 # The copied virtualenv must find its interpreter in this stage too (see the top).
 RUN relay version
+
+# The labels last: a new commit changes only this layer, and the ones above stay cached.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG SOURCE=unknown
+
+LABEL org.opencontainers.image.title="outbox-relay" \
+      org.opencontainers.image.description="Relays a Postgres event table to message brokers." \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 
 # /metrics, /healthz, /readyz (http.port). No HEALTHCHECK: Kubernetes uses probes.
 EXPOSE 9464

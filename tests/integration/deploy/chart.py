@@ -173,6 +173,20 @@ FULL: dict[str, Any] = {
 }
 
 
+OUTBOX = "loans-outbox"  # the chart's example config's
+
+
+def example_config(nats_url: str, subject: str, port: int) -> dict[str, Any]:
+    """The chart's example config, pointed at this machine's NATS, a test subject and a free
+    port (the container shares the host's network)."""
+    config: dict[str, Any] = yaml.safe_load((CHART / "files" / "relay.example.yaml").read_text())
+    config["brokers"]["nats"]["servers"] = [nats_url]
+    for rule in config["outboxes"][OUTBOX]["messages"].values():
+        rule["destination"] = f"{subject}.loans"
+    config["http"]["port"] = port
+    return config
+
+
 def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
     """{template path: rendered text}, as `helm install` would render it."""
     chart.validate_schema(values or {})

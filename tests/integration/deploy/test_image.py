@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from packaging.utils import canonicalize_name
 
 import dev
 from tests.integration.deploy.chart import (
-    CHART,
     NAMESPACE,
+    OUTBOX,
     RELEASE,
     ROOT,
     VERSION,
+    example_config,
     image_distributions,
     locked_versions,
     objects,
@@ -40,7 +40,6 @@ from tests.support.jetstream import fetch_all
 from tests.support.net import free_port
 from tests.support.pod import Buildah, Pod, Running, port_of, snapshot
 
-OUTBOX = "loans-outbox"  # the chart's example config's
 # A cold build (mmdebstrap, then pip) took about 4 minutes here; warm, seconds. The first test
 # to run builds the image, so each may take that long.
 BUILD_TIMEOUT = 1500
@@ -68,17 +67,6 @@ def image() -> str:
             pytrace=False,
         )
     return result.stdout.strip().splitlines()[-1]
-
-
-def example_config(nats_url: str, subject: str, port: int) -> dict[str, Any]:
-    """The chart's example config, pointed at this machine's NATS, a test subject and a free
-    port (the container shares the host's network)."""
-    config: dict[str, Any] = yaml.safe_load((CHART / "files" / "relay.example.yaml").read_text())
-    config["brokers"]["nats"]["servers"] = [nats_url]
-    for rule in config["outboxes"][OUTBOX]["messages"].values():
-        rule["destination"] = f"{subject}.loans"
-    config["http"]["port"] = port
-    return config
 
 
 @dataclass(frozen=True)
