@@ -314,8 +314,11 @@ def ensure_base(env: dict[str, str]) -> str:
         rootfs = Path(tmp) / "rootfs.tar"
         check([*BASE_COMMAND, str(rootfs)], env)
         container = output(["buildah", "from", "scratch"], env)
-        check(["buildah", "add", "--quiet", container, str(rootfs), "/"], env)
-        output(["buildah", "commit", "--quiet", "--rm", container, name], env)
+        try:
+            check(["buildah", "add", "--quiet", container, str(rootfs), "/"], env)
+            output(["buildah", "commit", "--quiet", container, name], env)
+        finally:
+            subprocess.call(["buildah", "rm", container], env=env, stdout=subprocess.DEVNULL)
     print(f"dev.py: made the base {name} in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return name
 
@@ -344,21 +347,31 @@ def source_revision() -> tuple[str, str]:
     The commit's time, not the build's, keeps the labels (and so buildah's layer cache) the same
     when nothing changed.
     """
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     git = ["git", "-C", str(ROOT)]
     try:
-        revision = output([*git, "rev-parse", "HEAD"])
-        created = output([*git, "log", "-1", "--format=%cI", "HEAD"])
-        changed = output([*git, "status", "--porcelain", "--", *BUILD_CONTEXT])
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if changed:
-        return f"{revision}-dirty", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return revision, created
+        revision, created, changed = (
+            subprocess.run([*git, *args], capture_output=True, text=True, check=True).stdout.strip()
+            for args in (
+                ["rev-parse", "HEAD"],
+                ["log", "-1", "--format=%cI", "HEAD"],
+                ["status", "--porcelain", "--", *BUILD_CONTEXT],
+            )
+        )
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a clone
+        return "unknown", now
+    return (f"{revision}-dirty", now) if changed else (revision, created)
 
 
 def output(command: list[str], env: dict[str, str] | None = None) -> str:
-    """A command's standard output, stripped; its failure raises."""
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    """A command's standard output, stripped; on failure say which one and exit with its code."""
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        print(result.stderr.strip(), file=sys.stderr)
+        print(
+            f"dev.py: FAILED (exit code {result.returncode}): {' '.join(command)}", file=sys.stderr
+        )
+        sys.exit(result.returncode)
     return result.stdout.strip()
 
 

@@ -12,12 +12,13 @@ limits) the callers check another way or leave out, as docs/deploy.md says.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -195,16 +196,15 @@ class Running:
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self._out, stderr=subprocess.STDOUT)
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """The JSON log lines so far (the relay logs JSON with the chart's example config)."""
-        for line in self.log.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("{"):
-                record: dict[str, Any] = json.loads(line)
-                yield record
-
     def init_pid(self) -> int:
-        """The container's first process (tini): the one the kubelet's SIGTERM goes to."""
-        return _first_descendant_running(self.process.pid, "tini")
+        """The container's first process (tini): the one the kubelet's SIGTERM goes to.
+
+        buildah's chroot isolation starts it from a `buildah-chroot-exec` process of its own.
+        """
+        for pid in _descendants(self.process.pid):
+            if _argv0(pid) == "buildah-chroot-exec" and _children(pid):
+                return _children(pid)[0]
+        raise PodError(f"no container process under buildah run ({self.process.pid})")
 
     def terminate(self) -> None:
         os.kill(self.init_pid(), signal.SIGTERM)
@@ -217,29 +217,40 @@ class Running:
                 self._out.close()
 
     def kill(self) -> None:
+        """SIGKILL to the container's processes and buildah's, the deepest first: killing
+        `buildah run` alone would leave the relay running."""
         if self.process.poll() is None:
-            self.process.kill()
+            for pid in reversed([self.process.pid, *_descendants(self.process.pid)]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.process.wait()
         self._out.close()
 
 
-def _first_descendant_running(pid: int, name: str) -> int:
-    pending = [pid]
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid`, parents before their children."""
+    found: list[int] = []
+    pending = _children(pid)
     while pending:
         current = pending.pop(0)
-        if _comm(current) == name:
-            return current
-        for children in Path(f"/proc/{current}/task").glob("*/children"):  # any thread's
-            try:
-                pending += [int(child) for child in children.read_text().split()]
-            except OSError:  # the thread or the process ended
-                continue
-    raise PodError(f"no {name} process under {pid}")
+        found.append(current)
+        pending += _children(current)
+    return found
 
 
-def _comm(pid: int) -> str:
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):  # any thread's children
+        try:
+            children += [int(child) for child in listing.read_text().split()]
+        except OSError:  # the thread or the process ended
+            continue
+    return children
+
+
+def _argv0(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     except OSError:
         return ""
 

@@ -216,6 +216,9 @@ def test_the_image_holds_the_runtime_only(image: str) -> None:
         added = debian_packages(container.root) - debian_packages(base.root)
         assert added == {"tini"}, "the runtime stage adds tini to the base and nothing else"
         assert not debian_packages(container.root) & {"gcc", "make", "python3-dev", "git"}
+        leftovers = [*container.root.glob("var/lib/apt/lists/*_Packages")]
+        leftovers += container.root.glob("var/cache/apt/*.bin")
+        assert leftovers == [], "apt's package lists and caches are removed"
     finally:
         container.remove()
         base.remove()
