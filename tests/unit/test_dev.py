@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,3 +72,39 @@ def test_node_is_installed_only_where_it_is_missing_and_apt_runs_as_root() -> No
         advice = dev.node_plan(found=False, root=root, apt=apt)
         assert advice is not None and "apt-get install nodejs npm" in advice
     assert dev.INSTALL_NODE[:2] == ["apt-get", "install"] and "nodejs" in dev.INSTALL_NODE
+
+
+def test_buildah_and_mmdebstrap_are_installed_where_apt_runs_as_root() -> None:
+    assert dev.image_tools_plan(found=True, root=True, apt=True) is None
+    assert dev.image_tools_plan(found=False, root=True, apt=True) == "install"
+    for root, apt in ((False, True), (True, False), (False, False)):
+        advice = dev.image_tools_plan(found=False, root=root, apt=apt)
+        assert advice is not None and "apt-get install buildah mmdebstrap" in advice
+    assert dev.INSTALL_IMAGE_TOOLS[-2:] == ["buildah", "mmdebstrap"]
+
+
+def test_the_base_is_named_after_the_command_that_makes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = dev.base_name()
+    assert first == dev.base_name(), "the same command finds the cached base"
+    monkeypatch.setattr(dev, "BASE_COMMAND", [*dev.BASE_COMMAND[:-1], "trixie"])
+    assert dev.base_name() != first
+    assert first.startswith("localhost/outbox-relay-base:")
+
+
+def test_the_build_gets_the_version_and_base_and_mounts_only_host_settings_that_exist(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    present = tmp_path / "pip.conf"
+    present.write_text("[global]\n")
+    monkeypatch.setattr(dev, "HOST_SETTINGS", [str(present), str(tmp_path / "absent")])
+    command = dev.build_command("localhost/base:1", "localhost/outbox-relay:9.9.9")
+    assert command[:4] == ["buildah", "bud", "--isolation", "chroot"]
+    assert f"{present}:{present}:ro" in command
+    assert not [arg for arg in command if "absent" in arg]
+    args = [command[i + 1] for i, arg in enumerate(command) if arg == "--build-arg"]
+    assert "PYTHON_IMAGE=localhost/base:1" in args
+    assert f"VERSION={dev.project_version()}" in args
+    assert command[command.index("--tag") + 1] == "localhost/outbox-relay:9.9.9"
+    assert dev.image_name() == f"localhost/outbox-relay:{dev.project_version()}"

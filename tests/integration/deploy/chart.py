@@ -8,6 +8,7 @@ command that installs it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from relay.config import load_config
 
@@ -61,6 +64,45 @@ def tool(name: str, package: str | None = None) -> str:
     if found is None:
         pytest.fail(f"{name} is not installed: {INSTALL[package or name]}", pytrace=False)
     return found
+
+
+def locked_versions() -> dict[str, str]:
+    """{canonical name: version} pinned in requirements.lock."""
+    lock: dict[str, str] = {}
+    for line in (ROOT / "requirements.lock").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            lock[canonicalize_name(name)] = version.strip()
+    return lock
+
+
+def image_distributions() -> set[str]:
+    """What `pip install -c requirements.lock '.[all]'` installs (canonical names), each
+    checked to be pinned in the lock: the image's dependencies, from this venv's metadata."""
+    lock = locked_versions()
+    project = PYPROJECT["project"]
+    pending = [Requirement(r) for r in project["dependencies"]]
+    for extra in ("nats", "kafka", "rabbitmq", "sqs"):
+        pending += [Requirement(r) for r in project["optional-dependencies"][extra]]
+    seen: set[str] = set()
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        assert name in lock, f"{requirement.name} is not pinned in requirements.lock"
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{requirement.name} is not installed: pip install -e '.[test]'")
+        assert dist.version == lock[name], f"{name}: installed {dist.version}, lock {lock[name]}"
+        for text in dist.requires or []:
+            sub = Requirement(text)
+            wanted = ["", *sorted(requirement.extras)]
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in wanted):
+                pending.append(sub)
+    return seen
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -129,6 +171,20 @@ FULL: dict[str, Any] = {
     },
     "grafanaDashboard": {"enabled": True},
 }
+
+
+OUTBOX = "loans-outbox"  # the chart's example config's
+
+
+def example_config(nats_url: str, subject: str, port: int) -> dict[str, Any]:
+    """The chart's example config, pointed at this machine's NATS, a test subject and a free
+    port (the container shares the host's network)."""
+    config: dict[str, Any] = yaml.safe_load((CHART / "files" / "relay.example.yaml").read_text())
+    config["brokers"]["nats"]["servers"] = [nats_url]
+    for rule in config["outboxes"][OUTBOX]["messages"].values():
+        rule["destination"] = f"{subject}.loans"
+    config["http"]["port"] = port
+    return config
 
 
 def render(chart: Any, values: dict[str, Any] | None = None) -> dict[str, str]:

@@ -3,21 +3,12 @@ chart mounts) and every dependency of the image pinned in requirements.lock."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 
 import pytest
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
-from tests.integration.deploy.chart import (
-    DOCKERFILE,
-    PYPROJECT,
-    ROOT,
-    run,
-    tool,
-)
+from tests.integration.deploy.chart import DOCKERFILE, image_distributions, run, tool
 
 # Helm renders the chart; kubernetes-validate, promtool and hadolint check it: tools, not
 # services, but seconds each, so not in the fast tier.
@@ -85,32 +76,6 @@ def test_image_dependencies_are_all_pinned_in_the_lock() -> None:
 
     Walks the installed metadata from the project's dependencies and broker extras.
     """
-    lock = {}
-    for line in (ROOT / "requirements.lock").read_text(encoding="utf-8").splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            lock[canonicalize_name(name)] = version.strip()
-    project = PYPROJECT["project"]
-    pending = [Requirement(r) for r in project["dependencies"]]
-    for extra in ("nats", "kafka", "rabbitmq", "sqs"):
-        pending += [Requirement(r) for r in project["optional-dependencies"][extra]]
-    seen: set[str] = set()
-    while pending:
-        requirement = pending.pop()
-        name = canonicalize_name(requirement.name)
-        if name in seen:
-            continue
-        seen.add(name)
-        assert name in lock, f"{requirement.name} is not pinned in requirements.lock"
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            pytest.fail(f"{requirement.name} is not installed: pip install -e '.[test]'")
-        assert dist.version == lock[name], f"{name}: installed {dist.version}, lock {lock[name]}"
-        for text in dist.requires or []:
-            sub = Requirement(text)
-            wanted = ["", *sorted(requirement.extras)]
-            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in wanted):
-                pending.append(sub)
+    seen = image_distributions()
     assert {"asyncpg", "nats-py", "aiokafka", "aio-pika", "aioboto3"} <= seen
     assert not seen & {"pytest", "mypy", "ruff", "moto"}, "test tools must stay out of the image"
