@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# Outbox Relay image: docker build -t outbox-relay:0.1.0 \
-#   --build-arg VERSION=0.1.0 --build-arg REVISION="$(git rev-parse HEAD)" \
+# Outbox Relay image: docker build -t outbox-relay:0.2.0 \
+#   --build-arg VERSION=0.2.0 --build-arg REVISION="$(git rev-parse HEAD)" \
 #   --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" .
 # See docs/deploy.md. Both stages use the same base image, so the virtualenv's
 # interpreter symlink (/usr/local/bin/python3.11) resolves in the runtime stage.
@@ -40,7 +40,7 @@ RUN pip install --no-cache-dir --no-deps . \
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 ARG REVISION=unknown
 ARG CREATED=unknown
 ARG SOURCE=unknown
