@@ -21,7 +21,6 @@ import sys
 import tarfile
 import tomllib
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
 
 
 @pytest.fixture(scope="module")
-def installed(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def installed(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin folder of a fresh venv holding the wheel with the `nats` extra, and only that."""
     venv = tmp_path_factory.mktemp("venv")
     elsewhere = tmp_path_factory.mktemp("elsewhere")
@@ -137,10 +136,10 @@ def installed(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "install",
         "--disable-pip-version-check",
         "--no-input",
-        "--no-compile",
+        "--no-compile",  # no .pyc of every dependency up front: the imports compile their own
     ]
     run([*pip, "-c", str(LOCK), f"{release.wheel}[nats]"], elsewhere, clean_env())
-    yield venv / "bin"
+    return venv / "bin"
 
 
 def test_the_build_names_the_version_and_warns_of_nothing(release: Release) -> None:
