@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# Outbox Relay image: docker build -t outbox-relay:0.1.0 \
-#   --build-arg VERSION=0.1.0 --build-arg REVISION="$(git rev-parse HEAD)" \
+# Outbox Relay image: docker build -t outbox-relay:0.2.0 \
+#   --build-arg VERSION=0.2.0 --build-arg REVISION="$(git rev-parse HEAD)" \
 #   --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" .
 # See docs/deploy.md; `python3 dev.py image` builds it with buildah on a Debian base. Both
 # stages use the same base image, so the virtualenv's interpreter symlink resolves in the
@@ -27,7 +27,7 @@ WORKDIR /src
 # The project's metadata plus an empty package is enough for pip to resolve `.[all]`
 # (every broker client) constrained to the exact versions in requirements.lock. The
 # lock also pins test-only tools; `-c` only constrains, so none of them is installed.
-COPY pyproject.toml requirements.lock README.md ./
+COPY pyproject.toml requirements.lock README.md LICENSE ./
 RUN mkdir relay && touch relay/__init__.py \
  && pip install --no-cache-dir -c requirements.lock '.[all]' \
  && pip uninstall --yes outbox-relay \
@@ -69,7 +69,7 @@ USER 10001:10001
 RUN relay version
 
 # The labels last: a new commit changes only this layer, and the ones above stay cached.
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 ARG REVISION=unknown
 ARG CREATED=unknown
 ARG SOURCE=unknown

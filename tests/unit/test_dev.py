@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,81 @@ def test_the_build_gets_the_version_and_base_and_mounts_only_host_settings_that_
     assert f"VERSION={dev.project_version()}" in args
     assert command[command.index("--tag") + 1] == "localhost/outbox-relay:9.9.9"
     assert dev.image_name() == f"localhost/outbox-relay:{dev.project_version()}"
+
+
+# -- the venv: what each command installs, and pip's output ---------------------------------
+
+
+@pytest.fixture
+def venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """dev.py's venv in tmp_path, with the pip commands it would run recorded, not run."""
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.touch()
+    monkeypatch.setattr(dev, "PYTHON", python)
+    monkeypatch.setattr(dev, "STAMP", tmp_path / "stamp")
+    installs: list[list[str]] = []
+    monkeypatch.setattr(dev, "install", lambda command, what: installs.append(command))
+    return installs
+
+
+def extras(installs: list[list[str]]) -> list[str]:
+    return [next(arg for arg in command if arg.startswith(".[")) for command in installs]
+
+
+def test_the_demo_installs_its_extra_only_and_the_tests_add_theirs(venv: list[list[str]]) -> None:
+    dev.ensure_venv("demo")
+    assert extras(venv) == [".[demo]"]
+    assert "-c" in venv[0] and "requirements.lock" in venv[0]
+    dev.ensure_venv("demo")
+    dev.ensure_venv("test")
+    dev.ensure_venv("demo")  # the test extra holds the demo's: nothing to do
+    dev.ensure_venv("test")
+    assert extras(venv) == [".[demo]", ".[test]"]
+
+
+def test_a_changed_pyproject_or_lock_installs_again(
+    venv: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev.ensure_venv("test")
+    dev.STAMP.write_text(dev.STAMP.read_text().replace("\n", "0\n", 1))  # another digest
+    dev.ensure_venv("demo")
+    dev.ensure_venv("demo")
+    assert extras(venv) == [".[test]", ".[demo]"]
+
+
+def test_pip_goes_to_its_log_and_the_terminal_gets_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(dev, "PIP_LOG", tmp_path / "pip.log")
+    pip = "\n".join(
+        [
+            "Collecting asyncpg>=0.29 (from outbox-relay==0.2.0)",
+            "Processing /opt/pypi/files/structlog-26.1.0-py3-none-any.whl (from outbox-relay)",
+            "Requirement already satisfied: nats-py>=2.7 in ./.venv/lib (from outbox-relay)",
+            "Installing collected packages: asyncpg, structlog",
+            "Successfully installed asyncpg-0.32.0 structlog-26.1.0",
+        ]
+    )
+    dev.install([sys.executable, "-c", f"print({pip!r})"], "the demo")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("dev.py: installing the demo (pip's log: ")
+    assert err.rstrip().endswith("3 packages")
+    log = (tmp_path / "pip.log").read_text()
+    assert "Processing /opt/pypi/files/structlog" in log and "Successfully installed" in log
+
+
+def test_a_failing_pip_shows_the_tail_of_its_log_and_where_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(dev, "PIP_LOG", tmp_path / "pip.log")
+    failing = "print('\\n'.join(f'line {n}' for n in range(100))); raise SystemExit(3)"
+    with pytest.raises(SystemExit) as exit_:
+        dev.install([sys.executable, "-c", failing], "the demo")
+    assert exit_.value.code == 3
+    err = capsys.readouterr().err
+    assert "FAILED (exit code 3)" in err
+    assert "line 99" in err and f"line {99 - dev.LOG_TAIL}" not in err
+    assert f"its whole output is in {tmp_path / 'pip.log'}" in err
+    assert "line 0" in (tmp_path / "pip.log").read_text()
