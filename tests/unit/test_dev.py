@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,3 +72,57 @@ def test_node_is_installed_only_where_it_is_missing_and_apt_runs_as_root() -> No
         advice = dev.node_plan(found=False, root=root, apt=apt)
         assert advice is not None and "apt-get install nodejs npm" in advice
     assert dev.INSTALL_NODE[:2] == ["apt-get", "install"] and "nodejs" in dev.INSTALL_NODE
+
+
+def test_the_matrix_runs_every_cell_and_names_each_that_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    runs: list[str] = []
+
+    def call(command: list[str], env: dict[str, str] | None = None, label: str = "") -> int:
+        runs.append(f"{label} RELAY_TEST_POSTGRES={(env or {}).get('RELAY_TEST_POSTGRES')}")
+        return 1 if label.startswith(("PostgreSQL 16", "Python 3.12")) else 0
+
+    monkeypatch.setattr(dev, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dev, "call", call)
+    monkeypatch.setattr(dev, "python_venv", lambda v: None if v == "3.13" else tmp_path)
+    assert dev.matrix() == 1
+    assert runs == [
+        *(f"PostgreSQL {m}: the SQL suites RELAY_TEST_POSTGRES={m}" for m in dev.MATRIX_POSTGRES),
+        "Python 3.12: the unit tier and smoke RELAY_TEST_POSTGRES=None",
+    ]
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said == (
+        "dev.py: FAILED on PostgreSQL 16, Python 3.12, Python 3.13 (not found) (see each run above)"
+    )
+
+
+def test_the_matrix_passes_quietly_when_every_cell_passes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(dev, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dev, "call", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(dev, "python_venv", lambda v: tmp_path)
+    assert dev.matrix() == 0
+    assert "FAILED" not in capsys.readouterr().err
+
+
+def test_every_suite_the_matrix_names_exists() -> None:
+    """A renamed file or test would otherwise drop out of every other major unnoticed."""
+    for entry in [*dev.SQL_SUITES, *dev.SMOKE]:
+        path, _, test = entry.partition("::")
+        assert (dev.ROOT / path).exists(), entry
+        if test:
+            assert f"def {test}(" in (dev.ROOT / path).read_text(), entry
+
+
+def test_pythons_are_found_in_pyenv_where_its_shims_would_refuse(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    interpreter = tmp_path / "versions" / "3.12.1" / "bin" / "python3.12"
+    interpreter.parent.mkdir(parents=True)
+    interpreter.touch()
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert dev.find_python("3.12") == str(interpreter)
+    assert dev.find_python("3.13") is None
