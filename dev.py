@@ -3,8 +3,8 @@
     python3 dev.py demo                 the whole product in under a minute (embedded services)
     python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests;
                                         without pytest args, then the matrix below as well
-    python3 dev.py matrix               the SQL suites on the other PostgreSQL majors, and the unit
-                                        tier and a smoke test on the other Pythons (see MATRIX)
+    python3 dev.py matrix               the SQL suites on the other PostgreSQL majors, the unit tier
+                                        and a smoke test on the other Pythons (see docs/)
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
     python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
 
@@ -280,14 +280,14 @@ MATRIX_POSTGRES = {
     "18": SQL_SUITES,
 }
 # The unit tier and a smoke test (a real `relay run` relays, stops, restarts; migrate and check)
-# run on each other Python, each in a venv of its own installed like .venv. The main run's
-# Python is the python3 that runs dev.py.
+# run on each other supported Python, each in a venv of its own installed like .venv. The main
+# run's Python is the python3 that runs dev.py (.venv is made from it): 3.11 in CI.
 SMOKE = [
     "tests/unit",
     "tests/integration/test_process.py::test_sigterm_mid_stream_then_restart_delivers_every_event_once",
     "tests/integration/test_process.py::test_migrate_is_idempotent_and_check_previews_without_publishing",
 ]
-MATRIX_PYTHONS = ["3.12", "3.13"]
+SUPPORTED_PYTHONS = ["3.11", "3.12", "3.13"]
 
 
 def matrix() -> int:
@@ -305,7 +305,8 @@ def matrix() -> int:
         pytest = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", *deselect, *suites]
         if call(pytest, env, f"PostgreSQL {major}: the SQL suites") != 0:
             failed.append(f"PostgreSQL {major}")
-    for version in MATRIX_PYTHONS:
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for version in [version for version in SUPPORTED_PYTHONS if version != running]:
         venv = python_venv(version)
         if venv is None:
             failed.append(f"Python {version} (not found)")
