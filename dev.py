@@ -305,8 +305,7 @@ def matrix() -> int:
         pytest = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", *deselect, *suites]
         if call(pytest, env, f"PostgreSQL {major}: the SQL suites") != 0:
             failed.append(f"PostgreSQL {major}")
-    running = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for version in [version for version in SUPPORTED_PYTHONS if version != running]:
+    for version in other_pythons():
         venv = python_venv(version)
         if venv is None:
             failed.append(f"Python {version} (not found)")
@@ -318,6 +317,12 @@ def matrix() -> int:
         print(f"dev.py: FAILED on {', '.join(failed)} (see each run above)", file=sys.stderr)
         return 1
     return 0
+
+
+def other_pythons() -> list[str]:
+    """The supported Pythons but the one running dev.py, whose .venv the main run used."""
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return [version for version in SUPPORTED_PYTHONS if version != running]
 
 
 def python_venv(version: str) -> Path | None:

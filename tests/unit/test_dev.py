@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ def test_the_matrix_runs_every_cell_and_names_each_that_failed(
     monkeypatch.setattr(dev, "check", lambda *args, **kwargs: None)
     monkeypatch.setattr(dev, "call", call)
     monkeypatch.setattr(dev, "python_venv", lambda v: None if v == "3.13" else tmp_path)
+    monkeypatch.setattr(dev, "other_pythons", lambda: ["3.12", "3.13"])
     assert dev.matrix() == 1
     assert runs == [
         *(f"PostgreSQL {m}: the SQL suites RELAY_TEST_POSTGRES={m}" for m in dev.MATRIX_POSTGRES),
@@ -119,6 +121,12 @@ def test_every_suite_the_matrix_names_exists() -> None:
         if test:
             assert f"def {test}" in (dev.ROOT / path).read_text(), entry
     assert set(dev.ON_PRIVATE_SERVERS) <= set(dev.SQL_SUITES)
+
+
+def test_the_other_pythons_are_the_supported_ones_but_the_main_runs() -> None:
+    others = dev.other_pythons()
+    assert len(others) == len(dev.SUPPORTED_PYTHONS) - 1
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" not in others
 
 
 def test_pythons_are_found_in_pyenv_where_its_shims_would_refuse(
