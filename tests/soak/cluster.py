@@ -20,7 +20,7 @@ from typing import Any
 
 import asyncpg
 
-from relay.demo.embedded import EmbeddedPostgres
+from tests.support import postgres
 from tests.support.config import write_config
 from tests.support.postgres import EVENTS_SQL, address, with_address, with_database
 from tests.support.proxy import TcpProxy
@@ -78,7 +78,7 @@ class Database:
     def __init__(self) -> None:
         # fsync off: the soak crashes the server process, never the machine, so the OS keeps
         # every write a commit returned for; max_prepared_transactions for two-phase writers.
-        self.server = EmbeddedPostgres({"max_prepared_transactions": "64", "fsync": "off"})
+        self.server = postgres.server({"max_prepared_transactions": "64", "fsync": "off"})
         self.admin_dsn = ""
         self.dsn = ""
 

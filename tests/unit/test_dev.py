@@ -187,3 +187,69 @@ def test_a_failing_pip_shows_the_tail_of_its_log_and_where_it_is(
     assert "line 99" in err and f"line {99 - dev.LOG_TAIL}" not in err
     assert f"its whole output is in {tmp_path / 'pip.log'}" in err
     assert "line 0" in (tmp_path / "pip.log").read_text()
+
+
+def test_the_matrix_runs_every_cell_and_names_each_that_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    runs: list[str] = []
+
+    def call(command: list[str], env: dict[str, str] | None = None, label: str = "") -> int:
+        runs.append(f"{label} RELAY_TEST_POSTGRES={(env or {}).get('RELAY_TEST_POSTGRES')}")
+        return 1 if label.startswith(("PostgreSQL 16", "Python 3.12")) else 0
+
+    monkeypatch.setattr(dev, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dev, "call", call)
+    monkeypatch.setattr(dev, "python_venv", lambda v: None if v == "3.13" else tmp_path)
+    monkeypatch.setattr(dev, "other_pythons", lambda: ["3.12", "3.13"])
+    assert dev.matrix() == 1
+    assert runs == [
+        *(f"PostgreSQL {m}: the SQL suites RELAY_TEST_POSTGRES={m}" for m in dev.MATRIX_POSTGRES),
+        "Python 3.12: the unit tier and smoke RELAY_TEST_POSTGRES=None",
+    ]
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said == (
+        "dev.py: FAILED on PostgreSQL 16, Python 3.12, Python 3.13 (not found) (see each run above)"
+    )
+
+
+def test_the_matrix_passes_quietly_when_every_cell_passes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(dev, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dev, "call", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(dev, "python_venv", lambda v: tmp_path)
+    assert dev.matrix() == 0
+    assert "FAILED" not in capsys.readouterr().err
+
+
+def test_every_suite_the_matrix_names_exists() -> None:
+    """A renamed file or test would otherwise drop out of the matrix unnoticed.
+
+    ONLY_IN_THE_MAIN_RUN names tests by the start of their names, as pytest's --deselect does.
+    """
+    suites = [entry for suites in dev.MATRIX_POSTGRES.values() for entry in suites]
+    for entry in [*suites, *dev.ONLY_IN_THE_MAIN_RUN, *dev.SMOKE]:
+        path, _, test = entry.partition("::")
+        assert (dev.ROOT / path).exists(), entry
+        if test:
+            assert f"def {test}" in (dev.ROOT / path).read_text(), entry
+    assert set(dev.ON_PRIVATE_SERVERS) <= set(dev.SQL_SUITES)
+
+
+def test_the_other_pythons_are_the_supported_ones_but_the_main_runs() -> None:
+    others = dev.other_pythons()
+    assert len(others) == len(dev.SUPPORTED_PYTHONS) - 1
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" not in others
+
+
+def test_pythons_are_found_in_pyenv_where_its_shims_would_refuse(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    interpreter = tmp_path / "versions" / "3.12.1" / "bin" / "python3.12"
+    interpreter.parent.mkdir(parents=True)
+    interpreter.touch()
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert dev.find_python("3.12") == str(interpreter)
+    assert dev.find_python("3.13") is None
