@@ -7,16 +7,19 @@ import asyncio
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from tests.integration.test_postgres_failover import ids_in, relaying
 from tests.support.db import append_many, connect
-from tests.support.delivery import book_lent, event_id
+from tests.support.delivery import append_backlog, book_lent, event_id
 from tests.support.jetstream import fetch_all
+from tests.support.lanes import delivered
 from tests.support.postgres import with_database
-from tests.support.relay_process import RelayProcess
+from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.replication import replicated_pair
+from tests.support.scenario import config_dict, save
 
 Start = Callable[..., RelayProcess]
 
@@ -82,3 +85,32 @@ async def test_a_wal_archiver_is_not_taken_for_a_standby_by_survive_failover(
             if receiver.returncode is None:
                 receiver.kill()
             await receiver.wait()
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    ["127.0.0.1:{port},localhost:{port}", "127.0.0.1:{port},127.0.0.1:{port}"],
+    ids=["two-names-for-one-server", "one-host-twice"],
+)
+async def test_one_server_listed_twice_is_no_split_brain(  # noqa: PLR0917 - fixtures
+    tmp_path: Path, events_table: str, nats_url: str, stream: str, relay_process: Start, hosts: str
+) -> None:
+    """configuration.md lets `database.url` list several hosts; a Kubernetes operator often
+    lists one server under two names (the `-rw` service and the pod's own name, or
+    `localhost` and `127.0.0.1`). The relay takes them for two primaries: `relay migrate`,
+    `relay check` and `relay run` all say `split brain: 127.0.0.1:5432 and localhost:5432
+    both answer as primaries` and the relay never relays (retried for ever). One server is
+    one primary; a literal duplicate may at most be a config error naming `database.url`."""
+    port = urlsplit(events_table).port or 5432
+    url = events_table.replace(f"127.0.0.1:{port}", hosts.format(port=port), 1)
+    config = save(tmp_path, config_dict(url, nats_url, stream))
+    result = run_cli(["migrate", "--config", str(config)])
+    said = result.stdout + result.stderr
+    assert "split brain" not in said, said
+    if hosts.endswith(f"127.0.0.1:{port}") and result.returncode == 2:
+        assert "database.url" in said, said  # refused as a config error: acceptable
+        return
+    assert result.returncode == 0, said
+    first = await append_backlog(events_table, 10, aggregates=2)
+    relay_process(["run", "--config", str(config)])
+    await delivered(nats_url, stream, set(first.values()))
