@@ -114,3 +114,26 @@ async def test_one_server_listed_twice_is_no_split_brain(  # noqa: PLR0917 - fix
     first = await append_backlog(events_table, 10, aggregates=2)
     relay_process(["run", "--config", str(config)])
     await delivered(nats_url, stream, set(first.values()))
+
+
+@pytest.mark.parametrize("query", ["port={port}&port=1", "host=127.0.0.1&host=127.0.0.2"])
+def test_a_query_key_given_twice_is_a_config_error(
+    tmp_path: Path, events_table: str, nats_url: str, stream: str, query: str
+) -> None:
+    """The relay reads the first of a repeated `?port=` (or `?host=`), the driver the last:
+    with `?host=127.0.0.1&port=PRIMARY&port=STANDBY` the relay checked PRIMARY and the
+    driver reached STANDBY, so `relay migrate`, `check` and `run` said `no primary among
+    the database's hosts (127.0.0.1:PRIMARY is a primary)` and retried for ever; with
+    `port=5432&port=1`, `cannot reach the database at 127.0.0.1:5432: ... ('127.0.0.1', 1)`.
+    configuration.md: a URL the driver could not read the relay's way is a config error
+    (exit code 2) naming `database.url`, not a database that seems unreachable."""
+    port = urlsplit(events_table).port or 5432
+    parts = urlsplit(events_table)
+    url = f"postgresql://{parts.username}@{parts.path}?" + query.format(port=port)
+    if "host=" not in query:
+        url += "&host=127.0.0.1"
+    config = save(tmp_path, config_dict(url, nats_url, stream))
+    result = run_cli(["check", "--config", str(config)])
+    said = result.stdout + result.stderr
+    assert result.returncode == 2, said
+    assert "database.url" in said, said
