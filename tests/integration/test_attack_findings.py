@@ -137,3 +137,27 @@ def test_a_query_key_given_twice_is_a_config_error(
     said = result.stdout + result.stderr
     assert result.returncode == 2, said
     assert "database.url" in said, said
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["host=::1", "host=127.0.0.1&port=5432,5432,5432"],
+    ids=["raw-ipv6-in-host", "three-ports-one-host"],
+)
+def test_a_host_list_the_driver_refuses_is_a_config_error_at_load(
+    tmp_path: Path, query: str
+) -> None:
+    """configuration.md: `url` is checked when the file is loaded, so a URL the driver
+    could not read is a config error (exit code 2). These two pass the load-time check,
+    then the driver refuses them: `relay check --offline` and `relay run` exit 1 with
+    `database.url: the database driver refused the connection settings before
+    connecting` (on Kubernetes: a crash-looping pod, not a config error), and the message
+    does not say which part (an IPv6 host must be written in brackets; 3 ports for 1
+    host)."""
+    url = f"postgresql://postgres@/postgres?{query}"
+    config = save(tmp_path, config_dict(url, "nats://127.0.0.1:4222", "attack"))
+    result = run_cli(["check", "--offline", "--config", str(config)])
+    said = result.stdout + result.stderr
+    assert result.returncode == 2, said
+    assert "invalid config" in said, said
+    assert "database.url" in said, said
