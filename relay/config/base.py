@@ -272,6 +272,7 @@ def check_postgres_url(url: str) -> None:
         query = parse_qs(parts.query, strict_parsing=True)
     except ValueError:
         raise _broken("the query (after '?') is not key=value pairs joined by '&'") from None
+    _check_hosts_in_query(query, hosts)
     if "sslmode" in query and query["sslmode"][-1] not in SSLMODES:
         raise UrlError(f"sslmode must be one of {', '.join(SSLMODES)}")
     for ports in query.get("port", []):
@@ -284,6 +285,28 @@ def check_postgres_url(url: str) -> None:
                 " connection and so always connects to the primary (a standby is passed"
                 f" over): leave it out, or write one of {', '.join(PRIMARY_SESSION_ATTRS)}"
             )
+
+
+def _check_hosts_in_query(query: dict[str, list[str]], written: list[str]) -> None:
+    """What the driver and the relay would read differently, or not at all: a key given
+    twice (each takes another of them), an IPv6 address without brackets in `?host=`, and
+    more than one port that is not one per host."""
+    twice = sorted(key for key, values in query.items() if len(values) > 1)
+    if twice:
+        raise UrlError(f"{twice[0]} is given more than once in the query: give it once")
+    named = [h for h in query.get("host", [""])[0].split(",") if h]
+    for host in named:
+        if host.count(":") > 1 and not host.startswith("["):
+            raise UrlError("write an IPv6 address in ?host= in brackets, as [::1]")
+        if not host.startswith(("/", "%2F")):
+            _check_host(host)
+    ports = query.get("port", [""])[0].split(",")
+    count = len(named) or len([h for h in written if h]) or 1
+    if len(ports) > 1 and len(ports) != count:
+        raise UrlError(
+            f"?port= names {len(ports)} ports for {count} host(s): give one port for every"
+            " host, or one per host"
+        )
 
 
 def check_amqp_url(url: str) -> None:

@@ -27,6 +27,7 @@ class Host:
     address: str  # host:port, for messages
     role: Literal["primary", "standby", "down"]
     said: str
+    server: tuple[str, str] | None = None  # (start time, port): two names of one server
 
 
 def listed(url: str) -> list[str]:
@@ -65,6 +66,14 @@ def hosts(url: str) -> list[tuple[str, int]]:
     return found
 
 
+# Whether the server is in recovery, and what tells one server from another: a server
+# under two names (a service and its pod) answers both with one start time and port.
+_WHAT_IS = (
+    "SELECT pg_is_in_recovery() AS recovering, pg_postmaster_start_time() AS started,"
+    " current_setting('port') AS port"
+)
+
+
 async def ask_each(
     url: str,
     open_any: Callable[[str, int], Awaitable[asyncpg.Connection]],
@@ -81,18 +90,16 @@ async def ask_each(
         except errors as exc:
             return Host(here, "down", f"{here} cannot be reached: {text(exc)}")
         try:
-            recovering = await conn.fetchval("SELECT pg_is_in_recovery()")
+            row = await conn.fetchrow(_WHAT_IS)
         except errors as exc:
             return Host(here, "down", f"{here} did not answer: {text(exc)}")
         finally:
             conn.terminate()
-        if recovering:
-            return Host(
-                here,
-                "standby",
-                f"{here} is a standby (in recovery: read-only until it is promoted)",
-            )
-        return Host(here, "primary", f"{here} is a primary")
+        server = (str(row["started"]), str(row["port"]))
+        if row["recovering"]:
+            said = f"{here} is a standby (in recovery: read-only until it is promoted)"
+            return Host(here, "standby", said, server)
+        return Host(here, "primary", f"{here} is a primary", server)
 
     return list(await asyncio.gather(*(ask(host, port) for host, port in hosts(url))))
 
@@ -106,8 +113,13 @@ def no_primary(found: list[Host]) -> str:
 
 
 def split_brain(found: list[Host]) -> str | None:
-    """Why the relay must not use any host, when two of them answer as primaries."""
-    primaries = [h.address for h in found if h.role == "primary"]
+    """Why the relay must not use any host, when two servers answer as primaries (one
+    server under two names, `127.0.0.1` and `localhost`, is one primary)."""
+    servers: dict[tuple[str, str] | None, str] = {}
+    for host in found:
+        if host.role == "primary":
+            servers.setdefault(host.server, host.address)
+    primaries = list(servers.values())
     if len(primaries) < 2:
         return None
     return (

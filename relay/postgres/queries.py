@@ -59,13 +59,15 @@ SELECT CASE WHEN b % s IN (24, 40) THEN b - b % s ELSE b END FROM (
   SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn AS b,
     current_setting('wal_block_size')::numeric AS s) AS w
 """
-    # $1 a WAL position in bytes: physical standbys streaming (a walsender of no database;
-    # logical ones, such as a CDC slot's, serve a database) and how many have flushed it.
+    # $1 a WAL position in bytes: standbys streaming and how many have flushed it. A standby
+    # is a physical walsender (no database: a logical one, such as a CDC slot's, serves a
+    # database) whose client replays the WAL: a WAL archiver (pg_receivewal, pg_basebackup's
+    # stream) reports no replay position, and nothing can fail over to it.
     standbys: Final = """
 SELECT count(*) AS streaming,
   count(*) FILTER (WHERE r.flush_lsn - '0/0'::pg_lsn >= $1::numeric) AS flushed
 FROM pg_stat_replication r JOIN pg_stat_activity a ON a.pid = r.pid
-WHERE r.state = 'streaming' AND a.datid IS NULL
+WHERE r.state = 'streaming' AND a.datid IS NULL AND r.replay_lsn IS NOT NULL
 """
 
 
