@@ -98,7 +98,7 @@ async def test_one_server_listed_twice_is_no_split_brain(  # noqa: PLR0917 - fix
     """configuration.md lets `database.url` list several hosts; a Kubernetes operator often
     lists one server under two names (the `-rw` service and the pod's own name, or
     `localhost` and `127.0.0.1`). The relay takes them for two primaries: `relay migrate`,
-    `relay check` and `relay run` all say `split brain: 127.0.0.1:5432 and localhost:5432
+    `relay check` and `relay run` all say `split brain: 127.0.0.1:P and localhost:P
     both answer as primaries` and the relay never relays (retried for ever). One server is
     one primary; a literal duplicate may at most be a config error naming `database.url`."""
     port = urlsplit(events_table).port or 5432
@@ -124,7 +124,7 @@ def test_a_query_key_given_twice_is_a_config_error(
     with `?host=127.0.0.1&port=PRIMARY&port=STANDBY` the relay checked PRIMARY and the
     driver reached STANDBY, so `relay migrate`, `check` and `run` said `no primary among
     the database's hosts (127.0.0.1:PRIMARY is a primary)` and retried for ever; with
-    `port=5432&port=1`, `cannot reach the database at 127.0.0.1:5432: ... ('127.0.0.1', 1)`.
+    `port=P&port=1`, `cannot reach the database at 127.0.0.1:P: ... ('127.0.0.1', 1)`.
     configuration.md: a URL the driver could not read the relay's way is a config error
     (exit code 2) naming `database.url`, not a database that seems unreachable."""
     port = urlsplit(events_table).port or 5432
@@ -155,7 +155,7 @@ def test_a_host_list_the_driver_refuses_is_a_config_error_at_load(
     does not say which part (an IPv6 host must be written in brackets; 3 ports for 1
     host)."""
     url = f"postgresql://postgres@/postgres?{query}"
-    config = save(tmp_path, config_dict(url, "nats://127.0.0.1:4222", "attack"))
+    config = save(tmp_path, config_dict(url, "nats://127.0.0.1:1", "attack"))
     result = run_cli(["check", "--offline", "--config", str(config)])
     said = result.stdout + result.stderr
     assert result.returncode == 2, said
