@@ -305,11 +305,18 @@ def rabbitmq_plan(*, installed: bool, port_taken: bool, root: bool, apt: bool) -
 
 
 def install_rabbitmq() -> None:
-    print("dev.py: installing Debian's rabbitmq-server for the RabbitMQ tests", file=sys.stderr)
+    apt_install(INSTALL_RABBITMQ, "for the RabbitMQ tests")
+
+
+def apt_install(command: list[str], why: str) -> None:
+    """`apt-get install` the command's packages; on failure the package lists may be stale,
+    so update them and install once more (a second failure stops dev.py, saying which)."""
+    packages = [word for word in command[2:] if not word.startswith("-")]
+    print(f"dev.py: installing Debian's {' and '.join(packages)} {why}", file=sys.stderr)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    if subprocess.call(INSTALL_RABBITMQ, env=env) != 0:  # the package lists may be stale
-        check(["apt-get", "update", "-qq"], env, "apt-get update (for rabbitmq-server)")
-        check(INSTALL_RABBITMQ, env, "apt-get install rabbitmq-server")
+    if subprocess.call(command, env=env) != 0:
+        check(["apt-get", "update", "-qq"], env, f"apt-get update (for {packages[0]})")
+        check(command, env, f"apt-get install {' '.join(packages)}")
 
 
 def ensure_node() -> None:
@@ -320,11 +327,7 @@ def ensure_node() -> None:
         apt=shutil.which("apt-get") is not None,
     )
     if plan == "install":
-        print("dev.py: installing Debian's nodejs and npm for the AsyncAPI tests", file=sys.stderr)
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        if subprocess.call(INSTALL_NODE, env=env) != 0:  # the package lists may be stale
-            check(["apt-get", "update", "-qq"], env, "apt-get update (for nodejs)")
-            check(INSTALL_NODE, env, "apt-get install nodejs npm")
+        apt_install(INSTALL_NODE, "for the AsyncAPI tests")
     elif plan is not None:
         print(f"dev.py: {plan}", file=sys.stderr)
 
@@ -350,11 +353,7 @@ def ensure_image_tools() -> bool:
         apt=shutil.which("apt-get") is not None,
     )
     if plan == "install":
-        print("dev.py: installing Debian's buildah and mmdebstrap for the image", file=sys.stderr)
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        if subprocess.call(INSTALL_IMAGE_TOOLS, env=env) != 0:  # the package lists may be stale
-            check(["apt-get", "update", "-qq"], env, "apt-get update (for buildah)")
-            check(INSTALL_IMAGE_TOOLS, env, "apt-get install buildah mmdebstrap")
+        apt_install(INSTALL_IMAGE_TOOLS, "for the image")
     elif plan is not None:
         print(f"dev.py: {plan}", file=sys.stderr)
         return False

@@ -327,6 +327,16 @@ async def test_migrate_keeps_everything_the_previous_release_wrote(
 # -- the rolling upgrade: the check that enforces expand, then contract --------------------
 
 
+async def relaying(
+    relays: Fleet, dsn: str, writer: Writer, watch: LaneWatch, names: tuple[str, str], *, old: bool
+) -> tuple[RelayProcess, RelayProcess]:
+    """Two replicas of one release started, in the live set, and relaying."""
+    first, second = (relays.start(name, old=old) for name in names)
+    await joined(dsn, first, second)
+    await flowing(dsn, writer, watch)
+    return first, second
+
+
 async def flowing(dsn: str, writer: Writer, watch: LaneWatch, events: int = 20) -> None:
     """The writer commits `events` more, and every lane not held up by a refused message
     relays past them: the fleet relays, counted in events rather than seconds. A breach
@@ -378,10 +388,7 @@ async def test_rolling_upgrade_from_the_previous_release(
     watch = LaneWatch(dsn, OUTBOXES)
     async with watch, Writer(dsn, rate=40, aggregates=12) as writer:
         watch.phase = "previous release"
-        old_a = relays.start("old-a", old=True)
-        old_b = relays.start("old-b", old=True)
-        await joined(dsn, old_a, old_b)
-        await flowing(dsn, writer, watch)
+        old_a, old_b = await relaying(relays, dsn, writer, watch, ("old-a", "old-b"), old=True)
         async with connect(dsn) as conn:
             heavy_at = {message_id(e): await append(conn, *e[:5]) for e in (PARKED, RETRIED)}
 
@@ -471,10 +478,7 @@ async def test_a_rollback_to_the_previous_release_under_a_writer(
     watch = LaneWatch(dsn, OUTBOXES)
     async with watch, Writer(dsn, rate=40, aggregates=12) as writer:
         watch.phase = "this release"
-        new_1 = relays.start("new-1", old=False)
-        new_2 = relays.start("new-2", old=False)
-        await joined(dsn, new_1, new_2)
-        await flowing(dsn, writer, watch)
+        new_1, new_2 = await relaying(relays, dsn, writer, watch, ("new-1", "new-2"), old=False)
         watch.phase = "old-a joined"
         await joined(dsn, relays.start("old-a", old=True))
         await flowing(dsn, writer, watch)

@@ -110,6 +110,15 @@ def create_database(admin_dsn: str) -> str:
 
 
 @contextlib.contextmanager
+def running(server: EmbeddedPostgres) -> Iterator[str]:
+    """The server started (its admin DSN), and stopped with its files deleted afterwards."""
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
 def fresh_database(admin_dsn: str) -> Iterator[str]:
     """DSN of a fresh, empty database on the server of `admin_dsn`, dropped afterwards."""
     dsn = create_database(admin_dsn)

@@ -44,11 +44,8 @@ def pg_admin_dsn() -> Iterator[str]:
     if postgres.major() is None and not FORCE_EMBEDDED and postgres.reachable(postgres.MACHINE_DSN):
         yield postgres.MACHINE_DSN
         return
-    server = postgres.server()
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+    with postgres.running(postgres.server()) as dsn:
+        yield dsn
 
 
 @pytest.fixture
@@ -65,11 +62,8 @@ def private_pg_admin_dsn() -> Iterator[str]:
     `max_prepared_transactions` lets tests prepare transactions for two-phase commit; the
     shared server has it at 0 and must not be restarted.
     """
-    server = postgres.server({"max_prepared_transactions": "10"})
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+    with postgres.running(postgres.server({"max_prepared_transactions": "10"})) as dsn:
+        yield dsn
 
 
 @pytest.fixture
