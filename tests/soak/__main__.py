@@ -1,4 +1,5 @@
-"""The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]`.
+"""The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]
+[--failover]`.
 
 Prints the verdict and the faults in order; exits 1 when anything was lost, phantom,
 inverted or regressed, or the outbox did not drain. The same seed replays the same choices.
@@ -25,6 +26,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--writers", type=int, default=6)
     parser.add_argument("--partitioned", action="store_true", help="a partitioned event table")
     parser.add_argument("--lanes", type=int, default=1, help="the outbox's `partitions`")
+    parser.add_argument(
+        "--failover", action="store_true", help="a standby, and Postgres failovers among the faults"
+    )
     parser.add_argument("--keep", type=Path, help="keep logs and data in this directory")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -36,12 +40,14 @@ def main(argv: list[str]) -> int:
         writers=args.writers,
         partitioned=args.partitioned,
         lanes=args.lanes,
+        failover=args.failover,
         keep=args.keep,
     )
     # SIGTERM (timeout, kill) stops it like Ctrl-C: every private server is stopped on the way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(
-        f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}",
+        f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}"
+        + (", failovers" if args.failover else ""),
         flush=True,
     )
     verdict, origin = asyncio.run(soak(settings))

@@ -1,4 +1,4 @@
-"""The soak's private world: a Postgres it can crash, replicas behind proxies it controls.
+"""The soak's private world: a Postgres it can crash or fail over, replicas behind proxies.
 
 Nothing here touches the machine's shared services: the Postgres cluster, the broker and
 every relay process belong to the soak, and each replica reaches the database through a
@@ -20,11 +20,13 @@ from typing import Any
 
 import asyncpg
 
+from relay.demo.embedded import EmbeddedPostgres
 from tests.support import postgres
 from tests.support.config import write_config
 from tests.support.postgres import EVENTS_SQL, address, with_address, with_database
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
+from tests.support.replication import PRIMARY_SETTINGS, promote, stream_from
 
 DATABASE = "soak"
 OUTBOX = "soak"
@@ -73,17 +75,29 @@ CREATE TABLE events_live PARTITION OF events FOR VALUES FROM ('2000-01-01') TO (
 
 
 class Database:
-    """The soak's own Postgres cluster: crashed with an immediate stop, then started again."""
+    """The soak's own Postgres: crashed with an immediate stop, then started again.
 
-    def __init__(self) -> None:
+    With `standby`, a second server streams from it (asynchronously, through a proxy that a
+    failover freezes first), and `failover` kills the primary and promotes the standby, as
+    Patroni would; the old primary then rejoins as the new one's standby. `dsn` always names
+    the current primary.
+    """
+
+    def __init__(self, *, standby: bool = False) -> None:
         # fsync off: the soak crashes the server process, never the machine, so the OS keeps
         # every write a commit returned for; max_prepared_transactions for two-phase writers.
-        self.server = postgres.server({"max_prepared_transactions": "64", "fsync": "off"})
+        settings = {"max_prepared_transactions": "64", "fsync": "off"}
+        if standby:
+            settings |= PRIMARY_SETTINGS
+        self.servers = [postgres.server(settings) for _ in range(2 if standby else 1)]
+        self.primary = 0  # which of `servers` takes writes now
+        self.link: TcpProxy | None = None  # the standby's replication stream
+        self.failovers = 0  # how many times the primary has moved
         self.admin_dsn = ""
         self.dsn = ""
 
     async def start(self, partitioned: bool) -> None:
-        self.admin_dsn = await asyncio.to_thread(self.server.start)
+        self.admin_dsn = await asyncio.to_thread(self.servers[0].start)
         self.dsn = with_database(self.admin_dsn, DATABASE)
         conn = await asyncpg.connect(self.admin_dsn)
         try:
@@ -95,19 +109,56 @@ class Database:
             await conn.execute(PARTITIONED_EVENTS if partitioned else EVENTS)
         finally:
             await conn.close()
+        if self.standby is not None:
+            await asyncio.to_thread(self._follow, self.standby)
 
     @property
-    def address(self) -> tuple[str, int]:
-        return address(self.admin_dsn)
+    def standby(self) -> EmbeddedPostgres | None:
+        return self.servers[1 - self.primary] if len(self.servers) > 1 else None
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Every server's host and port, in a fixed order (a replica's URL lists them all)."""
+        return [address(server.dsn) for server in self.servers]
 
     async def crash(self) -> None:
-        await asyncio.to_thread(self.server.halt, "immediate")
+        await asyncio.to_thread(self.servers[self.primary].halt, "immediate")
 
     async def restart(self) -> None:
-        await asyncio.to_thread(self.server.resume)
+        await asyncio.to_thread(self.servers[self.primary].resume)
+
+    async def failover(self, frozen: float) -> str:
+        """Freeze replication for `frozen` seconds while writers commit, kill the primary,
+        promote the standby, and rebuild the old primary as its standby."""
+        old, new, link = self.servers[self.primary], self.standby, self.link
+        assert new is not None and link is not None, "a failover needs Database(standby=True)"
+        link.pause()  # the standby falls behind: what it never gets, the failover takes back
+        await asyncio.sleep(frozen)
+        await asyncio.to_thread(old.halt, "immediate")
+        link.cut()
+        await asyncio.to_thread(promote, new)
+        self.primary = self.servers.index(new)
+        self.admin_dsn = new.dsn
+        self.dsn = with_database(new.dsn, DATABASE)
+        self.failovers += 1
+        started = time.monotonic()
+        await asyncio.to_thread(self._follow, old)
+        rebuilt = time.monotonic() - started
+        return f"link frozen {frozen:.1f}s, port {new.port} promoted, old rebuilt in {rebuilt:.1f}s"
+
+    def _follow(self, server: EmbeddedPostgres) -> None:
+        """`server` streams from the primary through a fresh link."""
+        if self.link is not None:
+            self.link.close()
+        self.link = TcpProxy("127.0.0.1", self.servers[self.primary].port)
+        stream_from(server, self.link.port)
 
     def stop(self) -> None:
-        self.server.stop()
+        if self.link is not None:
+            self.link.close()
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                server.stop()
 
     @contextlib.asynccontextmanager
     async def connection(self) -> Any:
@@ -118,13 +169,46 @@ class Database:
             conn.terminate()
 
 
+class Links:
+    """A replica's way to each database server: one proxy per server, faulted together."""
+
+    def __init__(self, addresses: list[tuple[str, int]]) -> None:
+        self.proxies = [TcpProxy(host, port) for host, port in addresses]
+
+    def url(self, dsn: str) -> str:
+        """`dsn` reached through these proxies: one host, or every one listed."""
+        first = with_address(dsn, self.proxies[0].host, self.proxies[0].port)
+        if len(self.proxies) == 1:
+            return first
+        scheme, _, rest = first.partition("://")
+        auth, _, tail = rest.rpartition("@")
+        hosts = ",".join(f"{p.host}:{p.port}" for p in self.proxies)
+        return f"{scheme}://{auth}@{hosts}{tail[tail.index('/') :]}"
+
+    def pause(self) -> None:
+        for proxy in self.proxies:
+            proxy.pause()
+
+    def resume(self) -> None:
+        for proxy in self.proxies:
+            proxy.resume()
+
+    def cut(self) -> None:
+        for proxy in self.proxies:
+            proxy.cut()
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
+
+
 @dataclass
 class Replica:
     """One `relay run` as Kubernetes would run it: restarted whenever it exits."""
 
     index: int
     config: Path
-    proxy: TcpProxy
+    proxy: Links
     log_root: Path
     process: RelayProcess | None = None
     starts: int = 0
@@ -199,20 +283,19 @@ class Replicas:
         self.broker_config = broker_config
         self.rule = rule  # destination (and routing key) of the outbox's messages
         self.members: list[Replica] = []
-        host, port = db.address
         for index in range(count):
-            proxy = TcpProxy(host, port)
-            self.members.append(Replica(index, Path(), proxy, root / "logs"))
+            links = Links(db.addresses)
+            self.members.append(Replica(index, Path(), links, root / "logs"))
             self.members[-1].reconfigure(self.config_file(index, lanes))
 
     def config_file(self, index: int, lanes: int, outboxes: str = "soak") -> Path:
         """Replica `index`'s config with `lanes` partitions; `outboxes`: `soak` alone,
         `both` (with the side outbox added) or `side` (the soak outbox removed)."""
-        proxy = self.members[index].proxy
+        links = self.members[index].proxy
         path = self.root / f"replica-{index}-{outboxes}-{lanes}.yaml"
-        return write_config(path, self._config(proxy, lanes, outboxes))
+        return write_config(path, self._config(links, lanes, outboxes))
 
-    def _config(self, proxy: TcpProxy, lanes: int, outboxes: str) -> dict[str, Any]:
+    def _config(self, links: Links, lanes: int, outboxes: str) -> dict[str, Any]:
         rule = {"type": "soak.item-added.v1", "payload": "data", **self.rule}
         soak: dict[str, Any] = {
             "broker": "broker",
@@ -224,12 +307,12 @@ class Replicas:
         }
         side = {**soak, "messages": {"NeverWritten": rule}}
         chosen = {"soak": {OUTBOX: soak}, "both": {OUTBOX: soak, SIDE: side}, "side": {SIDE: side}}
+        source: dict[str, Any] = {"poll_interval": "100ms", "barrier_report_after": "500ms"}
+        if self.db.standby is not None:  # publish nothing a failover can take back
+            source["survive_failover"] = {"standbys": 1, "without_standbys": "wait"}
         return {
-            "database": {
-                "url": with_address(self.db.dsn, proxy.host, proxy.port),
-                "connect_timeout": "2s",
-            },
-            "source": {"poll_interval": "100ms", "barrier_report_after": "500ms"},
+            "database": {"url": links.url(self.db.dsn), "connect_timeout": "2s"},
+            "source": source,
             "brokers": {"broker": self.broker_config},
             "outboxes": chosen[outboxes],
             "lease": LEASE,

@@ -1,8 +1,8 @@
 """Faults, one at a time, as the seed's schedule (schedule.py) lists them.
 
 Each fault ends cleanly (a paused process is continued, a black hole is cut and opened
-again, a crashed server is started again), so that once the schedule is over every outbox
-must drain to its head.
+again, a crashed server is started again, a failed primary rejoins as a standby), so that
+once the schedule is over every outbox must drain to its head.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tests.soak.rollouts import Rollouts
 from tests.soak.schedule import (
     BLACK_HOLE,
     BROKER,
+    FAILOVER,
     KILL,
     LEAVE,
     ROLLOUT_KINDS,
@@ -83,6 +84,8 @@ class Chaos:
             return await self._on_replica(kind, target, lasting)
         if kind == TERMINATE:
             return await self._terminate_sessions()
+        if kind == FAILOVER:
+            return await self.db.failover(lasting)
         if kind == BROKER:
             await self.broker.crash()
             await asyncio.sleep(lasting)

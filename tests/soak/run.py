@@ -16,7 +16,7 @@ import asyncpg
 from tests.soak.brokers import SoakBroker, make_broker
 from tests.soak.cluster import CHECKPOINTS, OUTBOX, RECORDED, Database, Replicas
 from tests.soak.faults import Chaos
-from tests.soak.schedule import KINDS, LEAVE, ROLLOUT_KINDS, Planned, plan
+from tests.soak.schedule import FAILOVER, KINDS, LEAVE, ROLLOUT_KINDS, Planned, plan
 from tests.soak.verdict import Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
@@ -26,12 +26,14 @@ class Settings:
     seed: int
     seconds: float  # how long faults are injected; writers write meanwhile
     faults_at_least: int = 0  # faults go on past `seconds` until there are this many
+    faults_including: tuple[str, ...] = ()  # ... and until each of these kinds is among them
     broker: str = "nats"
     replicas: int = 3
     writers: int = 6
     partitioned: bool = False  # the event table is a partitioned table
     lanes: int = 1  # the outbox's `partitions`: split over the replicas when above 1
     kinds: tuple[str, ...] = KINDS
+    failover: bool = False  # Postgres has a standby, and failovers are among the faults
     drain_timeout: float = 60.0
     keep: Path | None = None  # keep logs and data here instead of a temporary directory
 
@@ -40,7 +42,7 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
     """Run it; the verdict and the wall-clock origin (for the fault log's offsets)."""
     root = settings.keep or Path(tempfile.mkdtemp(prefix="relay-soak-"))
     root.mkdir(parents=True, exist_ok=True)
-    db, broker = Database(), make_broker(settings.broker, root)
+    db, broker = Database(standby=settings.failover), make_broker(settings.broker, root)
     replicas: Replicas | None = None
     try:
         await db.start(settings.partitioned)
@@ -106,11 +108,20 @@ async def _exercise(
 
 def schedule(settings: Settings) -> list[Planned]:
     """The seed's faults for this soak; a split outbox also sees replicas leave and rejoin,
-    and rollouts (its partitions changed, its replicas' outbox sets mixed)."""
+    and rollouts (its partitions changed, its replicas' outbox sets mixed); a database with a
+    standby also fails over."""
     kinds = settings.kinds
     if settings.lanes > 1:
         kinds = (*kinds, LEAVE, *ROLLOUT_KINDS)
-    return plan(settings.seed, settings.seconds, kinds, at_least=settings.faults_at_least)
+    if settings.failover:
+        kinds = (*kinds, FAILOVER)
+    return plan(
+        settings.seed,
+        settings.seconds,
+        kinds,
+        at_least=settings.faults_at_least,
+        including=settings.faults_including,
+    )
 
 
 async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: ASYNC109
@@ -139,7 +150,9 @@ class CheckpointSampler:
     """Reads the checkpoints ten times a second; none may be seen lower than before.
 
     A change of the outbox's partitions starts new lanes (some of the same names) where
-    the slowest old one stood: a lane is judged against its own partition set's samples."""
+    the slowest old one stood: a lane is judged against its own partition set's samples.
+    A failover may take back the last checkpoint writes (the promise allows the re-sends
+    that follow): each primary's samples are judged apart."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -149,11 +162,14 @@ class CheckpointSampler:
 
     async def run(self, stop: asyncio.Event) -> None:
         conn: asyncpg.Connection | None = None
+        primary = 0  # how many failovers came before the server `conn` reaches
         while not stop.is_set():
             try:
-                conn = conn or await asyncpg.connect(self.db.dsn, timeout=2)
+                if conn is None:
+                    primary = self.db.failovers
+                    conn = await asyncpg.connect(self.db.dsn, timeout=2)
                 for row in await conn.fetch(CHECKPOINTS, OUTBOX):
-                    self._sample((row["outbox"], row["updated_at"]), row["position"])
+                    self._sample((row["outbox"], (row["updated_at"], primary)), row["position"])
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
                 if conn is not None:
                     conn.terminate()

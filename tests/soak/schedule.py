@@ -33,6 +33,11 @@ REPARTITION = "repartition, all stopped"
 RECONFIGURE = "outbox set changed a while"
 ROLLOUT_KINDS = (ROLLOUT, REPARTITION, RECONFIGURE)
 SPLIT_KINDS = (*KINDS, LEAVE, *ROLLOUT_KINDS)
+# The primary killed after its standby's link froze for a while, the standby promoted, the old
+# primary rebuilt as the new one's standby. Only with a standby (`--failover`), so that older
+# seeds replay as before.
+FAILOVER = "postgres failover"
+ALL_KINDS = (*SPLIT_KINDS, FAILOVER)
 EVERY = (1.5, 4.0)  # the pause before each fault, in seconds
 
 
@@ -71,8 +76,8 @@ class Planned:
             return paused_for(self.lasting)
         if self.kind == BLACK_HOLE:
             return silent_for(self.lasting)
-        if self.kind in (BROKER, POSTGRES):
-            return self.lasting
+        if self.kind in (BROKER, POSTGRES, FAILOVER):
+            return self.lasting  # a failover's frozen link; rebuilding the standby is extra
         if self.kind == RECONFIGURE:
             return mixed_for(self.lasting) + 2 * _RESTART
         if self.kind == ROLLOUT:
@@ -86,9 +91,15 @@ _RESTART = 1.5  # a replica's graceful stop, the supervisor's pause and its star
 
 
 def plan(
-    seed: int, seconds: float, kinds: tuple[str, ...] = KINDS, *, at_least: int = 0
+    seed: int,
+    seconds: float,
+    kinds: tuple[str, ...] = KINDS,
+    *,
+    at_least: int = 0,
+    including: tuple[str, ...] = (),
 ) -> list[Planned]:
-    """The faults for `seconds`, and more past them until there are `at_least`.
+    """The faults for `seconds`, and more past them until there are `at_least` and every
+    kind in `including` is among them.
 
     Pauses and kinds keep their one distribution throughout, so the mix and the pacing
     stay those of any other stretch of a soak; only the run gets longer. A longer soak
@@ -99,7 +110,8 @@ def plan(
     elapsed = 0.0
     while True:
         pause = rng.uniform(*EVERY)
-        if elapsed + pause >= seconds and len(faults) >= at_least:
+        missing = set(including) - {f.kind for f in faults}
+        if elapsed + pause >= seconds and len(faults) >= at_least and not missing:
             return faults
         fault = Planned(pause, rng.choice(kinds), rng.uniform(0.5, 2.5))
         faults.append(fault)

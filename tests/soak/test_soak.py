@@ -4,6 +4,7 @@ The seed is random unless RELAY_SOAK_SEED is set; a failure prints it with the f
 order, and `RELAY_SOAK_SEED=<seed>` (or `python -m tests.soak --seed <seed>`) replays the
 same choices. Odd seeds use a partitioned table whose writers also insert into a partition.
 The second soak splits the outbox into four lanes and also scales replicas away and back.
+The third gives Postgres a streaming standby and fails over to it.
 Each asks for the faults it asserts: the schedule goes on past its seconds until it has
 them (tests/unit/test_soak_schedule.py checks that over many seeds).
 """
@@ -16,6 +17,7 @@ import random
 import pytest
 
 from tests.soak.run import Settings, soak
+from tests.soak.schedule import BLACK_HOLE, FAILOVER, KILL, POSTGRES, TERM, TERMINATE
 
 pytestmark = pytest.mark.integration  # it starts its own Postgres, broker and replicas
 
@@ -32,6 +34,20 @@ def split(seed: int) -> Settings:
     return Settings(seed=seed, seconds=40, faults_at_least=8, broker="nats", lanes=4)
 
 
+def failovers(seed: int) -> Settings:
+    """A streaming standby; the primary killed and the standby promoted, at least once,
+    among crashes, kills and cut sessions: 40 s of faults, at least 8 of them."""
+    return Settings(
+        seed=seed,
+        seconds=40,
+        faults_at_least=8,
+        faults_including=(FAILOVER, POSTGRES),
+        broker="nats",
+        kinds=(KILL, TERM, BLACK_HOLE, TERMINATE, POSTGRES),
+        failover=True,
+    )
+
+
 def _seed() -> int:
     return int(os.environ.get("RELAY_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
 
@@ -43,10 +59,17 @@ async def _judged(settings: Settings) -> None:
     assert verdict.ok, f"replay with RELAY_SOAK_SEED={settings.seed}\n{report}"
     assert verdict.committed > 1000, report  # the writers really wrote through the faults
     assert len(verdict.faults) >= settings.faults_at_least, report
+    assert set(settings.faults_including) <= {f.kind for f in verdict.faults}, report
 
 
 async def test_short_soak_with_nats_loses_nothing_under_random_faults() -> None:
     await _judged(short(_seed()))
+
+
+async def test_short_soak_through_postgres_failovers_publishes_nothing_taken_back() -> None:
+    """With `survive_failover`, what the dead primary's standby never got is never published:
+    no phantom, though the writers had those commits acknowledged."""
+    await _judged(failovers(_seed()))
 
 
 async def test_short_soak_of_a_split_outbox_with_replicas_leaving_and_rejoining() -> None:

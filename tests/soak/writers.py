@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import random
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -30,6 +32,14 @@ class Ledger:
     rolled_back: set[str] = field(default_factory=set)
     uncertain: set[str] = field(default_factory=set)
     kinds: dict[str, int] = field(default_factory=dict)
+    acknowledged_at: dict[str, float] = field(default_factory=dict)  # wall clock, by uid
+
+    def acknowledge(self, uids: Iterable[str]) -> None:
+        """The database said these are committed (a failover may still take them back)."""
+        now = time.time()
+        for uid in uids:
+            self.committed.add(uid)
+            self.acknowledged_at[uid] = now
 
     def count(self, kind: str) -> None:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
@@ -44,37 +54,62 @@ class Prepared:
 
 
 class Coordinator:
-    """Finishes prepared transactions later, as a transaction manager would."""
+    """Finishes prepared transactions later, as a transaction manager would.
+
+    After a failover it recovers as an XA transaction manager does: a COMMIT PREPARED that
+    the old primary acknowledged but never sent to its standby leaves the transaction
+    prepared again on the new primary, holding the event table until it is finished anew.
+    """
 
     def __init__(self, db: Database, ledger: Ledger) -> None:
         self.db = db
         self.ledger = ledger
         self.pending: list[Prepared] = []
+        self.finished: dict[str, Prepared] = {}  # by gid: what was decided, to redo it
+        self.recovered = 0  # the failovers recovered from
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until `stop`, then until every prepared transaction is finished."""
+        """Until `stop`, then until every prepared transaction is finished and every
+        failover recovered from."""
         conn: asyncpg.Connection | None = None
         loop = asyncio.get_running_loop()
         try:
-            while not stop.is_set() or self.pending:
+            while not stop.is_set() or self.pending or self.db.failovers != self.recovered:
                 due = [p for p in self.pending if stop.is_set() or p.due <= loop.time()]
-                for prepared in due:
-                    try:
+                try:
+                    if self.db.failovers != self.recovered:
+                        if conn is not None:
+                            conn.terminate()
+                        conn = await self._recover()
+                    for prepared in due:
                         conn = conn or await asyncpg.connect(self.db.dsn, timeout=3)
                         await self._finish(conn, prepared)
                         self.pending.remove(prepared)
-                    except _ERRORS:
-                        if conn is not None:
-                            conn.terminate()
-                        conn = None
-                        break
+                except _ERRORS:
+                    if conn is not None:
+                        conn.terminate()
+                    conn = None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.05)
-                if stop.is_set() and self.pending:
+                if stop.is_set() and (self.pending or self.db.failovers != self.recovered):
                     await asyncio.sleep(0.2)  # the database may be restarting
         finally:
             if conn is not None:
                 conn.terminate()
+
+    async def _recover(self) -> asyncpg.Connection:
+        """Finish again what the new primary still holds prepared."""
+        failovers = self.db.failovers
+        conn = await asyncpg.connect(self.db.dsn, timeout=3)
+        try:
+            for (gid,) in await conn.fetch("SELECT gid FROM pg_prepared_xacts"):
+                if gid in self.finished:
+                    await self._finish(conn, self.finished[gid])
+        except BaseException:
+            conn.terminate()
+            raise
+        self.recovered = failovers
+        return conn
 
     async def _finish(self, conn: asyncpg.Connection, p: Prepared) -> None:
         exists = await conn.fetchval("SELECT count(*) FROM pg_prepared_xacts WHERE gid = $1", p.gid)
@@ -83,7 +118,11 @@ class Coordinator:
             self.ledger.uncertain.update(p.uids)
             return
         await conn.execute(f"{'COMMIT' if p.commit else 'ROLLBACK'} PREPARED '{p.gid}'")
-        (self.ledger.committed if p.commit else self.ledger.rolled_back).update(p.uids)
+        self.finished[p.gid] = p
+        if p.commit:
+            self.ledger.acknowledge(p.uids)
+        else:
+            self.ledger.rolled_back.update(p.uids)
         self.ledger.uncertain.difference_update(p.uids)
 
 
@@ -196,7 +235,7 @@ class Writer:
         except _ERRORS:
             self.ledger.uncertain.update(uids)
             raise
-        self.ledger.committed.update(uids)
+        self.ledger.acknowledge(uids)
         self.versions[aggregate] = version + count
 
     async def _two_phase(self, conn: asyncpg.Connection) -> None:

@@ -31,20 +31,35 @@ class Standby(EmbeddedPostgres):
         self.via = via
 
     def start(self) -> str:
-        self.pgdata.mkdir()
-        if self._user is not None:
-            self._grant_access()
         port = self.primary.port if self.via is None else self.via.port
-        source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
-        self._run("pg_basebackup", "-R", "-X", "stream", "--checkpoint=fast", *source)
-        self.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
-        (self.pgdata / "server.log").unlink(missing_ok=True)  # the primary's, copied over
-        self.resume()
+        stream_from(self, port)
         return self.dsn
 
     def promote(self) -> None:
         """End recovery: from now on it takes writes, on a timeline of its own."""
-        self._run("pg_ctl", "-w", "promote")
+        promote(self)
+
+
+def stream_from(server: EmbeddedPostgres, port: int) -> None:
+    """Make `server` a streaming standby of the primary at 127.0.0.1:`port` and start it.
+
+    Its data directory, if any, is thrown away first: a failed primary rejoins this way, as a
+    fresh copy of the new one (what Patroni does when pg_rewind is not set up).
+    """
+    shutil.rmtree(server.pgdata, ignore_errors=True)
+    server.pgdata.mkdir()
+    if server._user is not None:
+        server._grant_access()
+    source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
+    server._run("pg_basebackup", "-R", "-X", "stream", "--checkpoint=fast", *source)
+    server.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
+    (server.pgdata / "server.log").unlink(missing_ok=True)  # the primary's, copied over
+    server.resume()
+
+
+def promote(server: EmbeddedPostgres) -> None:
+    """End `server`'s recovery: from now on it takes writes, on a timeline of its own."""
+    server._run("pg_ctl", "-w", "promote")
 
 
 def multi_host(dsn: str, *servers: EmbeddedPostgres) -> str:
@@ -85,4 +100,12 @@ def replicated_pair(
         shutil.rmtree(Path(primary.pgdata).parent, ignore_errors=True)
 
 
-__all__ = ["PRIMARY_SETTINGS", "Standby", "free_port", "multi_host", "replicated_pair"]
+__all__ = [
+    "PRIMARY_SETTINGS",
+    "Standby",
+    "free_port",
+    "multi_host",
+    "promote",
+    "replicated_pair",
+    "stream_from",
+]

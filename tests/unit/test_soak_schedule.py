@@ -15,7 +15,7 @@ import pytest
 
 from tests.soak.run import Settings, schedule
 from tests.soak.schedule import EVERY, KINDS, plan
-from tests.soak.test_soak import short, split
+from tests.soak.test_soak import failovers, short, split
 
 SEEDS = range(1, 3001)
 
@@ -25,13 +25,15 @@ def test_the_seed_that_drew_nine_faults_in_fifty_seconds_now_gets_ten() -> None:
     assert len(schedule(short(785633))) >= 10
 
 
-@pytest.mark.parametrize("soak", [short, split])
+@pytest.mark.parametrize("soak", [short, split, failovers])
 def test_every_seed_gets_the_faults_its_short_soak_asserts(
     soak: Callable[[int], Settings],
 ) -> None:
     for seed in SEEDS:
         settings = soak(seed)
-        assert len(schedule(settings)) >= settings.faults_at_least, seed
+        faults = schedule(settings)
+        assert len(faults) >= settings.faults_at_least, seed
+        assert set(settings.faults_including) <= {f.kind for f in faults}, seed
 
 
 def test_the_same_seed_gives_the_same_schedule_and_a_longer_one_starts_with_it() -> None:
