@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 import ssl
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Union, get_args, get_origin
 from urllib.parse import parse_qs
 
 from pydantic import (
@@ -93,10 +94,30 @@ PositiveDuration = Annotated[
 Identifier = Annotated[str, Field(pattern=_IDENT)]
 
 
+def _kinds(annotation: Any) -> set[Any]:
+    """The plain types a field's annotation admits, through `X | None` and nested unions."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return set().union(*(_kinds(arg) for arg in get_args(annotation)))
+    return {annotation}
+
+
 class Model(BaseModel):
     # hide_input_in_errors: a ValidationError printed by whoever builds a model in code must not
     # carry a secret it was given; `load_config` words its own messages from the errors' text.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, data: Any) -> Any:
+        """pydantic takes YAML's `true` for 1 (`standbys: true` would mean one standby): a
+        number field that admits no boolean refuses one, for every model at once."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(field.alias or name)
+                kinds = _kinds(field.annotation)
+                if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+                    raise ValueError(f"{name}: a number is needed here, not true or false")
+        return data
 
 
 def header_text(value: str) -> str:

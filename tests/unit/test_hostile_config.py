@@ -175,3 +175,20 @@ def test_an_override_that_is_not_json_is_named_not_a_traceback(
     monkeypatch.setenv(name, value)
     message = refused(tmp_path, nats(""))
     assert f"{name}: a RELAY_* override of a list or a mapping must be JSON" in message
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ("source:\n  survive_failover:\n", "standbys"),
+        ("source:\n", "poll_interval"),
+        ("http:\n", "port"),
+        ("lease:\n  keepalives:\n", "count"),
+    ],
+)
+def test_true_or_false_is_no_number(tmp_path: Path, section: str, key: str) -> None:
+    """YAML's `true` would pass as 1 (`standbys: true`, one standby): a mistake, named."""
+    indent = " " * (section.count("\n") * 2)
+    message = refused(tmp_path, nats("") + f"{section}{indent}{key}: true\n")
+    assert key in message
+    assert "true or false" in message
