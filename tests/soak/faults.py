@@ -30,6 +30,7 @@ from tests.soak.schedule import (
     TERMINATE,
     Planned,
     away_for,
+    frozen_for,
     paused_for,
     silent_for,
 )
@@ -85,7 +86,7 @@ class Chaos:
         if kind == TERMINATE:
             return await self._terminate_sessions()
         if kind == FAILOVER:
-            return await self.db.failover(lasting)
+            return await self.db.failover(frozen_for(lasting))
         if kind == BROKER:
             await self.broker.crash()
             await asyncio.sleep(lasting)

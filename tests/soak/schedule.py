@@ -56,6 +56,14 @@ def away_for(lasting: float) -> float:
     return 3.0 + 2 * lasting
 
 
+def frozen_for(lasting: float) -> float:
+    """How long a failover keeps the standby's link frozen before the primary dies: past
+    the relay's usual lag behind the writers (a prepared or long transaction holds its
+    barrier for up to 3 s), so that without `survive_failover` it publishes commits the
+    standby never gets."""
+    return 2.0 + lasting
+
+
 def mixed_for(lasting: float) -> float:
     """How long a replica runs another outbox set before it is restarted as it was."""
     return 2.0 + 2 * lasting
@@ -76,8 +84,10 @@ class Planned:
             return paused_for(self.lasting)
         if self.kind == BLACK_HOLE:
             return silent_for(self.lasting)
-        if self.kind in (BROKER, POSTGRES, FAILOVER):
-            return self.lasting  # a failover's frozen link; rebuilding the standby is extra
+        if self.kind in (BROKER, POSTGRES):
+            return self.lasting
+        if self.kind == FAILOVER:
+            return frozen_for(self.lasting)  # rebuilding the standby afterwards is extra
         if self.kind == RECONFIGURE:
             return mixed_for(self.lasting) + 2 * _RESTART
         if self.kind == ROLLOUT:
