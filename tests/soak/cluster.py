@@ -13,7 +13,7 @@ import json
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,20 +186,20 @@ class Links:
         return f"{scheme}://{auth}@{hosts}{tail[tail.index('/') :]}"
 
     def pause(self) -> None:
-        for proxy in self.proxies:
-            proxy.pause()
+        self._each(TcpProxy.pause)
 
     def resume(self) -> None:
-        for proxy in self.proxies:
-            proxy.resume()
+        self._each(TcpProxy.resume)
 
     def cut(self) -> None:
-        for proxy in self.proxies:
-            proxy.cut()
+        self._each(TcpProxy.cut)
 
     def close(self) -> None:
+        self._each(TcpProxy.close)
+
+    def _each(self, action: Callable[[TcpProxy], None]) -> None:
         for proxy in self.proxies:
-            proxy.close()
+            action(proxy)
 
 
 @dataclass
