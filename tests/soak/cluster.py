@@ -93,6 +93,9 @@ class Database:
         self.primary = 0  # which of `servers` takes writes now
         self.link: TcpProxy | None = None  # the standby's replication stream
         self.failovers = 0  # how many times the primary has moved
+        # From a failover's start to its end (wall clock): commits acknowledged then may be
+        # gone from the new primary; any acknowledged earlier were on the standby.
+        self.unreplicated: list[tuple[float, float]] = []
         self.admin_dsn = ""
         self.dsn = ""
 
@@ -128,10 +131,13 @@ class Database:
         await asyncio.to_thread(self.servers[self.primary].resume)
 
     async def failover(self, frozen: float) -> str:
-        """Freeze replication for `frozen` seconds while writers commit, kill the primary,
-        promote the standby, and rebuild the old primary as its standby."""
+        """Wait for the standby to catch up, freeze replication for `frozen` seconds while
+        writers commit, kill the primary, promote the standby, and rebuild the old primary
+        as its standby."""
         old, new, link = self.servers[self.primary], self.standby, self.link
         assert new is not None and link is not None, "a failover needs Database(standby=True)"
+        since = time.time()  # every commit acknowledged before this is on the standby:
+        caught_up = await self._caught_up()
         link.pause()  # the standby falls behind: what it never gets, the failover takes back
         await asyncio.sleep(frozen)
         await asyncio.to_thread(old.halt, "immediate")
@@ -141,10 +147,29 @@ class Database:
         self.admin_dsn = new.dsn
         self.dsn = with_database(new.dsn, DATABASE)
         self.failovers += 1
+        self.unreplicated.append((since, time.time()))
         started = time.monotonic()
         await asyncio.to_thread(self._follow, old)
         rebuilt = time.monotonic() - started
-        return f"link frozen {frozen:.1f}s, port {new.port} promoted, old rebuilt in {rebuilt:.1f}s"
+        return (
+            f"standby caught up in {caught_up:.1f}s, link frozen {frozen:.1f}s,"
+            f" port {new.port} promoted, old rebuilt in {rebuilt:.1f}s"
+        )
+
+    async def _caught_up(self, timeout: float = 30.0) -> float:  # noqa: ASYNC109
+        """Seconds until the standby has replayed all the primary had written when asked:
+        after a crash of the primary, or a rebuild, it may still be reconnecting."""
+        started = time.monotonic()
+        async with self.connection() as conn:
+            written = await conn.fetchval("SELECT pg_current_wal_lsn()")
+            while time.monotonic() - started < timeout:
+                replayed = await conn.fetchval(
+                    "SELECT max(replay_lsn) FROM pg_stat_replication WHERE state = 'streaming'"
+                )
+                if replayed is not None and replayed >= written:
+                    return time.monotonic() - started
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"the standby did not catch up within {timeout:.0f}s")
 
     def _follow(self, server: EmbeddedPostgres) -> None:
         """`server` streams from the primary through a fresh link."""

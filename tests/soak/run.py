@@ -102,6 +102,7 @@ async def _exercise(
         regressions=sampler.regressions,
         drained=drained,
         restarts=sum(r.starts - 1 for r in replicas.members),
+        unreplicated=db.unreplicated,
     )
     return verdict, origin
 

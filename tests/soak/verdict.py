@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tests.soak.brokers import Delivery
 from tests.soak.faults import Fault
-from tests.soak.schedule import ALL_KINDS, FAILOVER
+from tests.soak.schedule import ALL_KINDS
 from tests.soak.writers import Ledger
 
 
@@ -95,9 +95,10 @@ def judge(
     regressions: list[str],
     drained: bool,
     restarts: int,
+    unreplicated: list[tuple[float, float]],
 ) -> Verdict:
     delivered = {d.uid for d in deliveries}
-    taken_back = _taken_back(ledger, table, faults)
+    taken_back = _taken_back(ledger, table, unreplicated)
     return Verdict(
         seed=seed,
         broker=broker,
@@ -134,18 +135,15 @@ def _inversions(deliveries: list[Delivery]) -> list[str]:
     return out
 
 
-# How long before a failover began its primary may have acknowledged a commit that the
-# standby never got: asynchronous replication trails by milliseconds until the link freezes.
-_REPLICATION_LAG = 1.0
-
-
-def _taken_back(ledger: Ledger, table: set[str], faults: list[Fault]) -> list[str]:
-    """Acknowledged commits missing from the table that a failover explains."""
-    windows = [(f.started - _REPLICATION_LAG, f.ended) for f in faults if f.kind == FAILOVER]
+def _taken_back(
+    ledger: Ledger, table: set[str], unreplicated: list[tuple[float, float]]
+) -> list[str]:
+    """Acknowledged commits missing from the table that a failover explains: acknowledged
+    after the standby was last seen caught up, before the failover ended."""
     return sorted(
         uid
         for uid in ledger.committed - table
-        if any(start <= ledger.acknowledged_at[uid] <= end for start, end in windows)
+        if any(start <= ledger.acknowledged_at[uid] <= end for start, end in unreplicated)
     )
 
 
