@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relay.demo.embedded import EmbeddedPostgres, free_port
+from relay.errors import RelayError
 from tests.support.postgres import with_address
 from tests.support.proxy import TcpProxy
 
@@ -53,8 +54,13 @@ def stream_from(server: EmbeddedPostgres, port: int) -> None:
     source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
     server._run("pg_basebackup", "-R", "-X", "stream", "--checkpoint=fast", *source)
     server.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
-    (server.pgdata / "server.log").unlink(missing_ok=True)  # the primary's, copied over
-    server.resume()
+    log = server.pgdata / "server.log"
+    log.unlink(missing_ok=True)  # the primary's, copied over
+    try:
+        server.resume()
+    except RelayError as exc:
+        said = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+        raise RelayError(f"{exc}\nthe standby's server.log ends:\n{said}") from exc
 
 
 def promote(server: EmbeddedPostgres) -> None:
