@@ -10,6 +10,7 @@ messages back as a consumer would: a subscription with message ordering, pulled 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import time
@@ -39,6 +40,8 @@ NO_EMULATOR = (
     " Ubuntu: `apt-get install google-cloud-cli-pubsub-emulator` from Google's apt source), or"
     " RELAY_TEST_PUBSUB_EMULATOR set to its cloud-pubsub-emulator script; it needs Java 17+"
 )
+# A pull may bring messages of up to 10 MB; gRPC's default receive limit is 4 MiB.
+_UNLIMITED = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
 
 
 class PubSubEmulator:
@@ -103,8 +106,8 @@ def subscription_path(name: str, project: str = PROJECT) -> str:
 @contextmanager
 def admin(host: str) -> Iterator[tuple[Any, Any]]:
     """(publisher, subscriber) GAPIC clients on the emulator, for the test's own calls."""
-    publisher_channel = grpc.insecure_channel(host)
-    subscriber_channel = grpc.insecure_channel(host)
+    publisher_channel = grpc.insecure_channel(host, options=_UNLIMITED)
+    subscriber_channel = grpc.insecure_channel(host, options=_UNLIMITED)
     try:
         yield (
             pubsub_v1.PublisherClient(transport=PublisherGrpcTransport(channel=publisher_channel)),
@@ -138,10 +141,8 @@ def delete_topic(host: str, topic: str, subscription: str) -> None:
             (subscriber.delete_subscription, {"subscription": subscription_path(subscription)}),
             (publisher.delete_topic, {"topic": topic_path(topic)}),
         ):
-            try:
+            with contextlib.suppress(api_exceptions.GoogleAPICallError):  # never made, or gone
                 call(**name, timeout=10)
-            except api_exceptions.GoogleAPICallError:
-                pass  # never created, or gone with the emulator
 
 
 def pull_all(host: str, subscription: str, expected: int, timeout: float = 30.0) -> list[Any]:
