@@ -275,9 +275,9 @@ def _channel_bindings(channel: _Channel, broker: BrokerConfig, address: str | No
         return _binding("amqp", {"is": "routingKey", "exchange": exchange})
     if broker.type == "sqs":
         return _binding("sqs", {"queue": _queue(channel.destination)})
-    if broker.type == "pubsub":
-        return _binding("googlepubsub", {})
-    return {}  # NATS has no channel binding: the address is the subject
+    # NATS has no channel binding: the address is the subject. Pub/Sub's needs the topic's
+    # schema settings, which the relay does not know.
+    return {}
 
 
 def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
@@ -321,6 +321,8 @@ def _message_bindings(outbox: OutboxView, rule: RuleView) -> Object:
         return _binding("kafka", {"key": key})
     if outbox.protocol == "rabbitmq":
         return _binding("amqp", {"messageType": rule.type})
+    if outbox.protocol == "pubsub":  # the key's template: each key's messages stay in order
+        return _binding("googlepubsub", {"orderingKey": rule.key})
     return {}
 
 

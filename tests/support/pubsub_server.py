@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 from google.api_core import exceptions as api_exceptions
-from google.cloud import pubsub_v1
+from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
@@ -110,10 +110,8 @@ def admin(host: str) -> Iterator[tuple[Any, Any]]:
     subscriber_channel = grpc.insecure_channel(host, options=_UNLIMITED)
     try:
         yield (
-            pubsub_v1.PublisherClient(transport=PublisherGrpcTransport(channel=publisher_channel)),
-            pubsub_v1.SubscriberClient(
-                transport=SubscriberGrpcTransport(channel=subscriber_channel)
-            ),
+            PublisherClient(transport=PublisherGrpcTransport(channel=publisher_channel)),
+            SubscriberClient(transport=SubscriberGrpcTransport(channel=subscriber_channel)),
         )
     finally:
         publisher_channel.close()
