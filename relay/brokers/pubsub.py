@@ -101,6 +101,7 @@ class PubSubPublisher:
         self._stuck: set[tuple[str, str]] = set()  # keys paused after `publish` returned
         self._stuck_lock = threading.Lock()
         self._accepted: OrderedDict[Message, float] = OrderedDict()
+        self._topics: dict[str, str | PublishError] = {}
         self.duplicates = 0
         self.last_duplicates: tuple[int, ...] = ()  # Pub/Sub cannot tell
 
@@ -329,7 +330,15 @@ class PubSubPublisher:
         return _Prepared(topic, message.body, key, attributes)
 
     def _topic(self, destination: str) -> str | PublishError:
-        """The topic's full name, or why `destination` cannot be one."""
+        """The topic's full name, or why `destination` cannot be one (checked once each)."""
+        known = self._topics.get(destination)
+        if known is None:
+            known = self._topics[destination] = self._topic_of(destination)
+            if len(self._topics) > 10_000:  # destinations from templates: keep it bounded
+                self._topics.clear()
+        return known
+
+    def _topic_of(self, destination: str) -> str | PublishError:
         if match := _TOPIC_PATH.fullmatch(destination):
             topic_id = match.group(2)
             full = destination
