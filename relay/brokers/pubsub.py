@@ -319,7 +319,14 @@ class PubSubPublisher:
         if problem := attribute_problem(attributes):
             return self._refused(message, problem)
         key = ordering_key(message.key)
-        size = len(message.body) + len(key.encode())
+        key_size = len(key.encode())
+        if key_size > MAX_ORDERING_KEY_BYTES:  # structured mode: no ce-partitionkey to refuse
+            return self._refused(
+                message,
+                f"the key is {key_size:,} bytes; Pub/Sub takes an ordering key of at most"
+                f" {MAX_ORDERING_KEY_BYTES:,}",
+            )
+        size = len(message.body) + key_size
         size += sum(len(n.encode()) + len(v.encode()) for n, v in attributes.items())
         if size > MAX_MESSAGE_BYTES:
             return self._refused(
