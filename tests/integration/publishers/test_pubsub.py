@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from relay.brokers.pubsub import MAX_MESSAGE_BYTES, PubSubPublisher
 from relay.config import PubSubBrokerConfig
@@ -331,3 +333,46 @@ async def test_a_topics_full_name_works_as_a_destination(pubsub_emulator: str) -
         assert await pub.publish([message(full, "a", 1)]) == [None]
         (received,) = await read(pubsub_emulator, subscription, expected=1)
     assert received.attributes["ce-id"] == "book/a@1"
+
+
+async def test_a_key_file_means_tls_and_a_plaintext_server_is_not_trusted(
+    pubsub_emulator: str, tmp_path: Path
+) -> None:
+    """The path without `emulator_host`: credentials from a service account key file, a TLS
+    channel to `endpoint`. The emulator speaks plaintext, so no handshake completes: the
+    publisher says it cannot connect (transient), and the key's secret is in no error."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()
+    key_file = tmp_path / "key.json"
+    key_file.write_text(
+        json.dumps(
+            {
+                "type": "service_account",
+                "project_id": PROJECT,
+                "private_key_id": "0123456789abcdef",
+                "private_key": pem,
+                "client_email": f"relay@{PROJECT}.iam.gserviceaccount.com",
+                "client_id": "1",
+                "token_uri": "https://oauth2.googleapis.com/token",
+            }
+        )
+    )
+    config = PubSubBrokerConfig(
+        type="pubsub",
+        project=PROJECT,
+        endpoint=pubsub_emulator,
+        credentials_file=str(key_file),
+        connect_timeout=1.0,
+    )
+    pub = PubSubPublisher("pubsub", config)
+    try:
+        (outcome,) = await pub.publish([message("loans", "a", 1)])
+    finally:
+        await pub.close()
+    assert isinstance(outcome, TransientPublishError)
+    assert str(outcome) == f"broker 'pubsub': cannot connect to {pubsub_emulator} within 1.0s"
+    assert pem.splitlines()[1] not in str(outcome)
