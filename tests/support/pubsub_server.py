@@ -28,12 +28,8 @@ from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransp
 
 from tests.support.net import free_port, port_open
 
-EMULATOR = Path(
-    os.environ.get(
-        "RELAY_TEST_PUBSUB_EMULATOR",
-        "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator",
-    )
-)
+DEFAULT_EMULATOR = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator"
+EMULATOR = Path(os.environ.get("RELAY_TEST_PUBSUB_EMULATOR", DEFAULT_EMULATOR))
 PROJECT = "relay-tests"
 NO_EMULATOR = (
     "the Pub/Sub tests need the Google Cloud SDK's Pub/Sub emulator at {path} (Debian and"
