@@ -51,6 +51,7 @@ CHART_VALUES_SCHEMA = "helm/outbox-relay/values.schema.json"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 # Debian's; the tests start private RabbitMQ nodes with it (tests/support/rabbitmq_server.py).
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+PUBSUB_EMULATOR = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator"
 INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
 # Node.js runs the official AsyncAPI parser in the contract tests (Debian 12 ships Node 18).
 INSTALL_NODE = ["apt-get", "install", "-y", "--no-install-recommends", "nodejs", "npm"]
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test":
         ensure_promtool()
         ensure_rabbitmq()
+        ensure_pubsub_emulator()
         ensure_node()
         ensure_image_tools()
         test(argv[1:])
@@ -302,6 +304,20 @@ def rabbitmq_plan(*, installed: bool, port_taken: bool, root: bool, apt: bool) -
         "no RabbitMQ on 127.0.0.1:5672 and rabbitmq-server is not installed, so the RabbitMQ "
         f"tests will fail. To get it: {how}"
     )
+
+
+def ensure_pubsub_emulator() -> None:
+    """The Pub/Sub tests start Google's emulator, which comes from Google's apt source, not
+    Debian's: dev.py cannot install it, so it says so before the tests start."""
+    emulator = Path(os.environ.get("RELAY_TEST_PUBSUB_EMULATOR", PUBSUB_EMULATOR))
+    if not emulator.is_file():
+        print(
+            f"dev.py: no Pub/Sub emulator at {emulator}, so the Pub/Sub tests will fail. To get"
+            " it: `apt-get install google-cloud-cli-pubsub-emulator` from Google's apt source"
+            " (it needs Java 17+), or set RELAY_TEST_PUBSUB_EMULATOR to its"
+            " cloud-pubsub-emulator script",
+            file=sys.stderr,
+        )
 
 
 def install_rabbitmq() -> None:

@@ -22,14 +22,20 @@ from typing import Any, Protocol
 import aio_pika
 import aioboto3
 import aiormq
+import grpc
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from botocore.config import Config
+from google.cloud.pubsub_v1 import PublisherClient
+from google.cloud.pubsub_v1.types import BatchSettings, PublisherOptions
+from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from pydantic import SecretStr
 
 from bench import backlog, report
 from bench.measure import ceiling, timed_publish
 from relay.brokers.kafka import message_headers as kafka_headers
+from relay.brokers.pubsub import message_attributes as pubsub_attributes
+from relay.brokers.pubsub import ordering_key
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.sqs import (
     CONCURRENCY,
@@ -38,9 +44,9 @@ from relay.brokers.sqs import (
     group_id,
     message_attributes,
 )
-from relay.config import RabbitMqBrokerConfig, RelayConfig
+from relay.config import PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message
-from tests.support import kafka_server, sqs_server
+from tests.support import kafka_server, pubsub_server, sqs_server
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PARTITIONS = 3
@@ -431,6 +437,101 @@ class Sqs:
             await c.get_queue_attributes(QueueUrl=url)  # connection opened outside the timer
             result = await timed_publish(config, last, batch, prepare, send)
         result.stored = await self.stored(result.count, name)
+        return result
+
+
+# -- Google Pub/Sub: a private emulator ---------------------------------------------------------
+
+
+class PubSub:
+    label = (
+        "google-cloud-pubsub `PublisherClient.publish` x500 with ordering keys, then every"
+        " future (the adapter's client settings)"
+    )
+
+    def __init__(self) -> None:
+        self.server: pubsub_server.PubSubEmulator | None = None
+        self.name = ""
+        self.references: dict[str, float] = {}
+        self._topics: list[tuple[str, str]] = []
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pubsub-")))
+        self.server = pubsub_server.PubSubEmulator(logs / "emulator.log")
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        self.name = name.replace("_", "-")
+        await self._topic("relay")
+        return "Pub/Sub emulator (google-cloud-sdk), on OpenJDK"
+
+    def topic_name(self, phase: str) -> str:
+        return f"{self.name}-{phase}"
+
+    async def _topic(self, phase: str) -> str:
+        """A fresh topic and subscription per phase: each phase's messages counted alone."""
+        assert self.server is not None
+        topic = self.topic_name(phase)
+        await asyncio.to_thread(pubsub_server.create_topic, self.server.host, topic, topic + "-r")
+        self._topics.append((topic, topic + "-r"))
+        return topic
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {
+            "type": "pubsub",
+            "project": pubsub_server.PROJECT,
+            "emulator_host": self.server.host,
+        }
+
+    def destination(self) -> str | None:
+        return self.topic_name("relay")
+
+    async def before_relay(self) -> None:
+        pass  # the relay's topic is fresh
+
+    async def stored(self, expected: int, topic: str | None = None) -> int:
+        assert self.server is not None
+        subscription = (topic or self.topic_name("relay")) + "-r"
+        pulled = await pubsub_server.pull_all_async(
+            self.server.host, subscription, expected, timeout=60
+        )
+        return len(pulled)
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        assert self.server is not None
+        topic = await self._topic(f"raw{tag}")
+        path = pubsub_server.topic_path(topic)
+        settings = PubSubBrokerConfig(
+            type="pubsub", project=pubsub_server.PROJECT, emulator_host=self.server.host
+        )
+        channel = grpc.insecure_channel(self.server.host)
+        client = PublisherClient(  # the adapter's settings (relay/brokers/pubsub.py, connect)
+            batch_settings=BatchSettings(
+                max_bytes=settings.max_bytes,
+                max_latency=settings.max_latency,
+                max_messages=settings.max_messages,
+            ),
+            publisher_options=PublisherOptions(enable_message_ordering=True),
+            transport=PublisherGrpcTransport(channel=channel),
+        )
+        Prepared = list[tuple[bytes, str, dict[str, str]]]
+
+        def prepare(messages: list[Message]) -> Prepared:
+            return [(m.body, ordering_key(m.key), pubsub_attributes(m)) for m in messages]
+
+        async def send(chunk: Prepared) -> None:
+            futures = [
+                client.publish(path, data, ordering_key=key, retry=None, timeout=30, **attributes)
+                for data, key, attributes in chunk
+            ]
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+        try:
+            await asyncio.to_thread(grpc.channel_ready_future(channel).result, 10)
+            result = await timed_publish(config, last, batch, prepare, send)
+        finally:
+            channel.close()
+        result.stored = await self.stored(result.count, topic)
         return result
 
 

@@ -1,11 +1,12 @@
 """Outbox Relay benchmark, every broker: backlog drain against the raw client, in one run.
 
     .venv/bin/python -m bench.brokers_bench [--broker all] [--events 20000] [--sqs-events 500]
+        [--pubsub-events 5000]
     .venv/bin/python -m bench.brokers_bench --rabbitmq-adapter 5   # the adapter alone
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -13,7 +14,8 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
    private tansu broker (Kafka protocol, started here); a durable queue bound with `#` to a fresh
    durable topic exchange on the machine's RabbitMQ; a FIFO queue per phase on a private moto
    server (SQS, started here, with fake credentials set in this process's environment; moto gets
-   slower as a queue fills, and purges a queue at most once a minute);
+   slower as a queue fills, and purges a queue at most once a minute); a topic and an ordered
+   subscription per phase on a private Pub/Sub emulator (started here);
    it also times reading and mapping the backlog alone, with nothing sent, for reference;
 2. the raw client publishes the relay's own messages (read with the relay's EventSource, mapped
    with its Mapper, converted with the adapter's own header/attribute helpers, all outside the
@@ -27,6 +29,8 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
+   - Pub/Sub: google-cloud-pubsub `PublisherClient.publish` of the batch with ordering keys and
+     the adapter's batch settings (each call made once), then every future awaited;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -67,6 +71,7 @@ from bench.broker_targets import (
     RABBITMQ_URL,
     Kafka,
     Nats,
+    PubSub,
     RabbitMq,
     Sqs,
     Target,
@@ -81,7 +86,7 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub")
 
 
 @dataclass
@@ -148,6 +153,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return Kafka()
     if broker == "rabbitmq":
         return RabbitMq(args.rabbitmq)
+    if broker == "pubsub":
+        return PubSub()
     return Sqs()
 
 
@@ -158,7 +165,7 @@ def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
 
 async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     """Measure one broker; a failure is reported in the row, after everything is removed."""
-    events = args.sqs_events if broker == "sqs" else args.events
+    events = {"sqs": args.sqs_events, "pubsub": args.pubsub_events}.get(broker, args.events)
     row = Row(broker=broker, events=events, load_at_start=load_average())
     target = target_for(broker, args)
     row.raw_client = target.label.replace("x500", f"x{args.batch}")
@@ -319,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=500,
         help="backlog for SQS (moto slows down as its queues fill: see docs/performance.md)",
+    )
+    parser.add_argument(
+        "--pubsub-events",
+        type=int,
+        default=5_000,
+        help="backlog for Pub/Sub (the emulator; each phase's messages are pulled back to count)",
     )
     parser.add_argument(
         "--batch", type=int, default=500, help="relay batch.max_messages and raw chunk size"

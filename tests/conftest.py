@@ -31,6 +31,7 @@ SERVICE_FIXTURES = {
     "tansu_factory",
     "kafka_topic",
     "sqs_endpoint",
+    "pubsub_emulator",
     "tls_server",
     "private_postgres",
     "chart",

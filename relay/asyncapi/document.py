@@ -29,7 +29,13 @@ from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
-BINDING_VERSIONS = {"kafka": "0.5.0", "amqp": "0.3.0", "sqs": "0.2.0", "nats": "0.1.0"}
+BINDING_VERSIONS = {
+    "kafka": "0.5.0",
+    "amqp": "0.3.0",
+    "sqs": "0.2.0",
+    "nats": "0.1.0",
+    "googlepubsub": "0.2.0",
+}
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
 
@@ -182,6 +188,13 @@ def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
             f" A FIFO queue: a message's MessageGroupId is its key ({keys}), and its "
             "MessageDeduplicationId is derived from its id."
         )
+    if broker.type == "pubsub":
+        keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
+        description += (
+            f" A Pub/Sub topic: a message's ordering key is its key ({keys}); consumers"
+            " deduplicate on the `ce-id` attribute (Pub/Sub has no publisher-side"
+            " deduplication)."
+        )
     out: Object = {"address": address, "title": channel.destination, "description": description}
     if parameters:
         out["parameters"] = parameters
@@ -262,7 +275,9 @@ def _channel_bindings(channel: _Channel, broker: BrokerConfig, address: str | No
         return _binding("amqp", {"is": "routingKey", "exchange": exchange})
     if broker.type == "sqs":
         return _binding("sqs", {"queue": _queue(channel.destination)})
-    return {}  # NATS has no channel binding: the address is the subject
+    # NATS has no channel binding: the address is the subject. Pub/Sub's needs the topic's
+    # schema settings, which the relay does not know.
+    return {}
 
 
 def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
@@ -291,7 +306,7 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
-    else:
+    elif broker.type == "nats":  # Google Pub/Sub's bindings have no operation binding
         operation["bindings"] = _binding("nats", {})
     return operation
 
@@ -306,6 +321,8 @@ def _message_bindings(outbox: OutboxView, rule: RuleView) -> Object:
         return _binding("kafka", {"key": key})
     if outbox.protocol == "rabbitmq":
         return _binding("amqp", {"messageType": rule.type})
+    if outbox.protocol == "pubsub":  # the key's template: each key's messages stay in order
+        return _binding("googlepubsub", {"orderingKey": rule.key})
     return {}
 
 

@@ -13,6 +13,7 @@ from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
+    PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
@@ -47,6 +48,8 @@ def _server(broker: BrokerConfig) -> tuple[Object, Object]:
         return _kafka(broker)
     if isinstance(broker, RabbitMqBrokerConfig):
         return _rabbitmq(broker)
+    if isinstance(broker, PubSubBrokerConfig):
+        return _pubsub(broker)
     return _sqs(broker)
 
 
@@ -124,3 +127,30 @@ def _sqs(broker: SqsBrokerConfig) -> tuple[Object, Object]:
         "description": "AWS credentials (Signature Version 4), from the standard AWS chain.",
     }
     return server, {"aws-sigv4": sigv4}
+
+
+def _pubsub(broker: PubSubBrokerConfig) -> tuple[Object, Object]:
+    host = broker.emulator_host or broker.endpoint or "pubsub.googleapis.com:443"
+    server: Object = {
+        "host": host,
+        "protocol": "googlepubsub",
+        "title": "Google Cloud Pub/Sub",
+        "summary": f"Project {broker.project}.",
+    }
+    if broker.emulator_host is not None:
+        return server, {}  # the emulator takes no credentials
+    oauth = {
+        "type": "oauth2",
+        "description": "Google credentials: a service account key file, or Application"
+        " Default Credentials.",
+        "flows": {
+            "clientCredentials": {
+                "tokenUrl": "https://oauth2.googleapis.com/token",
+                "availableScopes": {
+                    "https://www.googleapis.com/auth/pubsub": "Publish to Pub/Sub topics."
+                },
+            }
+        },
+        "scopes": ["https://www.googleapis.com/auth/pubsub"],
+    }
+    return server, {"google-oauth2": oauth}

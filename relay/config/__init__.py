@@ -37,6 +37,7 @@ from relay.config.brokers import (
     BrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
+    PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "MessageConfig",
     "NatsBrokerConfig",
     "OutboxConfig",
+    "PubSubBrokerConfig",
     "RabbitMqBrokerConfig",
     "RelayConfig",
     "Rule",

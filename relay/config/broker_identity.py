@@ -13,6 +13,7 @@ import re
 from relay.config.brokers import (
     KafkaBrokerConfig,
     NatsBrokerConfig,
+    PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
@@ -29,7 +30,11 @@ _DEFAULT_PORTS = {
 
 
 def broker_identity(
-    config: NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    config: NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | PubSubBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -39,6 +44,9 @@ def broker_identity(
     elif isinstance(config, RabbitMqBrokerConfig):
         host, path = _host(config.url.get_secret_value(), "amqp")
         hosts = [f"{host}/{path.removeprefix('/') or '/'}"]
+    elif isinstance(config, PubSubBrokerConfig):
+        endpoint = config.emulator_host or config.endpoint or "pubsub.googleapis.com:443"
+        hosts = [f"{endpoint}/{config.project}"]
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]

@@ -238,7 +238,69 @@ class SqsBrokerConfig(Model):
     ack_timeout: PositiveDuration = 30.0
 
 
+class PubSubBrokerConfig(Model):
+    """Google Cloud Pub/Sub. Credentials: `credentials_file`, else Application Default
+    Credentials (GOOGLE_APPLICATION_CREDENTIALS, workload identity, the metadata server)."""
+
+    type: Literal["pubsub"]
+    # A project id (6-30 characters), or a domain-scoped one (`example.com:my-project`).
+    project: Annotated[
+        str, Field(pattern=r"^(?:[a-z0-9][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+    ]
+    emulator_host: str | None = Field(
+        None, description="host:port of a Pub/Sub emulator: plaintext, no credentials."
+    )
+    endpoint: str | None = Field(
+        None, description="host:port of another API endpoint, e.g. a regional one."
+    )
+    credentials_file: str | None = Field(
+        None, description="A service account key file; without it, Application Default Credentials."
+    )
+    max_messages: Annotated[int, Field(ge=1, le=1000)] = Field(
+        100, description="Messages per Publish call (Pub/Sub takes up to 1,000)."
+    )
+    max_bytes: Annotated[int, Field(ge=1024, le=10_000_000)] = Field(
+        1_000_000, description="Bytes per Publish call (Pub/Sub takes up to 10 MB)."
+    )
+    max_latency: PositiveDuration = Field(
+        0.01, description="How long the client waits to fill a Publish call."
+    )
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = Field(
+        30.0, description="How long a batch waits for every Publish call it makes."
+    )
+
+    @field_validator("emulator_host", "endpoint")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host or "/" in address or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be host:port, without a scheme, for example 127.0.0.1:8085")
+        return address
+
+    @field_validator("credentials_file")
+    @classmethod
+    def _credentials_file_exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _emulator_alone(self) -> PubSubBrokerConfig:
+        if self.emulator_host is not None and (self.endpoint or self.credentials_file):
+            raise ValueError(
+                "emulator_host: the emulator takes no endpoint and no credentials_file;"
+                " remove them or emulator_host"
+            )
+        return self
+
+
 BrokerConfig = Annotated[
-    NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | PubSubBrokerConfig,
     Field(discriminator="type"),
 ]

@@ -55,6 +55,9 @@ brokers:
     type: sqs
     region: eu-west-1
     endpoint_url: http://relay:${RELAY_SECRET}@localhost:4566
+  pubsub:
+    type: pubsub
+    project: library-prod
 outboxes:
   loans:
     broker: nats
@@ -100,6 +103,13 @@ outboxes:
       FinePaid:
         type: library.fine-paid.v1
         destination: https://sqs.eu-west-1.amazonaws.com/123456789012/fines
+  holds:
+    broker: pubsub
+    messages:
+      HoldPlaced:
+        type: library.hold-placed.v1
+        destination: "holds-{aggregate_type}"
+        payload: {bookId: aggregate_id, memberId: data.memberId}
 """
 
 
@@ -183,6 +193,7 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "kafka": ("kafka-1.internal:9093", "kafka-secure"),
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
+        "pubsub": ("pubsub.googleapis.com:443", "googlepubsub"),
     }
     assert "nats-2.internal:4222" in servers["nats"]["description"]
     schemes = doc["components"]["securitySchemes"]
@@ -200,6 +211,9 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
     assert channels["https://sqs.eu-west-1.amazonaws.com/123456789012/fines"]["bindings"]["sqs"][
         "queue"
     ] == {"name": "fines", "fifoQueue": False}
+    holds = channels["holds-{aggregate_type}"]
+    assert "bindings" not in holds  # Pub/Sub's channel binding needs a topic schema
+    assert "ordering key" in holds["description"]
 
     operations = {op["title"]: op for op in doc["operations"].values()}
     assert operations["Publish to library"]["bindings"]["amqp"]["cc"] == [
@@ -211,6 +225,10 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "`{data.memberId}`"
         in messages["library.member-joined.v1"]["bindings"]["kafka"]["key"]["description"]
     )
+    assert messages["library.hold-placed.v1"]["bindings"]["googlepubsub"] == {
+        "orderingKey": "{aggregate_id}",
+        "bindingVersion": "0.2.0",
+    }
     assert set(messages) == {
         "library.book-lent.v1",
         "library.book-returned.v1",
@@ -220,6 +238,7 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1",
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
+        "library.hold-placed.v1",
     }
     assert_valid(parser, written)
 
@@ -249,7 +268,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -316,19 +335,23 @@ def sent_headers(
         from relay.brokers.rabbitmq import _properties
 
         return set(_properties(message, prefix).headers or {})
+    if broker == "pubsub":
+        from relay.brokers.pubsub import message_attributes as pubsub_attributes
+
+        return set(pubsub_attributes(message))
     from relay.brokers.sqs import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

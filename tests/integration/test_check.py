@@ -16,7 +16,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from relay.postgres.lease import lock_key
-from tests.support import postgres
+from tests.support import postgres, pubsub_server
 from tests.support.db import connect
 from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
@@ -359,6 +359,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
     rabbitmq_url: str,
     tansu_factory: Callable[..., TansuServer],
     sqs_endpoint: str,
+    pubsub_emulator: str,
     tmp_path: Path,
 ) -> None:
     tansu = tansu_factory()
@@ -369,7 +370,10 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
         "exchange": unique_name("no-exchange"),
         "topic": unique_topic("no-topic"),
         "queue": unique_queue("no-queue", fifo=False),
+        "pubsub": pubsub_server.unique_name("no-topic"),
     }
+    ps_topic, ps_reader = pubsub_server.unique_name("chk"), pubsub_server.unique_name("chk")
+    await asyncio.to_thread(pubsub_server.create_topic, pubsub_emulator, ps_topic, ps_reader)
     sqs_queue = unique_queue("chk", fifo=False)
     await create_stream(nats_url, stream, [f"{stream}.>"])
     await create_topology(rabbitmq_url, exchange, queue)
@@ -385,6 +389,11 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
                 "enable_idempotence": False,
             },
             "sqs": {"type": "sqs", "region": REGION, "endpoint_url": sqs_endpoint},
+            "pubsub": {
+                "type": "pubsub",
+                "project": pubsub_server.PROJECT,
+                "emulator_host": pubsub_emulator,
+            },
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -395,6 +404,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["topic"]: "kafka",
             sqs_url: "sqs",
             missing["queue"]: "sqs",
+            ps_topic: "pubsub",
+            missing["pubsub"]: "pubsub",
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -404,13 +415,15 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 4, result.stderr
+            assert len(errors(result.stderr)) == 5, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
             assert f"broker 'rabbit': exchange {missing['exchange']!r} does not exist" in said
             assert f"broker 'kafka': topic {missing['topic']!r} does not exist" in said
             assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
+            missing_topic = pubsub_server.topic_path(missing["pubsub"])
+            assert f"broker 'pubsub': topic {missing_topic!r} does not exist" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -420,6 +433,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await QueueReader(rabbitmq_url, queue).fetch() == []
             assert await consume(tansu.bootstrap, topic, timeout=1) == []
             assert await receive_all(sqs, sqs_url) == []
+            assert await pubsub_server.pull_all_async(pubsub_emulator, ps_reader, 0) == []
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
@@ -427,6 +441,9 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
         finally:
             await delete_stream(nats_url, stream)
             await delete_topology(rabbitmq_url, exchange, queue)
+            await asyncio.to_thread(
+                pubsub_server.delete_topic, pubsub_emulator, ps_topic, ps_reader
+            )
 
 
 # -- no tracebacks ----------------------------------------------------------------------------
@@ -548,6 +565,23 @@ BROKER_RULES = {
     "sqs region malformed": (
         {"type": "sqs", "region": "eu west 1"},
         "brokers.b.region: String should match pattern",
+    ),
+    "pubsub emulator host with a scheme": (
+        {"type": "pubsub", "project": "library-prod", "emulator_host": "http://localhost:8085"},
+        "brokers.b.emulator_host: must be host:port, without a scheme",
+    ),
+    "pubsub emulator with credentials": (
+        {
+            "type": "pubsub",
+            "project": "library-prod",
+            "emulator_host": "localhost:8085",
+            "credentials_file": "/etc/hostname",
+        },
+        "brokers.b.emulator_host: the emulator takes no endpoint and no credentials_file",
+    ),
+    "pubsub credentials file missing": (
+        {"type": "pubsub", "project": "library-prod", "credentials_file": "/nope/key.json"},
+        "brokers.b.credentials_file: no such file: /nope/key.json",
     ),
 }
 

@@ -319,6 +319,79 @@ class RabbitMqSoakBroker:
         self.server.kill()
 
 
+class PubSubSoakBroker:
+    """A private Pub/Sub emulator behind a proxy, one ordered subscription per topic.
+
+    The emulator keeps nothing across a restart, so its "crash" is a cut-off, as tansu's.
+    A pull acks what it reads, so the messages read so far are kept here.
+    """
+
+    name = "pubsub"
+    crash_kind = "every connection to the emulator cut, then black-holed"
+    rule = {"destination": "soak-{aggregate_type}"}
+    topics = ("soak-book", "soak-member")
+
+    def __init__(self, root: Path) -> None:
+        from tests.support.proxy import TcpProxy
+        from tests.support.pubsub_server import PubSubEmulator
+
+        self.server = PubSubEmulator(root / "pubsub-emulator.log")
+        self.proxy: TcpProxy | None = None
+        self.read: list[Delivery] = []
+
+    def relay_config(self) -> dict[str, Any]:
+        from tests.support.pubsub_server import PROJECT
+
+        assert self.proxy is not None
+        return {
+            "type": "pubsub",
+            "project": PROJECT,
+            "emulator_host": f"{self.proxy.host}:{self.proxy.port}",
+            "ack_timeout": "3s",
+            "connect_timeout": "2s",
+        }
+
+    async def start(self) -> None:
+        from tests.support.proxy import TcpProxy
+        from tests.support.pubsub_server import create_topic
+
+        await asyncio.to_thread(self.server.start)
+        self.proxy = TcpProxy("127.0.0.1", self.server.port)
+        for topic in self.topics:
+            await asyncio.to_thread(create_topic, self.server.host, topic, f"{topic}-soak")
+
+    async def crash(self) -> None:
+        assert self.proxy is not None
+        self.proxy.cut()
+        self.proxy.pause()
+
+    async def restart(self) -> None:
+        assert self.proxy is not None
+        self.proxy.cut()  # whatever queued up while silent is dropped, as by a restart
+        self.proxy.resume()
+
+    async def read_all(self) -> list[Delivery]:
+        from tests.support.pubsub_server import pull_all_async
+
+        for topic in self.topics:
+            for received in await pull_all_async(self.server.host, f"{topic}-soak", 0, 10):
+                m = received.message
+                self.read.append(
+                    Delivery(
+                        id=m.attributes["ce-id"],
+                        uid=str(json.loads(m.data)["uid"]),
+                        destination=topic,
+                        stored_at=m.publish_time.timestamp(),
+                    )
+                )
+        return list(self.read)
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        self.server.kill()
+
+
 def make_broker(name: str, root: Path) -> SoakBroker:
     if name == "nats":
         return NatsSoakBroker(root)
@@ -326,4 +399,6 @@ def make_broker(name: str, root: Path) -> SoakBroker:
         return KafkaSoakBroker(root)
     if name == "rabbitmq":
         return RabbitMqSoakBroker(root)
-    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq)")
+    if name == "pubsub":
+        return PubSubSoakBroker(root)
+    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq, pubsub)")

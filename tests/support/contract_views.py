@@ -10,6 +10,7 @@ from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
+    PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
@@ -21,12 +22,14 @@ BROKERS: dict[str, BrokerConfig] = {
         {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/"}
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+    "pubsub": PubSubBrokerConfig(type="pubsub", project="library-prod"),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
     "kafka": "kafka",
     "rabbit": "rabbitmq",
     "sqs": "sqs",
+    "pubsub": "pubsub",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}

@@ -21,6 +21,7 @@ from tests.support import postgres, postgres_majors
 from tests.support.jetstream import create_stream, delete_stream, unique_name
 from tests.support.nats_server import MACHINE_URL, NatsServer, jetstream_reachable
 from tests.support.proxy import TcpProxy
+from tests.support.pubsub_server import PubSubEmulator
 from tests.support.relay_process import RelayProcess
 
 FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
@@ -133,6 +134,21 @@ def nats_factory(tmp_path: Path) -> Iterator[Callable[[], NatsServer]]:
     yield start
     for server in servers:
         server.kill()
+
+
+# -- Google Pub/Sub ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pubsub_emulator() -> Iterator[str]:
+    """`host:port` of a private Pub/Sub emulator, one per session (a JVM takes seconds to
+    start). Tests use unique topics and subscriptions on it (tests/support/pubsub_server.py)."""
+    with tempfile.TemporaryDirectory(prefix="relay-pubsub-") as tmp:
+        server = PubSubEmulator(Path(tmp) / "emulator.log").start()
+        try:
+            yield server.host
+        finally:
+            server.kill()
 
 
 # -- fault injection and the relay process --------------------------------------------------

@@ -34,6 +34,14 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             {"type": "sqs", "region": "us-east-1", "endpoint_url": "http://127.0.0.1:5000"},
             "sqs 127.0.0.1:5000/us-east-1",
         ),
+        (
+            {"type": "pubsub", "project": "library-prod"},
+            "pubsub pubsub.googleapis.com:443/library-prod",
+        ),
+        (
+            {"type": "pubsub", "project": "library-prod", "emulator_host": "localhost:8085"},
+            "pubsub localhost:8085/library-prod",
+        ),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(

@@ -18,6 +18,7 @@ from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
+    PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     SqsBrokerConfig,
 )
@@ -171,7 +172,7 @@ def test_template_placeholders_become_channel_parameters() -> None:
     assert "parameters" not in lost
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
 def test_structured_mode_puts_the_whole_event_in_the_body(broker: str) -> None:
     schema_rule = rule("library.book-lent.v2", schema=BOOK_LENT_V2_SCHEMA)
     doc = document(outbox([("BookLent", schema_rule)], broker, cloudevents="structured"))
@@ -286,6 +287,10 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
             {"type": "rabbitmq", "url": f"amqp://relay:{SECRET}@rabbit:5672/%2F?x=y"}
         ),
         "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+        "pubsub": PubSubBrokerConfig(type="pubsub", project="library-prod"),
+        "emulated": PubSubBrokerConfig(
+            type="pubsub", project="library-prod", emulator_host="pubsub-emulator:8085"
+        ),
     }
     found, schemes = servers(brokers)
     assert SECRET[:3] not in repr((found, schemes))
@@ -301,6 +306,11 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
         "security": [{"$ref": "#/components/securitySchemes/rabbit-user-password"}],
     }
     assert found["sqs"]["host"] == "sqs.eu-west-1.amazonaws.com"
+    assert found["pubsub"]["host"] == "pubsub.googleapis.com:443"
+    assert found["pubsub"]["protocol"] == "googlepubsub"
+    assert schemes["pubsub-google-oauth2"]["type"] == "oauth2"
+    assert found["emulated"]["host"] == "pubsub-emulator:8085"
+    assert "security" not in found["emulated"]  # the emulator takes no credentials
     assert schemes["kafka-sasl"] == {"type": "plain"}
     assert {schemes["nats-user-password"]["type"], schemes["nats-token"]["type"]} == {
         "userPassword",

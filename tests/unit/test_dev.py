@@ -66,6 +66,23 @@ def test_dev_py_looks_for_the_server_the_fixtures_start() -> None:
     assert dev.RABBITMQ_SERVER == SERVER_SCRIPT
 
 
+def test_dev_py_names_a_missing_pubsub_emulator_where_the_fixture_looks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tests.support import pubsub_server
+
+    assert dev.PUBSUB_EMULATOR == pubsub_server.DEFAULT_EMULATOR
+    missing = tmp_path / "cloud-pubsub-emulator"
+    monkeypatch.setenv("RELAY_TEST_PUBSUB_EMULATOR", str(missing))
+    dev.ensure_pubsub_emulator()
+    said = capsys.readouterr().err
+    assert f"no Pub/Sub emulator at {missing}" in said
+    assert "apt-get install google-cloud-cli-pubsub-emulator" in said
+    missing.write_text("#!/bin/sh\n")
+    dev.ensure_pubsub_emulator()
+    assert capsys.readouterr().err == ""
+
+
 def test_node_is_installed_only_where_it_is_missing_and_apt_runs_as_root() -> None:
     assert dev.node_plan(found=True, root=True, apt=True) is None
     assert dev.node_plan(found=False, root=True, apt=True) == "install"

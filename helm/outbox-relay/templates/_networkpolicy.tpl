@@ -139,6 +139,9 @@ relay's config. Called with (list $ NAME BROKER_CONFIG).
 {{- else if eq $broker.type "sqs" }}
 {{- $endpoint := $broker.endpoint_url | default (printf "https://sqs.%s.amazonaws.com" $broker.region) }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint_url" $key) "setting" $setting) }}
+{{- else if eq $broker.type "pubsub" }}
+{{- $endpoint := $broker.emulator_host | default ($broker.endpoint | default "pubsub.googleapis.com:443") }}
+{{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint" $key) "setting" $setting) }}
 {{- else }}
 {{- fail (printf "networkPolicy.enabled: %s has the type %v, whose ports the chart does not know; set %s" $key $broker.type $setting) }}
 {{- end }}

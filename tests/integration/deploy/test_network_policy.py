@@ -121,6 +121,7 @@ BROKERS = {
     "kafka": {"type": "kafka", "bootstrap_servers": "k1:9093,k2"},
     "rabbit": {"type": "rabbitmq", "url": "amqps://relay:${RABBIT_PASSWORD}@rabbit/vhost"},
     "aws": {"type": "sqs", "region": "eu-west-1"},
+    "gcp": {"type": "pubsub", "project": "library-prod"},
     "moto": {"type": "sqs", "region": "eu-west-1", "endpoint_url": "http://moto:5000"},
 }
 
@@ -146,8 +147,9 @@ def test_ports_come_from_the_config(chart: Any, url: str, ports: list[int]) -> N
     assert egress == [
         {"to": KUBE_DNS, "ports": DNS_PORTS},
         {"ports": tcp(*ports)},  # no `to`: any address, on these ports only
-        # The brokers, by name: aws, kafka, moto, nats, rabbit.
+        # The brokers, by name: aws, gcp, kafka, moto, nats, rabbit.
         {"ports": tcp(443)},
+        {"ports": tcp(443)},  # pubsub.googleapis.com
         {"to": kafka, "ports": tcp(9093, 9092)},
         {"ports": tcp(5000)},
         {"ports": tcp(4333, 4222, 4555, 443)},
