@@ -29,7 +29,13 @@ from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
-BINDING_VERSIONS = {"kafka": "0.5.0", "amqp": "0.3.0", "sqs": "0.2.0", "nats": "0.1.0"}
+BINDING_VERSIONS = {
+    "kafka": "0.5.0",
+    "amqp": "0.3.0",
+    "sqs": "0.2.0",
+    "nats": "0.1.0",
+    "redis": "0.1.0",
+}
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
 
@@ -182,6 +188,11 @@ def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
             f" A FIFO queue: a message's MessageGroupId is its key ({keys}), and its "
             "MessageDeduplicationId is derived from its id."
         )
+    if broker.type == "redis":
+        description += (
+            " A Redis stream: each message is one entry, its id in field `ce_id` and its"
+            " payload in field `body`."
+        )
     out: Object = {"address": address, "title": channel.destination, "description": description}
     if parameters:
         out["parameters"] = parameters
@@ -291,6 +302,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
+    elif broker.type == "redis":
+        operation["bindings"] = _binding("redis", {})
     else:
         operation["bindings"] = _binding("nats", {})
     return operation

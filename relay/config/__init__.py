@@ -38,6 +38,7 @@ from relay.config.brokers import (
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.rules import (
@@ -62,6 +63,7 @@ __all__ = [
     "NatsBrokerConfig",
     "OutboxConfig",
     "RabbitMqBrokerConfig",
+    "RedisBrokerConfig",
     "RelayConfig",
     "Rule",
     "SqsBrokerConfig",

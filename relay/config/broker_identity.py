@@ -14,6 +14,7 @@ from relay.config.brokers import (
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -23,13 +24,19 @@ _DEFAULT_PORTS = {
     "kafka": 9092,
     "amqp": 5672,
     "amqps": 5671,
+    "redis": 6379,
+    "rediss": 6379,
     "http": 80,
     "https": 443,
 }
 
 
 def broker_identity(
-    config: NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    config: NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | RedisBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -39,6 +46,9 @@ def broker_identity(
     elif isinstance(config, RabbitMqBrokerConfig):
         host, path = _host(config.url.get_secret_value(), "amqp")
         hosts = [f"{host}/{path.removeprefix('/') or '/'}"]
+    elif isinstance(config, RedisBrokerConfig):
+        host, path = _host(config.url.get_secret_value(), "redis")
+        hosts = [f"{host}/{path.removeprefix('/') or '0'}"]  # the database number
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]

@@ -1,0 +1,341 @@
+"""Redis Streams publisher, with redis-py (redis.asyncio).
+
+Each message becomes one entry, XADD to the stream its `destination` names (with
+`MAXLEN ~` when configured): the CloudEvents attributes as `ce_*` fields,
+`content-type`, and the payload in `body`. Redis numbers the entries itself, so a
+stream keeps the order the relay sent them in.
+
+Deduplication. Redis has none of its own, so the relay keeps, per stream, a sorted
+set of the ids it added within the last `dedup_window` (scored by Redis's clock), and
+one Lua script checks the set and adds the entry atomically: a re-send within the
+window (the same relay retrying, or a new lease holder repeating a batch a crashed one
+had stored) is acknowledged and not stored again. Explicit entry ids derived from the
+position were not used: Redis refuses an id that is not above the stream's last one,
+which breaks as soon as two lanes (or two outboxes) write one stream.
+
+A batch goes out as one script call (or a few, by size), each a single round trip;
+the script stops at the first entry Redis refuses and reports it, so nothing after
+a failed message is stored before it. The client does not retry: a lost connection
+or a call without an answer within `ack_timeout` fails the batch as transient, and the
+outbox's backoff decides when to try again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from relay.brokers._batch import connect_or_fail, connected, not_sent
+from relay.config.base import TlsConfig
+from relay.config.brokers import RedisBrokerConfig
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+
+MAX_CALL_MESSAGES = 500  # entries per script call: one call holds the server for its length
+MAX_CALL_BYTES = 4 * 1024 * 1024  # fields and values per call (a bigger message goes alone)
+BODY_FIELD = "body"
+
+# KEYS: stream 1, its id set, stream 2, its id set, ...
+# ARGV: window (ms), maxlen ('' for none), then per message: its stream's number, its id,
+#       its field count n, then n fields and values.
+# Returns per message: the entry id, 0 for a duplicate; and stops at the first entry
+# Redis refuses, whose place holds {error text}.
+# TIME before writes needs effects replication: the default from Redis 5, the only kind
+# from 7 (replicate_commands is then a no-op kept for compatibility).
+SCRIPT = """\
+-- outbox-relay: XADD each entry unless its id is in the stream's set of recent ids
+if redis.replicate_commands then redis.replicate_commands() end
+local window = tonumber(ARGV[1])
+local maxlen = ARGV[2]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local results, touched = {}, {}
+local function finish()
+  for s, _ in pairs(touched) do redis.call('PEXPIRE', KEYS[2 * s], window) end
+  return results
+end
+local i = 3
+while i <= #ARGV do
+  local s, id, n = tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2])
+  local stream, seen = KEYS[2 * s - 1], KEYS[2 * s]
+  if touched[s] == nil then
+    redis.call('ZREMRANGEBYSCORE', seen, '-inf', '(' .. (now - window))
+    touched[s] = true
+  end
+  if redis.call('ZSCORE', seen, id) then
+    results[#results + 1] = 0
+  else
+    local r
+    if maxlen == '' then
+      r = redis.pcall('XADD', stream, '*', unpack(ARGV, i + 3, i + 2 + 2 * n))
+    else
+      r = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*',
+                      unpack(ARGV, i + 3, i + 2 + 2 * n))
+    end
+    if type(r) == 'table' and r.err then
+      results[#results + 1] = {r.err}
+      return finish()
+    end
+    redis.call('ZADD', seen, now, id)
+    results[#results + 1] = r
+  end
+  i = i + 3 + 2 * n
+end
+return finish()
+"""
+
+SCRIPT_SHA = hashlib.sha1(SCRIPT.encode(), usedforsecurity=False).hexdigest()
+
+# What Redis answers for an entry it will never take, whatever the retry: the stream's key
+# holds another type. Everything else (OOM, NOPERM, READONLY, BUSY, LOADING) passes.
+_PERMANENT = ("WRONGTYPE",)
+
+
+@dataclass(slots=True)
+class _Entry:
+    index: int  # in the batch
+    message: Message
+    fields: list[str | bytes]  # field, value, field, value...
+    size: int
+
+
+class RedisPublisher:
+    def __init__(self, name: str, config: RedisBrokerConfig) -> None:
+        self.name = name
+        self._config = config
+        self._client: aioredis.Redis | None = None
+        self._sha: str | None = None
+        self._window = str(round(config.dedup_window * 1000))
+        self._maxlen = "" if config.maxlen is None else str(config.maxlen)
+        self.duplicates = 0
+        self.last_duplicates: list[int] = []
+
+    # -- connection ------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self._client is not None:
+            return
+        client = self._new_client()
+        try:
+            await client.ping()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot connect: {self._text(exc)}"
+            ) from exc
+        self._client = client
+
+    def _new_client(self) -> aioredis.Redis:
+        c = self._config
+        options: dict[str, Any] = dict(parse_url(c.url.get_secret_value().strip()))
+        if c.password is not None:
+            options["username"] = c.username
+            options["password"] = c.password.get_secret_value()
+        if options.get("connection_class") is SSLConnection:
+            options["connection_class"] = _TlsConnection
+            options["tls"] = c.tls or TlsConfig()
+        pool = aioredis.ConnectionPool(
+            **options,
+            max_connections=1,
+            socket_connect_timeout=c.connect_timeout,
+            socket_timeout=c.ack_timeout,
+            retry=Retry(NoBackoff(), 0),
+            client_name="outbox-relay",
+        )
+        return aioredis.Redis(connection_pool=pool, single_connection_client=True)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: connect and authenticate, and look at each stream's key: one
+        that holds another type would park every message. Writes nothing."""
+        await self.connect()
+        client = connected(self._client)
+        problems = []
+        try:
+            for destination in sorted(destinations):
+                if problem := self.refused(destination):
+                    problems.append(f"broker {self.name!r}: {problem}")
+                    continue
+                try:
+                    kind = await client.type(destination)
+                except rex.RedisError as exc:
+                    problems.append(f"broker {self.name!r}: stream {destination!r}: {exc}")
+                    continue
+                if kind not in (b"stream", b"none"):
+                    problems.append(
+                        f"broker {self.name!r}: key {destination!r} holds a {_str(kind)},"
+                        " not a stream: every message to it would be parked (WRONGTYPE)"
+                    )
+            return problems
+        finally:
+            await self.close()
+
+    # -- a batch ---------------------------------------------------------------------------------
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        self.last_duplicates = []
+        entries: list[_Entry] = []
+        refused: PermanentPublishError | None = None
+        for index, message in enumerate(messages):
+            entry_or_error = self._entry(index, message)
+            if isinstance(entry_or_error, PermanentPublishError):
+                refused = entry_or_error
+                break
+            entries.append(entry_or_error)
+        outcomes: list[Outcome] = []
+        if entries:
+            if failed := await connect_or_fail(self.connect, len(entries)):
+                return failed + not_sent(len(messages) - len(entries))
+            outcomes = await self._send(entries)
+        if refused is not None and len(outcomes) == len(entries):
+            failed_before = any(o is not None for o in outcomes)
+            outcomes.append(not_sent(1)[0] if failed_before else refused)
+        return outcomes + not_sent(len(messages) - len(outcomes))
+
+    def _entry(self, index: int, message: Message) -> _Entry | PermanentPublishError:
+        if problem := self.refused(message.destination):
+            return PermanentPublishError(f"broker {self.name!r}: {problem}")
+        attributes = cloudevent_attributes(message, "ce_")
+        attributes["content-type"] = message.content_type
+        fields: list[str | bytes] = []
+        size = len(BODY_FIELD) + len(message.body)
+        for name, value in attributes.items():
+            fields += (name, value)
+            size += len(name) + len(value.encode())
+        fields += (BODY_FIELD, message.body)
+        if size > self._config.max_message_bytes:
+            return PermanentPublishError(
+                f"broker {self.name!r}: message {message.id!r}: {size:,} bytes (fields and"
+                f" values) is more than max_message_bytes ({self._config.max_message_bytes:,})"
+            )
+        return _Entry(index, message, fields, size)
+
+    def refused(self, stream: str) -> str | None:
+        """Why `stream` can never be a destination here; None when it can."""
+        if not stream:
+            return "invalid stream name '': the destination is empty"
+        if stream.startswith(self._config.dedup_key_prefix):
+            return (
+                f"invalid stream name {stream!r}: it starts with dedup_key_prefix"
+                f" {self._config.dedup_key_prefix!r}, the relay's own keys"
+            )
+        return None
+
+    async def _send(self, entries: list[_Entry]) -> list[Outcome]:
+        """Call after call, in order; the first that fails stops the rest."""
+        outcomes: list[Outcome] = []
+        for chunk in _chunks(entries):
+            results = await self._call(chunk)
+            outcomes += results
+            if len(results) < len(chunk) or any(r is not None for r in results):
+                break
+        return outcomes
+
+    async def _call(self, chunk: list[_Entry]) -> list[Outcome]:
+        """One script call: an outcome for each entry up to the first that failed."""
+        client = connected(self._client)
+        streams: dict[str, int] = {}
+        keys: list[str] = []
+        args: list[str | bytes | int] = [self._window, self._maxlen]
+        prefix = self._config.dedup_key_prefix
+        for entry in chunk:
+            stream = entry.message.destination
+            number = streams.get(stream)
+            if number is None:
+                number = streams[stream] = len(streams) + 1
+                keys += (stream, prefix + stream)
+            args += (number, entry.message.id, len(entry.fields) // 2, *entry.fields)
+        try:
+            replies = await self._evaluate(client, keys, args)
+        except Exception as exc:  # noqa: BLE001 - classified, not swallowed
+            if isinstance(exc, rex.ConnectionError | rex.TimeoutError | OSError):
+                await self.close()  # the connection's state is unknown: a new one next time
+            return [self._call_error(exc)] * len(chunk)
+        return self._outcomes(chunk, replies)
+
+    async def _evaluate(
+        self, client: aioredis.Redis, keys: list[str], args: list[str | bytes | int]
+    ) -> list[Any]:
+        if self._sha is not None:
+            try:
+                replies: list[Any] = await client.evalsha(self._sha, len(keys), *keys, *args)
+                return replies
+            except rex.NoScriptError:
+                pass  # a restarted server (or SCRIPT FLUSH): send the script itself again
+        replies = await client.eval(SCRIPT, len(keys), *keys, *args)
+        self._sha = SCRIPT_SHA
+        return replies
+
+    def _outcomes(self, chunk: list[_Entry], replies: list[Any]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for entry, reply in zip(chunk, replies, strict=False):
+            if isinstance(reply, list):  # the entry Redis refused; the script stopped there
+                text = reply[0].decode(errors="replace") if reply else "refused"
+                outcomes.append(self._refusal(entry.message, text))
+                break
+            if reply == 0:
+                self.duplicates += 1
+                self.last_duplicates.append(entry.index)
+            outcomes.append(None)
+        return outcomes
+
+    def _refusal(self, message: Message, text: str) -> PublishError:
+        said = f"broker {self.name!r}: stream {message.destination!r}: {text}"
+        if text.startswith(_PERMANENT):
+            return PermanentPublishError(said)
+        return TransientPublishError(said)
+
+    def _call_error(self, exc: BaseException) -> PublishError:
+        """Why a whole call failed; never the message's fault, so always transient."""
+        if isinstance(exc, rex.TimeoutError):
+            text = f"no answer within {self._config.ack_timeout}s"
+        else:
+            text = self._text(exc)
+        return TransientPublishError(f"broker {self.name!r}: {text}")
+
+    def _text(self, exc: BaseException) -> str:
+        return str(exc) or type(exc).__name__
+
+
+def _chunks(entries: list[_Entry]) -> list[list[_Entry]]:
+    """Runs of up to MAX_CALL_MESSAGES entries and MAX_CALL_BYTES (a bigger one alone)."""
+    chunks: list[list[_Entry]] = []
+    chunk: list[_Entry] = []
+    size = 0
+    for entry in entries:
+        if chunk and (len(chunk) == MAX_CALL_MESSAGES or size + entry.size > MAX_CALL_BYTES):
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += entry.size
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+def _str(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+class _TlsConnection(SSLConnection):
+    """redis-py's TLS connection, with the relay's own context (tls.ca_file, or the system's
+    CAs; a client certificate when set), as every broker verifies."""
+
+    def __init__(self, *, tls: TlsConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssl_context.context = tls.context()
