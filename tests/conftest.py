@@ -31,6 +31,8 @@ SERVICE_FIXTURES = {
     "tansu_factory",
     "kafka_topic",
     "sqs_endpoint",
+    "redis_url",
+    "redis_factory",
     "tls_server",
     "private_postgres",
     "chart",
@@ -71,6 +73,7 @@ SERVICE_PLUGINS = (
     "tests.support.kafka_server",
     "tests.support.rabbitmq_server",
     "tests.support.sqs_server",
+    "tests.support.redis_server",
 )
 
 

@@ -59,19 +59,23 @@ local maxlen = ARGV[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local results, touched = {}, {}
+-- The first write of a script is the one Redis refuses when over maxmemory (it cannot stop
+-- a script half-way), so nothing is written before the first XADD: expired ids are
+-- recognised by their score, and pruned at the end.
 local function finish()
-  for s, _ in pairs(touched) do redis.call('PEXPIRE', KEYS[2 * s], window) end
+  for s, _ in pairs(touched) do
+    local seen = KEYS[2 * s]
+    redis.call('ZREMRANGEBYSCORE', seen, '-inf', '(' .. (now - window))
+    redis.call('PEXPIRE', seen, window)
+  end
   return results
 end
 local i = 3
 while i <= #ARGV do
   local s, id, n = tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2])
   local stream, seen = KEYS[2 * s - 1], KEYS[2 * s]
-  if touched[s] == nil then
-    redis.call('ZREMRANGEBYSCORE', seen, '-inf', '(' .. (now - window))
-    touched[s] = true
-  end
-  if redis.call('ZSCORE', seen, id) then
+  local at = redis.call('ZSCORE', seen, id)
+  if at and tonumber(at) >= now - window then
     results[#results + 1] = 0
   else
     local r
@@ -86,6 +90,7 @@ while i <= #ARGV do
       return finish()
     end
     redis.call('ZADD', seen, now, id)
+    touched[s] = true
     results[#results + 1] = r
   end
   i = i + 3 + 2 * n
@@ -129,7 +134,7 @@ class RedisPublisher:
             await client.ping()
         except Exception as exc:
             with contextlib.suppress(Exception):
-                await client.aclose()
+                await client.aclose(close_connection_pool=True)
             raise TransientPublishError(
                 f"broker {self.name!r}: cannot connect: {self._text(exc)}"
             ) from exc
@@ -158,7 +163,7 @@ class RedisPublisher:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                await client.aclose()
+                await client.aclose(close_connection_pool=True)
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: connect and authenticate, and look at each stream's key: one
