@@ -166,7 +166,7 @@ Entry = tuple[str, dict[str, bytes]]
 async def read_stream(url: str, stream: str) -> list[Entry]:
     """Every entry of `stream` in order, as a consumer's XRANGE reads them: (id, fields)."""
     async with redis_client(url) as client:
-        entries = await client.xrange(stream)
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(stream)  # type: ignore[assignment]
     return [(entry_id.decode(), {k.decode(): v for k, v in f.items()}) for entry_id, f in entries]
 
 

@@ -155,7 +155,7 @@ async def test_the_dedup_window_is_redis_time_and_the_set_expires_with_it(
         assert await pub.publish(batch) == [None] * 3
         async with redis_client(redis_url) as client:
             assert 0 < await client.pttl(DEDUP_PREFIX + stream) <= 500
-            members = await client.zrange(DEDUP_PREFIX + stream, 0, -1)
+            members: list[bytes] = await client.zrange(DEDUP_PREFIX + stream, 0, -1)  # type: ignore[assignment]
             assert [m.decode() for m in members] == [m.id for m in batch]
             assert await pub.publish(batch[:1]) == [None]
             assert pub.duplicates == 1
@@ -269,8 +269,12 @@ async def test_an_acl_user_logs_in_and_a_wrong_password_is_transient_and_never_s
     secret = "s3cret-Tr0ub4dor"
     server = redis_factory()
     async with redis_client(server.url) as client:
-        await client.execute_command(
-            "ACL", "SETUSER", "relay", "on", f">{secret}", "~*", "+@all", "-@dangerous"
+        await client.acl_setuser(
+            "relay",
+            enabled=True,
+            passwords=[f"+{secret}"],
+            keys=["*"],
+            commands=["+@all", "-@dangerous"],
         )
     stream = unique_stream("acl")
     batch = [message(stream, "k", 1)]
