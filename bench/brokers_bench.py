@@ -5,7 +5,7 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Redis Streams), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -27,6 +27,9 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
+   - Redis: a redis-py pipeline (no transaction) of one XADD per message with the adapter's
+     fields, one round trip per batch, on a private redis-server (started here); the relay
+     also checks and records each id in the stream's dedup set, which the raw client does not;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -68,6 +71,7 @@ from bench.broker_targets import (
     Kafka,
     Nats,
     RabbitMq,
+    Redis,
     Sqs,
     Target,
     quietly,
@@ -81,7 +85,7 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "redis")
 
 
 @dataclass
@@ -148,6 +152,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return Kafka()
     if broker == "rabbitmq":
         return RabbitMq(args.rabbitmq)
+    if broker == "redis":
+        return Redis()
     return Sqs()
 
 

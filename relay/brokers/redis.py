@@ -58,39 +58,66 @@ local window = tonumber(ARGV[1])
 local maxlen = ARGV[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local results, touched = {}, {}
+local results, added, recent = {}, {}, {}
+-- Each stream's ids, looked up in one ZMSCORE: an id recorded within the window is a
+-- duplicate (expired ids are recognised by their score, and pruned at the end).
+local asked = {}
+local i = 3
+while i <= #ARGV do
+  local s = tonumber(ARGV[i])
+  if asked[s] == nil then asked[s] = {} end
+  table.insert(asked[s], ARGV[i + 1])
+  i = i + 3 + 2 * tonumber(ARGV[i + 2])
+end
+for s, ids in pairs(asked) do
+  recent[s] = {}
+  for start = 1, #ids, 1000 do
+    local last = math.min(start + 999, #ids)
+    local scores = redis.call('ZMSCORE', KEYS[2 * s], unpack(ids, start, last))
+    for k = start, last do
+      local at = scores[k - start + 1]
+      if at and tonumber(at) >= now - window then recent[s][ids[k]] = true end
+    end
+  end
+end
 -- The first write of a script is the one Redis refuses when over maxmemory (it cannot stop
--- a script half-way), so nothing is written before the first XADD: expired ids are
--- recognised by their score, and pruned at the end.
+-- a script half-way), so the entries go first and the ids after them.
 local function finish()
-  for s, _ in pairs(touched) do
+  for s, ids in pairs(added) do
     local seen = KEYS[2 * s]
+    for start = 1, #ids, 1000 do
+      local pairs_ = {}
+      for k = start, math.min(start + 999, #ids) do
+        pairs_[#pairs_ + 1] = now
+        pairs_[#pairs_ + 1] = ids[k]
+      end
+      redis.call('ZADD', seen, unpack(pairs_))
+    end
     redis.call('ZREMRANGEBYSCORE', seen, '-inf', '(' .. (now - window))
     redis.call('PEXPIRE', seen, window)
   end
   return results
 end
-local i = 3
+i = 3
 while i <= #ARGV do
   local s, id, n = tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2])
-  local stream, seen = KEYS[2 * s - 1], KEYS[2 * s]
-  local at = redis.call('ZSCORE', seen, id)
-  if at and tonumber(at) >= now - window then
+  if recent[s][id] then
     results[#results + 1] = 0
   else
     local r
     if maxlen == '' then
-      r = redis.pcall('XADD', stream, '*', unpack(ARGV, i + 3, i + 2 + 2 * n))
+      r = redis.pcall('XADD', KEYS[2 * s - 1], '*', unpack(ARGV, i + 3, i + 2 + 2 * n))
     else
-      r = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*',
+      r = redis.pcall('XADD', KEYS[2 * s - 1], 'MAXLEN', '~', maxlen, '*',
                       unpack(ARGV, i + 3, i + 2 + 2 * n))
     end
     if type(r) == 'table' and r.err then
       results[#results + 1] = {r.err}
       return finish()
     end
-    redis.call('ZADD', seen, now, id)
-    touched[s] = true
+    recent[s][id] = true
+    if added[s] == nil then added[s] = {} end
+    table.insert(added[s], id)
     results[#results + 1] = r
   end
   i = i + 3 + 2 * n
