@@ -317,3 +317,49 @@ async def test_the_server_killed_mid_drain_loses_and_reorders_nothing(
     assert failures >= 1, "the kill was noticed"
     stored = ids(await read_stream(server.url, stream))
     assert stored == [m.id for m in messages]
+
+
+async def test_kill_9_of_the_holder_mid_drain_stores_every_id_once_in_order(
+    events_table: str, redis_url: str, tmp_path: Any, relay_process: Any
+) -> None:
+    """Two real `relay run` replicas; the holder is killed while a writer appends. The new
+    holder re-sends what the dead one had stored but not checkpointed; the id set drops it."""
+    from tests.integration.test_failover import MESSAGES, Cluster, duplicates_reported, publishes
+    from tests.support.delivery import Writer
+    from tests.support.scenario import config_dict, migrate_cli, save
+
+    stream = unique_stream("failover")
+    data = config_dict(
+        events_table, "unused", stream, messages=MESSAGES, batch={"max_messages": 50}
+    )
+    data["brokers"] = {"redis": {"type": "redis", "url": redis_url, "ack_timeout": "1s"}}
+    data["outboxes"]["loans"]["broker"] = "redis"
+    data["lease"] = {"retry_interval": "1s"}
+    path = save(tmp_path, data)
+    migrate_cli(path)
+    try:
+        async with Writer(events_table, rate=80) as writer:
+            cluster = Cluster(relay_process, path, 2)
+            old = await cluster.holder()
+            await publishes(old)
+            old.kill()
+            await old.wait_async(10)
+            new = await cluster.successor(old)
+            await publishes(new)
+        expected = sorted(writer.appended)
+
+        async def all_there() -> bool:
+            return len(await read_stream(redis_url, f"{stream}.loans")) >= len(expected)
+
+        await eventually(all_there, timeout=30)
+        stored = ids(await read_stream(redis_url, f"{stream}.loans"))
+        assert sorted(stored) == sorted(writer.appended.values())  # each id once
+        per_book: dict[str, list[int]] = {}
+        for message_id in stored:
+            book, _, version = message_id.rpartition("@")
+            per_book.setdefault(book, []).append(int(version))
+        assert all(v == sorted(v) for v in per_book.values())
+        assert duplicates_reported(new) <= 50
+        assert writer.errors == []
+    finally:
+        await delete_stream(redis_url, f"{stream}.loans")
