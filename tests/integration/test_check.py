@@ -24,6 +24,8 @@ from tests.support.kafka_server import TansuServer, consume, create_topic, uniqu
 from tests.support.nats_server import NatsServerWithAuth
 from tests.support.postgres import as_role
 from tests.support.rabbitmq_server import QueueReader, create_topology, delete_topology
+from tests.support.redis_server import DEDUP_PREFIX, redis_client, unique_stream
+from tests.support.redis_server import delete_stream as delete_redis_stream
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
 from tests.support.sqs_server import REGION, create_queue, receive_all, sqs_client, unique_queue
@@ -359,9 +361,13 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
     rabbitmq_url: str,
     tansu_factory: Callable[..., TansuServer],
     sqs_endpoint: str,
+    redis_url: str,
     tmp_path: Path,
 ) -> None:
     tansu = tansu_factory()
+    taken, fresh = unique_stream("chk-taken"), unique_stream("chk")
+    async with redis_client(redis_url) as client:
+        await client.set(taken, "a string, not a stream")
     stream, exchange, topic = unique_name("chk"), unique_name("chk-x"), unique_topic("chk")
     queue = unique_name("chk-q")
     missing = {
@@ -385,6 +391,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
                 "enable_idempotence": False,
             },
             "sqs": {"type": "sqs", "region": REGION, "endpoint_url": sqs_endpoint},
+            "redis": {"type": "redis", "url": redis_url},
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -395,6 +402,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["topic"]: "kafka",
             sqs_url: "sqs",
             missing["queue"]: "sqs",
+            taken: "redis",
+            fresh: "redis",  # not there yet: XADD creates it
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -404,13 +413,14 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 4, result.stderr
+            assert len(errors(result.stderr)) == 5, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
             assert f"broker 'rabbit': exchange {missing['exchange']!r} does not exist" in said
             assert f"broker 'kafka': topic {missing['topic']!r} does not exist" in said
             assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
+            assert f"broker 'redis': key {taken!r} holds a string, not a stream" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -420,12 +430,15 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await QueueReader(rabbitmq_url, queue).fetch() == []
             assert await consume(tansu.bootstrap, topic, timeout=1) == []
             assert await receive_all(sqs, sqs_url) == []
+            async with redis_client(redis_url) as client:
+                assert await client.exists(fresh, DEDUP_PREFIX + fresh) == 0
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
             assert errors(again.stderr) == errors(result.stderr)
         finally:
             await delete_stream(nats_url, stream)
+            await delete_redis_stream(redis_url, taken)
             await delete_topology(rabbitmq_url, exchange, queue)
 
 
@@ -548,6 +561,22 @@ BROKER_RULES = {
     "sqs region malformed": (
         {"type": "sqs", "region": "eu west 1"},
         "brokers.b.region: String should match pattern",
+    ),
+    "redis url not redis": (
+        {"type": "redis", "url": "http://redis.invalid:6380/0"},
+        "brokers.b.url: must start with redis:// or rediss://",
+    ),
+    "redis tls without rediss": (
+        {"type": "redis", "url": "redis://redis.invalid:6380/0", "tls": {}},
+        "tls: needs a rediss:// url",
+    ),
+    "redis password twice": (
+        {"type": "redis", "url": "redis://u:pw@redis.invalid:6380/0", "password": "other"},
+        "password: the url has one too; give it in one place",
+    ),
+    "redis database not a number": (
+        {"type": "redis", "url": "redis://redis.invalid:6380/cache"},
+        "the path must be a database number",
     ),
 }
 
