@@ -257,8 +257,7 @@ class RedisPublisher:
     def _entry(self, index: int, message: Message) -> _Entry | PermanentPublishError:
         if problem := self.refused(message.destination):
             return PermanentPublishError(f"broker {self.name!r}: {problem}")
-        attributes = cloudevent_attributes(message, "ce_")
-        attributes["content-type"] = message.content_type
+        attributes = message_fields(message)
         attributes[BODY_FIELD] = ""
         parts = [_bulk(message.destination.encode()), _bulk(message.id.encode())]
         parts.append(_bulk(b"%d" % len(attributes)))
@@ -372,6 +371,14 @@ class RedisPublisher:
 
     def _text(self, exc: BaseException) -> str:
         return str(exc) or type(exc).__name__
+
+
+def message_fields(message: Message) -> dict[str, str]:
+    """An entry's fields but the body: CloudEvents in binary mode, named as in the Kafka
+    binding (`ce_` prefix), and `content-type`; in structured mode `content-type` alone."""
+    fields = cloudevent_attributes(message, "ce_")
+    fields["content-type"] = message.content_type
+    return fields
 
 
 def _chunks(entries: list[_Entry]) -> list[list[_Entry]]:

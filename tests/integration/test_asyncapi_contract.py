@@ -55,6 +55,11 @@ brokers:
     type: sqs
     region: eu-west-1
     endpoint_url: http://relay:${RELAY_SECRET}@localhost:4566
+  redis:
+    type: redis
+    url: rediss://redis.internal:6380/2
+    username: relay
+    password: ${RELAY_SECRET}
 outboxes:
   loans:
     broker: nats
@@ -100,6 +105,13 @@ outboxes:
       FinePaid:
         type: library.fine-paid.v1
         destination: https://sqs.eu-west-1.amazonaws.com/123456789012/fines
+  renewals:
+    broker: redis
+    messages:
+      LoanRenewed:
+        type: library.loan-renewed.v1
+        destination: "library.renewals.{aggregate_type}"
+        payload: {bookId: aggregate_id, until: data.until}
 """
 
 
@@ -178,14 +190,16 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
     assert "relay:" not in text  # no user part of any URL either
     doc = YAML(typ="safe").load(text)
     servers = doc["servers"]
+    schemes = doc["components"]["securitySchemes"]
     assert {name: (s["host"], s["protocol"]) for name, s in servers.items()} == {
         "nats": ("nats-1.internal:4222", "nats"),
         "kafka": ("kafka-1.internal:9093", "kafka-secure"),
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
+        "redis": ("redis.internal:6380", "rediss"),
     }
+    assert schemes["redis-user-password"]["type"] == "userPassword"
     assert "nats-2.internal:4222" in servers["nats"]["description"]
-    schemes = doc["components"]["securitySchemes"]
     assert schemes["kafka-sasl"] == {"type": "scramSha512"}
     assert schemes["nats-user-password"] == {"type": "userPassword"}
 
@@ -220,7 +234,12 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1",
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
+        "library.loan-renewed.v1",
     }
+    renewals = channels["library.renewals.{aggregate_type}"]
+    assert "A Redis stream" in renewals["description"]
+    renewed = messages["library.loan-renewed.v1"]["headers"]["properties"]
+    assert renewed["ce_type"] == {"const": "library.loan-renewed.v1"}
     assert_valid(parser, written)
 
 
@@ -249,7 +268,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "redis")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -316,19 +335,23 @@ def sent_headers(
         from relay.brokers.rabbitmq import _properties
 
         return set(_properties(message, prefix).headers or {})
+    if broker == "redis":
+        from relay.brokers.redis import message_fields
+
+        return set(message_fields(message))
     from relay.brokers.sqs import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "redis"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "redis"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

@@ -11,6 +11,7 @@ from relay.config import (
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -21,12 +22,16 @@ BROKERS: dict[str, BrokerConfig] = {
         {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/"}
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+    "redis": RedisBrokerConfig.model_validate(
+        {"type": "redis", "url": "redis://redis.internal:6379/0"}
+    ),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
     "kafka": "kafka",
     "rabbit": "rabbitmq",
     "sqs": "sqs",
+    "redis": "redis",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}
