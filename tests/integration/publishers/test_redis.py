@@ -363,3 +363,31 @@ async def test_kill_9_of_the_holder_mid_drain_stores_every_id_once_in_order(
         assert writer.errors == []
     finally:
         await delete_stream(redis_url, f"{stream}.loans")
+
+
+async def test_tls_verifies_the_server_against_the_ca_file_and_refuses_an_unknown_one(
+    redis_factory: RedisFactory, tmp_path: Any
+) -> None:
+    from tests.support.nats_tls import write_certificates
+
+    ca, cert, key = write_certificates(tmp_path)
+    port = free_port()
+    redis_factory(
+        "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+        "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no",
+        port=port,
+    )  # fmt: skip
+    url = f"rediss://127.0.0.1:{port}/0"
+    stream = unique_stream("tls")
+    async with base_publisher(url, tls={"ca_file": str(ca)}) as pub:
+        assert await pub.publish([message(stream, "k", 1)]) == [None]
+    async with base_publisher(url) as pub:  # the system's CAs do not know the test CA
+        (outcome,) = await pub.publish([message(stream, "k", 2)])
+    assert isinstance(outcome, TransientPublishError)
+    assert "cannot connect" in str(outcome) and "certificate verify failed" in str(outcome)
+    async with base_publisher(url.replace("rediss://", "redis://")) as pub:  # no TLS
+        (outcome,) = await pub.publish([message(stream, "k", 2)])
+    assert isinstance(outcome, TransientPublishError)
+    async with redis_client(url, ssl_ca_certs=str(ca)) as client:
+        entries = await client.xrange(stream)
+    assert [fields[b"ce_id"] for _, fields in entries] == [b"book/k@1"]
