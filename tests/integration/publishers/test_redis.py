@@ -389,5 +389,5 @@ async def test_tls_verifies_the_server_against_the_ca_file_and_refuses_an_unknow
         (outcome,) = await pub.publish([message(stream, "k", 2)])
     assert isinstance(outcome, TransientPublishError)
     async with redis_client(url, ssl_ca_certs=str(ca)) as client:
-        entries = await client.xrange(stream)
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(stream)  # type: ignore[assignment]
     assert [fields[b"ce_id"] for _, fields in entries] == [b"book/k@1"]
