@@ -261,7 +261,7 @@ class RedisPublisher:
         attributes[BODY_FIELD] = ""
         parts = [_bulk(message.destination.encode()), _bulk(message.id.encode())]
         parts.append(_bulk(b"%d" % len(attributes)))
-        size = len(message.body)
+        size = 0
         for name, text in attributes.items():
             if (bulk := _NAMES.get(name)) is None:
                 bulk = _NAMES[name] = _bulk(name.encode())

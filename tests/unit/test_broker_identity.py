@@ -34,6 +34,11 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             {"type": "sqs", "region": "us-east-1", "endpoint_url": "http://127.0.0.1:5000"},
             "sqs 127.0.0.1:5000/us-east-1",
         ),
+        (
+            {"type": "redis", "url": "rediss://relay:s3cret@Redis.example:6380/2"},
+            "redis redis.example:6380/2",
+        ),
+        ({"type": "redis", "url": "redis://redis.example"}, "redis redis.example:6379/0"),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(
