@@ -391,3 +391,32 @@ async def test_tls_verifies_the_server_against_the_ca_file_and_refuses_an_unknow
     async with redis_client(url, ssl_ca_certs=str(ca)) as client:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(stream)  # type: ignore[assignment]
     assert [fields[b"ce_id"] for _, fields in entries] == [b"book/k@1"]
+
+
+async def test_an_acl_that_may_only_read_the_id_sets_refuses_the_call_before_any_write(
+    redis_factory: RedisFactory,
+) -> None:
+    """Redis checks a script's declared keys against the user's ACL before running it: a
+    user who may add entries but only read the id sets stores nothing, and is retried."""
+    server = redis_factory()
+    stream = unique_stream("acl-ids")
+    async with redis_client(server.url) as client:
+        await client.acl_setuser(
+            "relay",
+            enabled=True,
+            passwords=["+pw"],
+            keys=["relay-test:*", "%R~outbox-relay:dedup:*"],
+            commands=["+@all", "-@dangerous"],
+        )
+        batch = [message(stream, "k", n) for n in range(1, 6)]
+        async with base_publisher(server.url, username="relay", password="pw") as pub:
+            for _ in range(3):  # the outbox's retries
+                outcomes = await pub.publish(batch)
+                assert all(isinstance(o, TransientPublishError) for o in outcomes)
+                assert "no permissions to access one of the keys" in str(outcomes[0])
+            assert await client.xlen(stream) == 0
+            await client.acl_setuser("relay", keys=["outbox-relay:dedup:*"])  # added to it
+            assert await pub.publish(batch) == [None] * 5
+            assert await pub.publish(batch) == [None] * 5
+            assert pub.duplicates == 5
+    assert ids(await read_stream(server.url, stream)) == [m.id for m in batch]
