@@ -165,9 +165,17 @@ Entry = tuple[str, dict[str, bytes]]
 
 async def read_stream(url: str, stream: str) -> list[Entry]:
     """Every entry of `stream` in order, as a consumer's XRANGE reads them: (id, fields)."""
-    async with redis_client(url) as client:
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(stream)  # type: ignore[assignment]
-    return [(entry_id.decode(), {k.decode(): v for k, v in f.items()}) for entry_id, f in entries]
+    entries: list[Entry] = []
+    start = "-"
+    async with redis_client(url, socket_timeout=60) as client:
+        while True:  # in pages: a soak's stream holds tens of thousands
+            page: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(  # type: ignore[assignment]
+                stream, min=start, count=5000
+            )
+            entries += [(i.decode(), {k.decode(): v for k, v in f.items()}) for i, f in page]
+            if len(page) < 5000:
+                return entries
+            start = "(" + entries[-1][0]
 
 
 async def delete_stream(url: str, stream: str, prefix: str = DEDUP_PREFIX) -> None:
