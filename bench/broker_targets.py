@@ -30,6 +30,7 @@ from google.cloud.pubsub_v1 import PublisherClient
 from google.cloud.pubsub_v1.types import BatchSettings, PublisherOptions
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from pydantic import SecretStr
+from redis.asyncio import Redis as RedisClient
 
 from bench import backlog, report
 from bench.measure import ceiling, timed_publish
@@ -37,6 +38,7 @@ from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.pubsub import message_attributes as pubsub_attributes
 from relay.brokers.pubsub import ordering_key
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
+from relay.brokers.redis import BODY_FIELD
 from relay.brokers.sqs import (
     CONCURRENCY,
     MAX_ENTRIES,
@@ -45,8 +47,8 @@ from relay.brokers.sqs import (
     message_attributes,
 )
 from relay.config import PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
-from relay.core.publishing import Message
-from tests.support import kafka_server, pubsub_server, sqs_server
+from relay.core.publishing import Message, cloudevent_attributes
+from tests.support import kafka_server, pubsub_server, redis_server, sqs_server
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PARTITIONS = 3
@@ -532,6 +534,75 @@ class PubSub:
         finally:
             channel.close()
         result.stored = await self.stored(result.count, topic)
+        return result
+
+
+# -- Redis Streams: a private redis-server -----------------------------------------------------
+
+
+class Redis:
+    label = "redis-py pipeline of XADD x500 (no transaction), one round trip, no dedup"
+
+    def __init__(self) -> None:
+        self.server: redis_server.RedisServer | None = None
+        self.name = ""
+        self.references: dict[str, float] = {}
+        self._client: RedisClient | None = None
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-redis-")))
+        self.server = redis_server.RedisServer(directory)
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        self._client = RedisClient.from_url(self.server.url)
+        stack.push_async_callback(self._client.aclose)
+        self.name = name
+        info = await self._client.info("server")
+        return f"redis-server {info['redis_version']} (private, no persistence)"
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {"type": "redis", "url": self.server.url}
+
+    def destination(self) -> str | None:
+        return f"{self.name}:relay"
+
+    async def before_relay(self) -> None:
+        pass  # the relay's stream is its own
+
+    async def stored(self, expected: int, stream: str | None = None) -> int:
+        assert self._client is not None
+        return int(await self._client.xlen(stream or f"{self.name}:relay"))
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        """The same fields the adapter writes, XADD per message in one pipeline per batch:
+        the cheapest way redis-py sends a batch in order, without the relay's id set."""
+        assert self.server is not None
+        stream = f"{self.name}:raw{tag}"
+        client = RedisClient.from_url(self.server.url)
+
+        def prepare(messages: list[Message]) -> list[dict[str | bytes, str | bytes]]:
+            entries: list[dict[str | bytes, str | bytes]] = []
+            for m in messages:
+                fields: dict[str | bytes, str | bytes] = {}
+                fields.update(cloudevent_attributes(m, "ce_"))
+                fields["content-type"] = m.content_type
+                fields[BODY_FIELD] = m.body
+                entries.append(fields)
+            return entries
+
+        async def send(entries: list[dict[str | bytes, str | bytes]]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for fields in entries:
+                pipe.xadd(stream, fields)  # type: ignore[arg-type]
+            await pipe.execute()
+
+        try:
+            await client.ping()  # connection opened outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        finally:
+            await client.aclose()
+        result.stored = await self.stored(result.count, stream)
         return result
 
 

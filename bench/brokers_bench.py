@@ -6,7 +6,8 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub, Redis Streams), one after the
+other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -31,6 +32,9 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub), one after the o
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
    - Pub/Sub: google-cloud-pubsub `PublisherClient.publish` of the batch with ordering keys and
      the adapter's batch settings (each call made once), then every future awaited;
+   - Redis: a redis-py pipeline (no transaction) of one XADD per message with the adapter's
+     fields, one round trip per batch, on a private redis-server (started here); the relay
+     also checks and records each id in the stream's dedup set, which the raw client does not;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -73,6 +77,7 @@ from bench.broker_targets import (
     Nats,
     PubSub,
     RabbitMq,
+    Redis,
     Sqs,
     Target,
     quietly,
@@ -86,7 +91,7 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis")
 
 
 @dataclass
@@ -155,6 +160,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return RabbitMq(args.rabbitmq)
     if broker == "pubsub":
         return PubSub()
+    if broker == "redis":
+        return Redis()
     return Sqs()
 
 

@@ -32,6 +32,8 @@ SERVICE_FIXTURES = {
     "kafka_topic",
     "sqs_endpoint",
     "pubsub_emulator",
+    "redis_url",
+    "redis_factory",
     "tls_server",
     "private_postgres",
     "chart",
@@ -72,6 +74,7 @@ SERVICE_PLUGINS = (
     "tests.support.kafka_server",
     "tests.support.rabbitmq_server",
     "tests.support.sqs_server",
+    "tests.support.redis_server",
 )
 
 

@@ -35,6 +35,7 @@ BINDING_VERSIONS = {
     "sqs": "0.2.0",
     "nats": "0.1.0",
     "googlepubsub": "0.2.0",
+    "redis": "0.1.0",
 }
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
@@ -195,6 +196,11 @@ def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
             " deduplicate on the `ce-id` attribute (Pub/Sub has no publisher-side"
             " deduplication)."
         )
+    if broker.type == "redis":
+        description += (
+            " A Redis stream: each message is one entry, its id in field `ce_id` and its"
+            " payload in field `body`."
+        )
     out: Object = {"address": address, "title": channel.destination, "description": description}
     if parameters:
         out["parameters"] = parameters
@@ -306,6 +312,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
+    elif broker.type == "redis":
+        operation["bindings"] = _binding("redis", {})
     elif broker.type == "nats":  # Google Pub/Sub's bindings have no operation binding
         operation["bindings"] = _binding("nats", {})
     return operation

@@ -101,6 +101,7 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
             "kafka": "ce_",
             "sqs": "ce_",
             "pubsub": "ce-",
+            "redis": "ce_",
             "rabbitmq": outbox.amqp_prefix,
         }
         for name, schema in attributes.items():

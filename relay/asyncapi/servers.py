@@ -15,6 +15,7 @@ from relay.config import (
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
@@ -50,6 +51,8 @@ def _server(broker: BrokerConfig) -> tuple[Object, Object]:
         return _rabbitmq(broker)
     if isinstance(broker, PubSubBrokerConfig):
         return _pubsub(broker)
+    if isinstance(broker, RedisBrokerConfig):
+        return _redis(broker)
     return _sqs(broker)
 
 
@@ -109,6 +112,22 @@ def _rabbitmq(broker: RabbitMqBrokerConfig) -> tuple[Object, Object]:
     if path not in ("", "/"):
         server["pathname"] = path
     return server, {"user-password": {"type": "userPassword"}, **_mutual_tls(broker.tls)}
+
+
+def _redis(broker: RedisBrokerConfig) -> tuple[Object, Object]:
+    url = broker.url.get_secret_value().strip()  # only the scheme, host and path are read
+    host, path = host_of(url)
+    server: Object = {
+        "host": host,
+        "protocol": url.partition(":")[0].lower(),
+        "title": "Redis Streams",
+        "summary": f"Database {path.strip('/') or '0'}.",
+    }
+    needs: Object = {}
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    if broker.password is not None or (at and userinfo):
+        needs["user-password"] = {"type": "userPassword", "description": "AUTH (an ACL user)."}
+    return server, {**needs, **_mutual_tls(broker.tls)}
 
 
 def _sqs(broker: SqsBrokerConfig) -> tuple[Object, Object]:

@@ -21,6 +21,7 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "rabbitmq": ("relay.brokers.rabbitmq", "RabbitMqPublisher", "rabbitmq"),
     "sqs": ("relay.brokers.sqs", "SqsPublisher", "sqs"),
     "pubsub": ("relay.brokers.pubsub", "PubSubPublisher", "pubsub"),
+    "redis": ("relay.brokers.redis", "RedisPublisher", "redis"),
 }
 
 

@@ -39,6 +39,7 @@ from relay.config.brokers import (
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.rules import (
@@ -64,6 +65,7 @@ __all__ = [
     "OutboxConfig",
     "PubSubBrokerConfig",
     "RabbitMqBrokerConfig",
+    "RedisBrokerConfig",
     "RelayConfig",
     "Rule",
     "SqsBrokerConfig",

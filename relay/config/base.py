@@ -360,6 +360,22 @@ def check_nats_url(url: str, schemes: tuple[str, ...]) -> None:
         raise UrlError(f"the user or password has a %XX escape; {_NATS_CREDENTIALS}")
 
 
+def check_redis_url(url: str) -> None:
+    """Raise UrlError unless redis-py would read `url` (redis:// or rediss://) as written: a
+    host, a port, a database number as the path and nothing else in it."""
+    text = url.strip()
+    parts = _split(text, ("redis", "rediss"))
+    if not parts.hostspec or parts.hostspec.startswith(":"):
+        raise _broken("it names no host")
+    _check_host(parts.hostspec)
+    rest = text.partition("://")[2]
+    authority = re.match(r"[^/?]*", rest)
+    assert authority is not None  # matches the empty string at least
+    path = rest[authority.end() :].partition("?")[0].removeprefix("/")
+    if path and not (path.isascii() and path.isdigit()):
+        raise UrlError("the path must be a database number, as redis://host:6379/0")
+
+
 def _postgres(value: SecretStr) -> SecretStr:
     check_postgres_url(value.get_secret_value())
     return value
@@ -370,5 +386,11 @@ def _amqp(value: SecretStr) -> SecretStr:
     return value
 
 
+def _redis(value: SecretStr) -> SecretStr:
+    check_redis_url(value.get_secret_value())
+    return value
+
+
 PostgresUrl = Annotated[SecretStr, AfterValidator(_postgres)]
+RedisUrl = Annotated[SecretStr, AfterValidator(_redis)]
 AmqpUrl = Annotated[SecretStr, AfterValidator(_amqp)]

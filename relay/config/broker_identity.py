@@ -15,6 +15,7 @@ from relay.config.brokers import (
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -24,6 +25,8 @@ _DEFAULT_PORTS = {
     "kafka": 9092,
     "amqp": 5672,
     "amqps": 5671,
+    "redis": 6379,
+    "rediss": 6379,
     "http": 80,
     "https": 443,
 }
@@ -34,7 +37,8 @@ def broker_identity(
     | KafkaBrokerConfig
     | RabbitMqBrokerConfig
     | SqsBrokerConfig
-    | PubSubBrokerConfig,
+    | PubSubBrokerConfig
+    | RedisBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -47,6 +51,9 @@ def broker_identity(
     elif isinstance(config, PubSubBrokerConfig):
         endpoint = config.emulator_host or config.endpoint or "pubsub.googleapis.com:443"
         hosts = [f"{endpoint}/{config.project}"]
+    elif isinstance(config, RedisBrokerConfig):
+        host, path = _host(config.url.get_secret_value(), "redis")
+        hosts = [f"{host}/{path.removeprefix('/') or '0'}"]  # the database number
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]

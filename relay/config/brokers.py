@@ -24,8 +24,10 @@ from pydantic import (
 
 from relay.config.base import (
     AmqpUrl,
+    ByteSize,
     Model,
     PositiveDuration,
+    RedisUrl,
     TlsConfig,
     UrlError,
     check_nats_url,
@@ -296,11 +298,52 @@ class PubSubBrokerConfig(Model):
         return self
 
 
+REDIS_MAX_BULK = 512 * 1024 * 1024  # Redis's proto-max-bulk-len by default: one field's limit
+
+
+class RedisBrokerConfig(TlsCapable):
+    """One Redis server (a primary); a destination is a stream key (docs/brokers/redis.md)."""
+
+    type: Literal["redis"]
+    url: RedisUrl = Field(
+        description="redis:// or rediss:// (TLS) URL: host, port, database number."
+    )
+    username: str | None = Field(None, description="An ACL user; with `password`.")
+    password: SecretStr | None = Field(None, description="Write it as ${VAR}.")
+    maxlen: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Trim each stream to about this many entries (XADD MAXLEN ~)."
+    )
+    dedup_window: PositiveDuration = Field(
+        120.0, description="How long an id is remembered per stream, to drop a re-send."
+    )
+    dedup_key_prefix: Annotated[str, Field(min_length=1)] = Field(
+        "outbox-relay:dedup:", description="Each stream's set of recent ids: this + stream."
+    )
+    max_message_bytes: Annotated[ByteSize, Field(le=REDIS_MAX_BULK)] = Field(
+        1024 * 1024, description="A bigger entry (fields and values) is parked, not sent."
+    )
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = Field(10.0, description="How long one batch call may take.")
+
+    @model_validator(mode="after")
+    def _tls_and_credentials(self) -> RedisBrokerConfig:
+        url = self.url.get_secret_value().strip()
+        if self.tls is not None and not url.lower().startswith("rediss://"):
+            raise ValueError("tls: needs a rediss:// url")
+        userinfo, at, _ = url.partition("://")[2].rpartition("@")
+        if self.password is not None and at and ":" in userinfo:
+            raise ValueError("password: the url has one too; give it in one place")
+        if self.username is not None and self.password is None:
+            raise ValueError("username: needs a password")
+        return self
+
+
 BrokerConfig = Annotated[
     NatsBrokerConfig
     | KafkaBrokerConfig
     | RabbitMqBrokerConfig
     | SqsBrokerConfig
-    | PubSubBrokerConfig,
+    | PubSubBrokerConfig
+    | RedisBrokerConfig,
     Field(discriminator="type"),
 ]

@@ -30,6 +30,7 @@ _SYSTEMS = {
     "rabbitmq": "rabbitmq",
     "sqs": "aws_sqs",
     "pubsub": "gcp_pubsub",
+    "redis": "redis",
 }
 
 

@@ -58,6 +58,11 @@ brokers:
   pubsub:
     type: pubsub
     project: library-prod
+  redis:
+    type: redis
+    url: rediss://redis.internal:6380/2
+    username: relay
+    password: ${RELAY_SECRET}
 outboxes:
   loans:
     broker: nats
@@ -110,6 +115,13 @@ outboxes:
         type: library.hold-placed.v1
         destination: "holds-{aggregate_type}"
         payload: {bookId: aggregate_id, memberId: data.memberId}
+  renewals:
+    broker: redis
+    messages:
+      LoanRenewed:
+        type: library.loan-renewed.v1
+        destination: "library.renewals.{aggregate_type}"
+        payload: {bookId: aggregate_id, until: data.until}
 """
 
 
@@ -188,15 +200,17 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
     assert "relay:" not in text  # no user part of any URL either
     doc = YAML(typ="safe").load(text)
     servers = doc["servers"]
+    schemes = doc["components"]["securitySchemes"]
     assert {name: (s["host"], s["protocol"]) for name, s in servers.items()} == {
         "nats": ("nats-1.internal:4222", "nats"),
         "kafka": ("kafka-1.internal:9093", "kafka-secure"),
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
         "pubsub": ("pubsub.googleapis.com:443", "googlepubsub"),
+        "redis": ("redis.internal:6380", "rediss"),
     }
+    assert schemes["redis-user-password"]["type"] == "userPassword"
     assert "nats-2.internal:4222" in servers["nats"]["description"]
-    schemes = doc["components"]["securitySchemes"]
     assert schemes["kafka-sasl"] == {"type": "scramSha512"}
     assert schemes["nats-user-password"] == {"type": "userPassword"}
 
@@ -239,7 +253,12 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
         "library.hold-placed.v1",
+        "library.loan-renewed.v1",
     }
+    renewals = channels["library.renewals.{aggregate_type}"]
+    assert "A Redis stream" in renewals["description"]
+    renewed = messages["library.loan-renewed.v1"]["headers"]["properties"]
+    assert renewed["ce_type"] == {"const": "library.loan-renewed.v1"}
     assert_valid(parser, written)
 
 
@@ -268,7 +287,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub", "redis")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -339,19 +358,23 @@ def sent_headers(
         from relay.brokers.pubsub import message_attributes as pubsub_attributes
 
         return set(pubsub_attributes(message))
+    if broker == "redis":
+        from relay.brokers.redis import message_fields
+
+        return set(message_fields(message))
     from relay.brokers.sqs import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

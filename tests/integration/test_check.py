@@ -24,6 +24,8 @@ from tests.support.kafka_server import TansuServer, consume, create_topic, uniqu
 from tests.support.nats_server import NatsServerWithAuth
 from tests.support.postgres import as_role
 from tests.support.rabbitmq_server import QueueReader, create_topology, delete_topology
+from tests.support.redis_server import DEDUP_PREFIX, redis_client, unique_stream
+from tests.support.redis_server import delete_stream as delete_redis_stream
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
 from tests.support.sqs_server import REGION, create_queue, receive_all, sqs_client, unique_queue
@@ -360,9 +362,13 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
     tansu_factory: Callable[..., TansuServer],
     sqs_endpoint: str,
     pubsub_emulator: str,
+    redis_url: str,
     tmp_path: Path,
 ) -> None:
     tansu = tansu_factory()
+    taken, fresh = unique_stream("chk-taken"), unique_stream("chk")
+    async with redis_client(redis_url) as client:
+        await client.set(taken, "a string, not a stream")
     stream, exchange, topic = unique_name("chk"), unique_name("chk-x"), unique_topic("chk")
     queue = unique_name("chk-q")
     missing = {
@@ -394,6 +400,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
                 "project": pubsub_server.PROJECT,
                 "emulator_host": pubsub_emulator,
             },
+            "redis": {"type": "redis", "url": redis_url},
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -406,6 +413,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["queue"]: "sqs",
             ps_topic: "pubsub",
             missing["pubsub"]: "pubsub",
+            taken: "redis",
+            fresh: "redis",  # not there yet: XADD creates it
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -424,6 +433,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
             missing_topic = pubsub_server.topic_path(missing["pubsub"])
             assert f"broker 'pubsub': topic {missing_topic!r} does not exist" in said
+            assert f"broker 'redis': key {taken!r} holds a string, not a stream" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -434,12 +444,15 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await consume(tansu.bootstrap, topic, timeout=1) == []
             assert await receive_all(sqs, sqs_url) == []
             assert await pubsub_server.pull_all_async(pubsub_emulator, ps_reader, 0) == []
+            async with redis_client(redis_url) as client:
+                assert await client.exists(fresh, DEDUP_PREFIX + fresh) == 0
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
             assert errors(again.stderr) == errors(result.stderr)
         finally:
             await delete_stream(nats_url, stream)
+            await delete_redis_stream(redis_url, taken)
             await delete_topology(rabbitmq_url, exchange, queue)
             await asyncio.to_thread(
                 pubsub_server.delete_topic, pubsub_emulator, ps_topic, ps_reader
@@ -582,6 +595,22 @@ BROKER_RULES = {
     "pubsub credentials file missing": (
         {"type": "pubsub", "project": "library-prod", "credentials_file": "/nope/key.json"},
         "brokers.b.credentials_file: no such file: /nope/key.json",
+    ),
+    "redis url not redis": (
+        {"type": "redis", "url": "http://redis.invalid:6380/0"},
+        "brokers.b.url: must start with redis:// or rediss://",
+    ),
+    "redis tls without rediss": (
+        {"type": "redis", "url": "redis://redis.invalid:6380/0", "tls": {}},
+        "tls: needs a rediss:// url",
+    ),
+    "redis password twice": (
+        {"type": "redis", "url": "redis://u:pw@redis.invalid:6380/0", "password": "other"},
+        "password: the url has one too; give it in one place",
+    ),
+    "redis database not a number": (
+        {"type": "redis", "url": "redis://redis.invalid:6380/cache"},
+        "the path must be a database number",
     ),
 }
 

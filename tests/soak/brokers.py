@@ -392,6 +392,60 @@ class PubSubSoakBroker:
         self.server.kill()
 
 
+class RedisSoakBroker:
+    """A private redis-server that appends every write to its AOF and fsyncs it before
+    answering, so a SIGKILL loses nothing it acknowledged; killed and started again on its
+    port. The relay's id sets live in it too, and survive the crash with the streams."""
+
+    name = "redis"
+    crash_kind = "redis-server killed (SIGKILL), started again from its append-only file"
+    rule = {"destination": "soak.{aggregate_type}"}
+    streams = ("soak.book", "soak.member")
+
+    def __init__(self, root: Path) -> None:
+        from tests.support.redis_server import RedisServer
+
+        self.server = RedisServer(
+            root / "redis", ["--appendonly", "yes", "--appendfsync", "always"]
+        )
+
+    def relay_config(self) -> dict[str, Any]:
+        return {
+            "type": "redis",
+            "url": self.server.url,
+            "ack_timeout": "3s",
+            "connect_timeout": "2s",
+        }
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.server.start)
+
+    async def crash(self) -> None:
+        self.server.kill()
+
+    async def restart(self) -> None:
+        await asyncio.to_thread(self.server.start)
+
+    async def read_all(self) -> list[Delivery]:
+        from tests.support.redis_server import read_stream
+
+        out = []
+        for stream in self.streams:
+            for entry_id, fields in await read_stream(self.server.url, stream):
+                out.append(
+                    Delivery(
+                        id=fields["ce_id"].decode(),
+                        uid=str(json.loads(fields["body"])["uid"]),
+                        destination=stream,
+                        stored_at=int(entry_id.partition("-")[0]) / 1000,
+                    )
+                )
+        return out
+
+    def stop(self) -> None:
+        self.server.kill()
+
+
 def make_broker(name: str, root: Path) -> SoakBroker:
     if name == "nats":
         return NatsSoakBroker(root)
@@ -401,4 +455,6 @@ def make_broker(name: str, root: Path) -> SoakBroker:
         return RabbitMqSoakBroker(root)
     if name == "pubsub":
         return PubSubSoakBroker(root)
-    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq, pubsub)")
+    if name == "redis":
+        return RedisSoakBroker(root)
+    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq, pubsub, redis)")

@@ -12,6 +12,7 @@ from relay.config import (
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
+    RedisBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -23,6 +24,9 @@ BROKERS: dict[str, BrokerConfig] = {
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
     "pubsub": PubSubBrokerConfig(type="pubsub", project="library-prod"),
+    "redis": RedisBrokerConfig.model_validate(
+        {"type": "redis", "url": "redis://redis.internal:6379/0"}
+    ),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
@@ -30,6 +34,7 @@ PROTOCOL: dict[str, Protocol] = {
     "rabbit": "rabbitmq",
     "sqs": "sqs",
     "pubsub": "pubsub",
+    "redis": "redis",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}

@@ -42,6 +42,11 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             {"type": "pubsub", "project": "library-prod", "emulator_host": "localhost:8085"},
             "pubsub localhost:8085/library-prod",
         ),
+        (
+            {"type": "redis", "url": "rediss://relay:s3cret@Redis.example:6380/2"},
+            "redis redis.example:6380/2",
+        ),
+        ({"type": "redis", "url": "redis://redis.example"}, "redis redis.example:6379/0"),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(

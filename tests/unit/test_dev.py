@@ -270,3 +270,13 @@ def test_pythons_are_found_in_pyenv_where_its_shims_would_refuse(
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert dev.find_python("3.12") == str(interpreter)
     assert dev.find_python("3.13") is None
+
+
+def test_redis_server_is_installed_only_where_it_can_start() -> None:
+    assert dev.redis_plan(found=True, port_taken=True, root=True, apt=True) is None
+    assert dev.redis_plan(found=False, port_taken=False, root=True, apt=True) == "install"
+    taken = dev.redis_plan(found=False, port_taken=True, root=True, apt=True)
+    assert taken is not None and "apt-get install redis-server" in taken
+    assert "as root" not in str(
+        dev.redis_plan(found=False, port_taken=False, root=False, apt=False)
+    )

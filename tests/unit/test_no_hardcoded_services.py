@@ -18,8 +18,8 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 # The only places that may know the machine's services: they fall back to embedded ones.
 ALLOWED = [TESTS / "conftest.py", TESTS / "support", Path(__file__).resolve()]
-PORTS = {5432: "PostgreSQL", 4222: "NATS", 5672: "RabbitMQ"}
-LOOPBACK = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\]):(5432|4222|5672)\b")
+PORTS = {5432: "PostgreSQL", 4222: "NATS", 5672: "RabbitMQ", 6379: "Redis"}
+LOOPBACK = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\]):(5432|4222|5672|6379)\b")
 # Files whose loopback URLs and service ports are text that is never connected to.
 TEXT_ONLY = {
     TESTS

@@ -13,7 +13,7 @@ key and the value to set instead; the address itself is never printed (it may ho
 password).
 */}}
 {{- define "outbox-relay.addressPorts" -}}
-{{- $defaults := dict "postgresql" 5432 "postgres" 5432 "nats" 4222 "tls" 4222 "ws" 80 "wss" 443 "kafka" 9092 "amqp" 5672 "amqps" 5671 "http" 80 "https" 443 }}
+{{- $defaults := dict "postgresql" 5432 "postgres" 5432 "nats" 4222 "tls" 4222 "ws" 80 "wss" 443 "kafka" 9092 "amqp" 5672 "amqps" 5671 "http" 80 "https" 443 "redis" 6379 "rediss" 6379 }}
 {{- $ctx := . }}
 {{- $ports := list }}
 {{- range $index, $address := .addresses }}
@@ -136,6 +136,8 @@ relay's config. Called with (list $ NAME BROKER_CONFIG).
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" $servers "scheme" "kafka" "key" (printf "%s.bootstrap_servers" $key) "setting" $setting) }}
 {{- else if eq $broker.type "rabbitmq" }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $broker.url) "scheme" "amqp" "key" (printf "%s.url" $key) "setting" $setting) }}
+{{- else if eq $broker.type "redis" }}
+{{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $broker.url) "scheme" "redis" "key" (printf "%s.url" $key) "setting" $setting) }}
 {{- else if eq $broker.type "sqs" }}
 {{- $endpoint := $broker.endpoint_url | default (printf "https://sqs.%s.amazonaws.com" $broker.region) }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint_url" $key) "setting" $setting) }}
