@@ -29,7 +29,13 @@ from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
-BINDING_VERSIONS = {"kafka": "0.5.0", "amqp": "0.3.0", "sqs": "0.2.0", "nats": "0.1.0"}
+BINDING_VERSIONS = {
+    "kafka": "0.5.0",
+    "amqp": "0.3.0",
+    "sqs": "0.2.0",
+    "nats": "0.1.0",
+    "http": "0.3.0",
+}
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
 
@@ -291,6 +297,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
+    elif broker.type == "http":
+        operation["bindings"] = _binding("http", {"method": "POST"})
     else:
         operation["bindings"] = _binding("nats", {})
     return operation

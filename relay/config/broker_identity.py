@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from relay.config.brokers import (
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
@@ -29,7 +30,11 @@ _DEFAULT_PORTS = {
 
 
 def broker_identity(
-    config: NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    config: NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | HttpBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -39,6 +44,10 @@ def broker_identity(
     elif isinstance(config, RabbitMqBrokerConfig):
         host, path = _host(config.url.get_secret_value(), "amqp")
         hosts = [f"{host}/{path.removeprefix('/') or '/'}"]
+    elif isinstance(config, HttpBrokerConfig):
+        # A URL that starts with {destination} names its hosts per message: `*` stands for them.
+        fixed = not config.url.startswith("{")
+        hosts = [_host(config.url.partition("{")[0], "https")[0] if fixed else "*"]
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]
