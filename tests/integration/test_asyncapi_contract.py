@@ -20,7 +20,7 @@ from relay.asyncapi.view import outbox_views
 from relay.config import load_config
 from relay.core.publishing import Message, to_structured
 from tests.support.asyncapi import NodeMissing, diagnostics, install_parser, problems
-from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, document, outbox, rule
+from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, BROKERS, document, outbox, rule
 from tests.support.relay_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +55,11 @@ brokers:
     type: sqs
     region: eu-west-1
     endpoint_url: http://relay:${RELAY_SECRET}@localhost:4566
+  hooks:
+    type: http
+    url: "https://relay:${RELAY_SECRET}@hooks.internal/in/{destination}?token=${RELAY_SECRET}"
+    headers: {Authorization: "Bearer ${RELAY_SECRET}"}
+    signing_keys: ["whsec_${RELAY_SECRET}${RELAY_SECRET}${RELAY_SECRET}"]
 outboxes:
   loans:
     broker: nats
@@ -100,6 +105,12 @@ outboxes:
       FinePaid:
         type: library.fine-paid.v1
         destination: https://sqs.eu-west-1.amazonaws.com/123456789012/fines
+  renewals:
+    broker: hooks
+    messages:
+      LoanRenewed:
+        type: library.loan-renewed.v1
+        destination: "renewals/{aggregate_type}"
 """
 
 
@@ -183,11 +194,17 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "kafka": ("kafka-1.internal:9093", "kafka-secure"),
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
+        "hooks": ("hooks.internal", "https"),
     }
     assert "nats-2.internal:4222" in servers["nats"]["description"]
     schemes = doc["components"]["securitySchemes"]
     assert schemes["kafka-sasl"] == {"type": "scramSha512"}
     assert schemes["nats-user-password"] == {"type": "userPassword"}
+    assert schemes["hooks-header-authorization"] == {
+        "type": "httpApiKey",
+        "name": "Authorization",
+        "in": "header",
+    }
 
     channels = {c["title"]: c for c in doc["channels"].values()}
     lent = channels["library.{aggregate_type}.{aggregate_id}.lent"]
@@ -220,7 +237,13 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1",
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
+        "library.loan-renewed.v1",
     }
+    renewed = messages["library.loan-renewed.v1"]["headers"]["required"]
+    assert {"webhook-id", "webhook-timestamp", "ce-id"} <= set(renewed)
+    assert (
+        operations["Publish to renewals/{aggregate_type}"]["bindings"]["http"]["method"] == "POST"
+    )
     assert_valid(parser, written)
 
 
@@ -249,7 +272,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "http")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -316,19 +339,24 @@ def sent_headers(
         from relay.brokers.rabbitmq import _properties
 
         return set(_properties(message, prefix).headers or {})
+    if broker == "http":
+        from relay.brokers.http import HttpPublisher
+
+        publisher = HttpPublisher("b", BROKERS["http"])  # type: ignore[arg-type]
+        return set(publisher.headers(message))
     from relay.brokers.sqs import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "http"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "http"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

@@ -8,6 +8,7 @@ from relay.asyncapi.document import build
 from relay.asyncapi.view import OutboxView, Protocol, RuleView
 from relay.config import (
     BrokerConfig,
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
@@ -21,12 +22,20 @@ BROKERS: dict[str, BrokerConfig] = {
         {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/"}
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+    "http": HttpBrokerConfig.model_validate(
+        {
+            "type": "http",
+            "url": "https://hooks.example.com/in/{destination}",
+            "signing_keys": ["whsec_" + "a" * 32],
+        }
+    ),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
     "kafka": "kafka",
     "rabbit": "rabbitmq",
     "sqs": "sqs",
+    "http": "http",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}
