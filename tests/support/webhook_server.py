@@ -71,7 +71,9 @@ class Request:
 class WebhookServer:
     """Start with `await WebhookServer().start()`; `close()` at the end."""
 
-    def __init__(self, *, secret: str | None = SECRET, max_body: int = 1024**2) -> None:
+    def __init__(
+        self, *, secret: str | None = SECRET, max_body: int = 1024**2, port: int = 0
+    ) -> None:
         self.secret = Webhook(secret) if secret else None
         self.max_body = max_body
         self.requests: list[Request] = []
@@ -87,7 +89,7 @@ class WebhookServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.port = port  # 0: a free one, chosen at start
 
     async def start(self) -> WebhookServer:
         """Serve from a thread with its own event loop: the test's loop keeps only its own
@@ -97,7 +99,7 @@ class WebhookServer:
         self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
         self._thread.start()
         await asyncio.to_thread(ready.wait, 10)
-        if not self.port:
+        if not ready.is_set():
             raise RuntimeError("the webhook server did not start")
         return self
 
@@ -108,7 +110,7 @@ class WebhookServer:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", self.port)
         loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         ready.set()
@@ -143,14 +145,17 @@ class WebhookServer:
     def release(self) -> None:
         """End a stall: the requests held are answered."""
         self.stalled = False
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._released.set)
 
     async def close(self) -> None:
+        """Stop serving (requests in flight are cut); a second call does nothing."""
+        thread, self._thread = self._thread, None
+        if self._loop is None or thread is None:
+            return
         self.release()
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._closing.set)
-            await asyncio.to_thread(self._thread.join, 10)
+        self._loop.call_soon_threadsafe(self._closing.set)
+        await asyncio.to_thread(thread.join, 10)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         headers = {name.lower(): value for name, value in request.headers.items()}

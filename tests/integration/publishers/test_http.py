@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +30,12 @@ from relay.errors import PermanentPublishError, TransientPublishError
 from tests.contract.brokers import http as http_harness
 from tests.contract.brokers.http import HttpHarness
 from tests.contract.harness import Consumed
+from tests.contract.test_contract import check_per_key_order, loans, relay_config
 from tests.integration.publishers import base
 from tests.integration.publishers.base import message
+from tests.support.db import append_many, connect
 from tests.support.net import free_port
+from tests.support.scenario import eventually, load_and_migrate, running
 from tests.support.webhook_server import OLD_SECRET, SECRET, Answer, WebhookServer
 
 
@@ -350,3 +354,49 @@ async def test_probe_connects_to_each_host_and_sends_nothing(server: WebhookServ
     assert len(problems) == 2
     assert problems[0] == "broker 'hooks': 'nope' is not an http:// or https:// URL"
     assert problems[1].startswith(f"broker 'hooks': cannot connect to {dead.removesuffix('/x')}")
+
+
+# -- the relay's drain, the receiver going down in the middle ----------------------------------
+
+
+async def test_the_receiver_down_mid_drain_loses_nothing_and_keeps_each_keys_order(
+    events_table: str, tmp_path: Path
+) -> None:
+    """The receiver's process ends while the relay drains a backlog (requests in flight are
+    cut, new connections refused), then comes back on the same port: every event arrives,
+    each book's versions in order of first arrival, every request signed."""
+    first = await WebhookServer().start()
+    first.default = Answer(204, delay=0.01)  # slow enough to be stopped in the middle
+    harness = HttpHarness(first)
+    raw = relay_config(events_table, harness)
+    raw["brokers"]["under-test"]["url"] = f"{first.url}/hooks/{{destination}}"
+    config = await load_and_migrate(tmp_path, raw)
+    events = loans(books=5, versions=30)
+    second: WebhookServer | None = None
+    try:
+        async with connect(events_table) as conn:
+            await append_many(conn, events)
+        async with running(config) as relay:
+            await first.wait_delivered(20)
+            await first.close()
+            assert len(first.delivered()) < len(events), "the drain ended before the outage"
+
+            def retrying() -> bool:
+                return relay.states["loans"].attempts >= 2
+
+            await eventually(retrying, timeout=30)
+            second = await WebhookServer(port=first.port).start()
+            await eventually(
+                lambda: (
+                    {r.id for r in first.delivered() + second.delivered()}
+                    >= {f"book/{e.aggregate_id}@{e.version}" for e in events}
+                ),
+                timeout=60,
+            )
+        received = [http_harness.consumed(r) for r in first.delivered() + second.delivered()]
+    finally:
+        await first.close()
+        if second is not None:
+            await second.close()
+    check_per_key_order(received)
+    assert second.overlaps == [] and first.overlaps == []
