@@ -5,7 +5,7 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, webhooks), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -27,6 +27,9 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
+   - webhooks: aiohttp `session.post` per message to a bare aiohttp.web receiver in a process
+     of its own (tests/support/webhook_server.py), 16 in flight (the adapter's default
+     max_in_flight), one request per key at a time, signed headers made outside the timer;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -65,6 +68,7 @@ import asyncpg
 from bench import backlog, report
 from bench.broker_targets import (
     RABBITMQ_URL,
+    Http,
     Kafka,
     Nats,
     RabbitMq,
@@ -81,7 +85,7 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "http")
 
 
 @dataclass
@@ -148,6 +152,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return Kafka()
     if broker == "rabbitmq":
         return RabbitMq(args.rabbitmq)
+    if broker == "http":
+        return Http()
     return Sqs()
 
 
@@ -158,7 +164,7 @@ def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
 
 async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     """Measure one broker; a failure is reported in the row, after everything is removed."""
-    events = args.sqs_events if broker == "sqs" else args.events
+    events = {"sqs": args.sqs_events, "http": args.http_events}.get(broker, args.events)
     row = Row(broker=broker, events=events, load_at_start=load_average())
     target = target_for(broker, args)
     row.raw_client = target.label.replace("x500", f"x{args.batch}")
@@ -240,7 +246,16 @@ async def machine_info(pg: str) -> dict[str, str]:
         postgres = str(await conn.fetchval("SHOW server_version"))
     finally:
         await conn.close()
-    versions = ["nats-py", "aiokafka", "aio-pika", "aiormq", "aioboto3", "botocore", "asyncpg"]
+    versions = [
+        "nats-py",
+        "aiokafka",
+        "aio-pika",
+        "aiormq",
+        "aioboto3",
+        "botocore",
+        "aiohttp",
+        "asyncpg",
+    ]
     return {
         "nproc": str(os.cpu_count()),
         "python": sys.version.split()[0],
@@ -319,6 +334,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=500,
         help="backlog for SQS (moto slows down as its queues fill: see docs/performance.md)",
+    )
+    parser.add_argument(
+        "--http-events",
+        type=int,
+        default=5_000,
+        help="backlog for webhooks (a POST each: see docs/performance.md)",
     )
     parser.add_argument(
         "--batch", type=int, default=500, help="relay batch.max_messages and raw chunk size"

@@ -8,7 +8,7 @@ as a receiver would. It also notes a request that came while another of the same
 still being answered: the relay promises never to do that.
 
 `python -m tests.support.webhook_server PORT` runs a bare one in its own process (for the
-benchmark): 204 to everything, and the number of requests at GET /count.
+benchmark): 204 to everything, counted per path at GET /count/<first segment>.
 """
 
 from __future__ import annotations
@@ -218,20 +218,20 @@ class _ThreadsafeEvent:
 
 
 async def _serve_bare(port: int) -> None:
-    """204 to every POST, the count at GET /count: the benchmark's receiver."""
-    count = 0
+    """204 to every POST, counted by the path's first segment (GET /count/<segment>): the
+    benchmark's receiver, one phase per segment."""
+    counts: Counter[str] = Counter()
 
     async def take(request: web.Request) -> web.Response:
-        nonlocal count
         await request.read()
-        count += 1
+        counts[request.path.strip("/").partition("/")[0]] += 1
         return web.Response(status=204)
 
-    async def counted(_: web.Request) -> web.Response:
-        return web.Response(text=str(count))
+    async def counted(request: web.Request) -> web.Response:
+        return web.Response(text=str(counts[request.match_info["segment"]]))
 
     app = web.Application()
-    app.router.add_get("/count", counted)
+    app.router.add_get("/count/{segment}", counted)
     app.router.add_post("/{tail:.*}", take)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
