@@ -19,7 +19,7 @@ from tests.soak.run import Settings, soak
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--broker", default="nats", choices=["nats", "kafka", "rabbitmq"])
+    parser.add_argument("--broker", default="nats", choices=["nats", "kafka", "rabbitmq", "http"])
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--writers", type=int, default=6)

@@ -19,6 +19,7 @@ import contextlib
 import json
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Request:
     body: bytes
     status: int
     verified: bool | None  # the signature checked with the receiver's secret; None: no secret
+    at: float = 0.0  # when it was answered (time.time())
 
     @property
     def id(self) -> str:
@@ -148,6 +150,15 @@ class WebhookServer:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._released.set)
 
+    def stop_now(self) -> None:
+        """`close` for code that is not async (a soak's clean-up); a second call does nothing."""
+        thread, self._thread = self._thread, None
+        if self._loop is None or thread is None:
+            return
+        self.release()
+        self._loop.call_soon_threadsafe(self._closing.set)
+        thread.join(10)
+
     async def close(self) -> None:
         """Stop serving (requests in flight are cut); a second call does nothing."""
         thread, self._thread = self._thread, None
@@ -195,7 +206,7 @@ class WebhookServer:
                 verified = True
             except (WebhookVerificationError, ValueError):
                 verified = False
-        self.requests.append(Request(request.path, headers, body, status, verified))
+        self.requests.append(Request(request.path, headers, body, status, verified, time.time()))
 
 
 class _ThreadsafeEvent:
