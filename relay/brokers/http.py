@@ -15,7 +15,8 @@ of other keys delivered after the first failure are remembered, and reported del
 without a second POST when the core offers them again (counted in `duplicates`).
 
 The status decides: 2xx delivered; 408, 429 and 5xx transient, with Retry-After (seconds or
-an HTTP date, capped at `retry_after_max`) handed to the core's backoff; any other answer,
+an HTTP date, capped at `retry_after_max`) handed to the core's backoff (after a 429 no
+request of the batch is started); any other answer,
 a 3xx not followed included, is permanent and names the status and the first bytes of the
 answer. Timeouts and refused connections are transient. A body over `max_body_bytes` is
 not sent. Header values from the config are secrets: never logged, never in an error.
@@ -202,7 +203,10 @@ class HttpPublisher:
                 if 200 <= response.status < 300:
                     return None
                 answer = await _first_bytes(response)
-                return self._refused(message, url, response, answer)
+                refused = self._refused(message, url, response, answer)
+                if response.status == 429:  # the receiver's own limit: no more of the batch
+                    halted.append(refused)
+                return refused
         except aiohttp.TooManyRedirects:
             return self._permanent(
                 message, f"more than {MAX_REDIRECTS} redirects from {_shown(url)}"

@@ -267,6 +267,20 @@ async def test_a_failed_key_holds_back_its_own_messages_only_and_the_retry_sends
     assert server.overlaps == []
 
 
+async def test_a_429_stops_the_batch_for_every_key_not_yet_started(
+    server: WebhookServer,
+) -> None:
+    """Too Many Requests is about the receiver, not the message: the keys still waiting are
+    not sent, and carry its Retry-After to the backoff."""
+    batch = books("abcdefgh", 1)
+    server.plan["book/a@1"] = [Answer(429, headers={"Retry-After": "3"})]
+    async with publishing(server, max_in_flight=1) as pub:  # one at a time: a goes first
+        outcomes = await pub.publish(batch)
+    assert all(isinstance(o, TransientPublishError) for o in outcomes)
+    assert all(o is not None and o.retry_after == 3.0 for o in outcomes)
+    assert [r.id for r in server.requests] == ["book/a@1"]
+
+
 async def test_a_stalled_receiver_times_out_as_transient_then_delivers(
     server: WebhookServer,
 ) -> None:
