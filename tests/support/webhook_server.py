@@ -17,11 +17,13 @@ import asyncio
 import base64
 import contextlib
 import json
+import ssl
 import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
@@ -74,7 +76,12 @@ class WebhookServer:
     """Start with `await WebhookServer().start()`; `close()` at the end."""
 
     def __init__(
-        self, *, secret: str | None = SECRET, max_body: int = 1024**2, port: int = 0
+        self,
+        *,
+        secret: str | None = SECRET,
+        max_body: int = 1024**2,
+        port: int = 0,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.secret = Webhook(secret) if secret else None
         self.max_body = max_body
@@ -92,6 +99,7 @@ class WebhookServer:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self.port = port  # 0: a free one, chosen at start
+        self.tls = tls  # (certificate, key): serve https
 
     async def start(self) -> WebhookServer:
         """Serve from a thread with its own event loop: the test's loop keeps only its own
@@ -112,7 +120,11 @@ class WebhookServer:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", self.port)
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*self.tls)
+        site = web.TCPSite(runner, "127.0.0.1", self.port, ssl_context=context)
         loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         ready.set()
@@ -122,7 +134,7 @@ class WebhookServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def delivered(self) -> list[Request]:
         """The requests answered 2xx, in the order they were answered (duplicates too)."""

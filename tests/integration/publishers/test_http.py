@@ -34,6 +34,7 @@ from tests.contract.test_contract import check_per_key_order, loans, relay_confi
 from tests.integration.publishers import base
 from tests.integration.publishers.base import message
 from tests.support.db import append_many, connect
+from tests.support.nats_tls import write_certificates
 from tests.support.net import free_port
 from tests.support.scenario import eventually, load_and_migrate, running
 from tests.support.webhook_server import OLD_SECRET, SECRET, Answer, WebhookServer
@@ -358,6 +359,26 @@ async def test_the_cloudevents_sdk_reads_keys_no_header_could_carry_as_written(
         assert not any(name.startswith("ce-") for name in request.headers)
         assert json.loads(request.body)["data"] == {"book": key, "v": 1}
     assert request.verified
+
+
+async def test_https_receivers_are_verified_against_the_ca_file(tmp_path: Path) -> None:
+    ca, cert, key = write_certificates(tmp_path)
+    server = await WebhookServer(tls=(cert, key)).start()
+    try:
+        url = f"{server.url}/in/{{destination}}"
+        trusting = {"url": url, "tls": {"ca_file": str(ca)}}
+        async with publishing(server, url=url) as pub:  # the system's CAs do not know it
+            (outcome,) = await pub.publish([message("orders", "b1")])
+        assert isinstance(outcome, TransientPublishError)
+        assert "certificate verify failed" in str(outcome)
+        async with publishing(server, **trusting) as pub:
+            assert await pub.publish([message("orders", "b1")]) == [None]
+        assert await HttpPublisher("hooks", config(server, **trusting)).probe(["orders"]) == []
+        (problem,) = await HttpPublisher("hooks", config(server, url=url)).probe(["orders"])
+        assert "certificate verify failed" in problem
+    finally:
+        await server.close()
+    assert [(r.id, r.verified) for r in server.requests] == [("book/b1@1", True)]
 
 
 async def test_probe_connects_to_each_host_and_sends_nothing(server: WebhookServer) -> None:
