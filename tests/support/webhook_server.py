@@ -141,16 +141,21 @@ class WebhookServer:
         return [r for r in self.requests if r.delivered]
 
     async def wait_delivered(self, expected: int, timeout: float = 30.0) -> list[Request]:  # noqa: ASYNC109
+        """Every delivered request, once `expected` distinct messages (ids) have come: a
+        re-sent one (its answer lost in an outage) does not stand for one still missing."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while len(delivered := self.delivered()) < expected:
+        while True:
+            delivered = self.delivered()
+            if len({r.id for r in delivered}) >= expected:
+                return delivered
             if loop.time() > deadline:
+                distinct = len({r.id for r in delivered})
                 raise AssertionError(
-                    f"{len(delivered)} of {expected} webhooks delivered within {timeout}s"
+                    f"{distinct} of {expected} webhooks delivered within {timeout}s"
                     f" ({len(self.requests)} requests)"
                 )
             await asyncio.sleep(0.02)
-        return delivered
 
     def hold(self) -> None:
         """Stall: every request waits, unanswered, until `release`."""
