@@ -100,10 +100,10 @@ class HttpPublisher:
         """For `relay check`: open a connection (TCP, and TLS with the certificate verified) to
         each host the fixed destinations lead to. Sends no request: a webhook has no call
         without effect. What is wrong, one line each."""
-        fixed = "{destination}" not in self._config.url
+        host_fixed = not self._config.url.startswith("{")  # the host is the config's
         urls: set[str] = set()
         problems: list[str] = []
-        for destination in sorted(destinations) or ([""] if fixed else []):
+        for destination in sorted(destinations) or ([""] if host_fixed else []):
             url = self._url(Message("probe", "probe", destination, "probe", b"", "", None, 0))
             if (why := self._unusable(url)) is not None:
                 problems.append(f"broker {self.name!r}: {why}")

@@ -389,6 +389,11 @@ async def test_probe_connects_to_each_host_and_sends_nothing(server: WebhookServ
     assert len(problems) == 2
     assert problems[0] == "broker 'hooks': 'nope' is not an http:// or https:// URL"
     assert problems[1].startswith(f"broker 'hooks': cannot connect to {dead.removesuffix('/x')}")
+    # Destinations known only at run time: the host the config's URL names is still probed.
+    fixed_host = HttpPublisher("hooks", config(server, url=f"{dead}/in/{{destination}}"))
+    (problem,) = await fixed_host.probe([])
+    assert problem.startswith(f"broker 'hooks': cannot connect to {dead.removesuffix('/x')}")
+    assert await HttpPublisher("hooks", config(server)).probe([]) == []
 
 
 # -- the relay's drain, the receiver going down in the middle ----------------------------------
