@@ -32,7 +32,7 @@ import hmac
 import re
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -71,7 +71,7 @@ class HttpPublisher:
             for key in config.signing_keys
         ]
         self._session: aiohttp.ClientSession | None = None
-        self._slots = asyncio.Semaphore(config.max_in_flight)
+        self._workers = config.max_in_flight  # each sends one request at a time
         self._urls: dict[str, str | None] = {}  # a rendered URL -> why it cannot be used
         self._pieces = [p for p in _URL_FIELDS.split(config.url) if p]
         self._delivered: OrderedDict[Message, float] = OrderedDict()
@@ -141,9 +141,14 @@ class HttpPublisher:
         for index, message in enumerate(messages):
             by_key.setdefault(message.key, []).append(index)
         halted: list[PublishError] = []  # the receiver cannot be reached: start nothing more
-        await asyncio.gather(
-            *(self._send_key(messages, indexes, results, halted) for indexes in by_key.values())
-        )
+        keys = deque(by_key.values())
+
+        async def worker() -> None:
+            """Key after key: `max_in_flight` of these, not a task per key (cheaper)."""
+            while keys:
+                await self._send_key(messages, keys.popleft(), results, halted)
+
+        await asyncio.gather(*(worker() for _ in range(min(self._workers, len(keys)))))
         self._remember(messages, results)
         return results
 
@@ -169,8 +174,7 @@ class HttpPublisher:
                 results[index] = None  # delivered after an earlier failure: not sent again
                 self.duplicates += 1
                 continue
-            async with self._slots:
-                outcome = halted[0] if halted else await self._post(message, halted)
+            outcome = halted[0] if halted else await self._post(message, halted)
             results[index] = outcome
             if outcome is not None:
                 return
