@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import aio_pika
 import aioboto3
+import aiohttp
 import aiormq
 import grpc
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -34,6 +36,7 @@ from redis.asyncio import Redis as RedisClient
 
 from bench import backlog, report
 from bench.measure import ceiling, timed_publish
+from relay.brokers.http import HttpPublisher
 from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.pubsub import message_attributes as pubsub_attributes
 from relay.brokers.pubsub import ordering_key
@@ -46,9 +49,11 @@ from relay.brokers.sqs import (
     group_id,
     message_attributes,
 )
-from relay.config import PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
+from relay.config import HttpBrokerConfig, PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message, cloudevent_attributes
 from tests.support import kafka_server, pubsub_server, redis_server, sqs_server
+from tests.support.net import free_port, wait_for_port
+from tests.support.webhook_server import SECRET
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PARTITIONS = 3
@@ -603,6 +608,94 @@ class Redis:
         finally:
             await client.aclose()
         result.stored = await self.stored(result.count, stream)
+        return result
+
+
+# -- Webhooks: a bare receiver in a process of its own ------------------------------------------
+
+HTTP_IN_FLIGHT = 16  # the adapter's default max_in_flight
+
+
+class Http:
+    label = (
+        f"aiohttp `session.post` per message, {HTTP_IN_FLIGHT} in flight, signed (Standard"
+        " Webhooks), one key at a time"
+    )
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.references: dict[str, float] = {}
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        del name  # one receiver per run: each phase posts to a path of its own
+        self.port = free_port()
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.support.webhook_server", str(self.port)
+        )
+        stack.push_async_callback(quietly, "stop the webhook receiver", self._stop)
+        await asyncio.to_thread(wait_for_port, "127.0.0.1", self.port, 15)
+        return f"aiohttp.web {metadata.version('aiohttp')} (a receiver answering 204)"
+
+    async def _stop(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+            await self._process.wait()
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "type": "http",
+            "url": f"http://127.0.0.1:{self.port}/{{destination}}",
+            "signing_keys": [SECRET],
+            "max_in_flight": HTTP_IN_FLIGHT,
+        }
+
+    def broker(self) -> dict[str, Any] | None:
+        return self._config()
+
+    def destination(self) -> str | None:
+        return "relay"
+
+    async def before_relay(self) -> None:
+        pass  # the relay posts to a path of its own
+
+    async def stored(self, expected: int, phase: str = "relay") -> int:
+        del expected
+        url = f"http://127.0.0.1:{self.port}/count/{phase}"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return int(await response.text())
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        """The same POSTs, headers made by the adapter's own helper outside the timer; each
+        key's messages one after the other, as the adapter promises."""
+        phase = f"raw{tag}"
+        signer = HttpPublisher("raw", HttpBrokerConfig.model_validate(self._config()))
+        url = f"http://127.0.0.1:{self.port}/{phase}"
+        Prepared = list[list[tuple[bytes, dict[str, str]]]]
+
+        def prepare(messages: list[Message]) -> Prepared:
+            by_key: dict[str, list[tuple[bytes, dict[str, str]]]] = {}
+            for m in messages:
+                by_key.setdefault(m.key, []).append((m.body, signer.headers(m)))
+            return list(by_key.values())
+
+        connector = aiohttp.TCPConnector(limit=HTTP_IN_FLIGHT)
+        slots = asyncio.Semaphore(HTTP_IN_FLIGHT)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def one_key(posts: list[tuple[bytes, dict[str, str]]]) -> None:
+                for body, headers in posts:
+                    async with slots, session.post(url, data=body, headers=headers) as response:
+                        if response.status >= 300:
+                            raise RuntimeError(f"the receiver answered {response.status}")
+
+            async def send(keys: Prepared) -> None:
+                await asyncio.gather(*(one_key(posts) for posts in keys))
+
+            async with session.get(f"http://127.0.0.1:{self.port}/count/{phase}"):
+                pass  # a connection opened outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        result.stored = await self.stored(result.count, phase)
         return result
 
 

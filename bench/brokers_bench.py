@@ -6,8 +6,8 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub, Redis Streams), one after the
-other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub, Redis Streams, webhooks), one
+after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -35,6 +35,9 @@ other:
    - Redis: a redis-py pipeline (no transaction) of one XADD per message with the adapter's
      fields, one round trip per batch, on a private redis-server (started here); the relay
      also checks and records each id in the stream's dedup set, which the raw client does not;
+   - webhooks: aiohttp `session.post` per message to a bare aiohttp.web receiver in a process
+     of its own (tests/support/webhook_server.py), 16 in flight (the adapter's default
+     max_in_flight), one request per key at a time, signed headers made outside the timer;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -73,6 +76,7 @@ import asyncpg
 from bench import backlog, report
 from bench.broker_targets import (
     RABBITMQ_URL,
+    Http,
     Kafka,
     Nats,
     PubSub,
@@ -91,7 +95,7 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http")
 
 
 @dataclass
@@ -162,6 +166,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return PubSub()
     if broker == "redis":
         return Redis()
+    if broker == "http":
+        return Http()
     return Sqs()
 
 
@@ -172,7 +178,11 @@ def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
 
 async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     """Measure one broker; a failure is reported in the row, after everything is removed."""
-    events = {"sqs": args.sqs_events, "pubsub": args.pubsub_events}.get(broker, args.events)
+    events = {
+        "sqs": args.sqs_events,
+        "pubsub": args.pubsub_events,
+        "http": args.http_events,
+    }.get(broker, args.events)
     row = Row(broker=broker, events=events, load_at_start=load_average())
     target = target_for(broker, args)
     row.raw_client = target.label.replace("x500", f"x{args.batch}")
@@ -254,7 +264,16 @@ async def machine_info(pg: str) -> dict[str, str]:
         postgres = str(await conn.fetchval("SHOW server_version"))
     finally:
         await conn.close()
-    versions = ["nats-py", "aiokafka", "aio-pika", "aiormq", "aioboto3", "botocore", "asyncpg"]
+    versions = [
+        "nats-py",
+        "aiokafka",
+        "aio-pika",
+        "aiormq",
+        "aioboto3",
+        "botocore",
+        "aiohttp",
+        "asyncpg",
+    ]
     return {
         "nproc": str(os.cpu_count()),
         "python": sys.version.split()[0],
@@ -339,6 +358,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=5_000,
         help="backlog for Pub/Sub (the emulator; each phase's messages are pulled back to count)",
+    )
+    parser.add_argument(
+        "--http-events",
+        type=int,
+        default=5_000,
+        help="backlog for webhooks (a POST each: see docs/performance.md)",
     )
     parser.add_argument(
         "--batch", type=int, default=500, help="relay batch.max_messages and raw chunk size"

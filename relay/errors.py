@@ -36,6 +36,9 @@ class PublishError(RelayError):
 
     permanent: bool = False
     reason: str = "error"
+    retry_after: float | None = None
+    """Seconds the broker asked to be left alone (HTTP Retry-After); the backoff waits at least
+    that long before the next attempt."""
 
 
 class TransientPublishError(PublishError):

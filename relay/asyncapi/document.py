@@ -36,6 +36,7 @@ BINDING_VERSIONS = {
     "nats": "0.1.0",
     "googlepubsub": "0.2.0",
     "redis": "0.1.0",
+    "http": "0.3.0",
 }
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
@@ -314,6 +315,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
         operation["bindings"] = _binding("sqs", {"queues": queues})
     elif broker.type == "redis":
         operation["bindings"] = _binding("redis", {})
+    elif broker.type == "http":
+        operation["bindings"] = _binding("http", {"method": "POST"})
     elif broker.type == "nats":  # Google Pub/Sub's bindings have no operation binding
         operation["bindings"] = _binding("nats", {})
     return operation

@@ -92,6 +92,15 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
     message_id: Schema = {"type": "string", "description": "The message id: deduplicate on it."}
     if outbox.protocol == "nats":
         add("Nats-Msg-Id", message_id)
+    if outbox.protocol == "http":  # Standard Webhooks
+        add("webhook-id", message_id)
+        add("webhook-timestamp", {"type": "string", "pattern": "^[0-9]+$"})
+        signature = {
+            "type": "string",
+            "description": "`v1,<base64 HMAC-SHA256 of id.timestamp.body>` per signing key,"
+            " space separated; absent without signing keys.",
+        }
+        add("webhook-signature", signature, always=False)
     if outbox.cloudevents == "binary":
         attributes, always = _attributes(outbox, rule)
         if outbox.protocol == "kafka":  # the record key is the partition key
@@ -102,6 +111,7 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
             "sqs": "ce_",
             "pubsub": "ce-",
             "redis": "ce_",
+            "http": "ce-",
             "rabbitmq": outbox.amqp_prefix,
         }
         for name, schema in attributes.items():

@@ -11,6 +11,7 @@ from typing import Any
 
 from relay.config import (
     BrokerConfig,
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
@@ -53,6 +54,8 @@ def _server(broker: BrokerConfig) -> tuple[Object, Object]:
         return _pubsub(broker)
     if isinstance(broker, RedisBrokerConfig):
         return _redis(broker)
+    if isinstance(broker, HttpBrokerConfig):
+        return _http(broker)
     return _sqs(broker)
 
 
@@ -173,3 +176,28 @@ def _pubsub(broker: PubSubBrokerConfig) -> tuple[Object, Object]:
         "scopes": ["https://www.googleapis.com/auth/pubsub"],
     }
     return server, {"google-oauth2": oauth}
+
+
+def _http(broker: HttpBrokerConfig) -> tuple[Object, Object]:
+    """The receiver's host, or a variable when each destination names its own."""
+    server: Object = {"title": "Webhooks", "summary": "A POST per message (Standard Webhooks)."}
+    if broker.url.startswith("{"):
+        server["host"] = "{receiver}"
+        server["protocol"] = "https"
+        server["variables"] = {"receiver": {"description": "The host a destination names."}}
+    else:
+        host, path = host_of(broker.url.partition("{")[0])
+        server["host"] = host
+        server["protocol"] = broker.url.partition(":")[0].lower()
+        if path not in ("", "/"):
+            server["pathname"] = path
+    needs: Object = {
+        f"header-{name.lower()}": {"type": "httpApiKey", "name": name, "in": "header"}
+        for name in broker.headers  # the names only: their values are secrets
+    }
+    if broker.signing_keys:
+        needs["standard-webhooks"] = {
+            "type": "symmetricEncryption",
+            "description": "Standard Webhooks: webhook-signature, HMAC-SHA256 with a whsec_ key.",
+        }
+    return server, {**needs, **_mutual_tls(broker.tls)}

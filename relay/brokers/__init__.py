@@ -22,6 +22,7 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "sqs": ("relay.brokers.sqs", "SqsPublisher", "sqs"),
     "pubsub": ("relay.brokers.pubsub", "PubSubPublisher", "pubsub"),
     "redis": ("relay.brokers.redis", "RedisPublisher", "redis"),
+    "http": ("relay.brokers.http", "HttpPublisher", "http"),
 }
 
 

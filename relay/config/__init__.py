@@ -35,6 +35,7 @@ from relay.config.base import (
 )
 from relay.config.brokers import (
     BrokerConfig,
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
@@ -59,6 +60,7 @@ from relay.errors import ConfigError
 __all__ = [
     "BrokerConfig",
     "ColumnsConfig",
+    "HttpBrokerConfig",
     "KafkaBrokerConfig",
     "MessageConfig",
     "NatsBrokerConfig",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from relay.config.brokers import (
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
@@ -38,7 +39,8 @@ def broker_identity(
     | RabbitMqBrokerConfig
     | SqsBrokerConfig
     | PubSubBrokerConfig
-    | RedisBrokerConfig,
+    | RedisBrokerConfig
+    | HttpBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -54,6 +56,10 @@ def broker_identity(
     elif isinstance(config, RedisBrokerConfig):
         host, path = _host(config.url.get_secret_value(), "redis")
         hosts = [f"{host}/{path.removeprefix('/') or '0'}"]  # the database number
+    elif isinstance(config, HttpBrokerConfig):
+        # A URL that starts with {destination} names its hosts per message: `*` stands for them.
+        fixed = not config.url.startswith("{")
+        hosts = [_host(config.url.partition("{")[0], "https")[0] if fixed else "*"]
     else:
         endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]

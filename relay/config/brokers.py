@@ -6,6 +6,8 @@ that they come from the environment, not the file.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib.util
 import re
 from pathlib import Path
@@ -338,12 +340,99 @@ class RedisBrokerConfig(TlsCapable):
         return self
 
 
+# What `url` may name: the message's destination as written, its key and type encoded.
+HTTP_URL_FIELDS = ("destination", "key", "type")
+_URL_FIELD = re.compile(r"\{([^{}]*)\}")
+# A header name (RFC 9110 token), and the names the relay writes itself.
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_RELAY_HEADERS = ("content-type", "content-length", "host", "idempotency-key", "transfer-encoding")
+_RELAY_PREFIXES = ("webhook-", "ce-")
+
+
+def _signing_key(secret: SecretStr) -> SecretStr:
+    """A Standard Webhooks secret: `whsec_` and base64 of at least 24 bytes (never quoted)."""
+    text = secret.get_secret_value()
+    if not text.startswith("whsec_"):
+        raise ValueError("a signing key starts with whsec_ (Standard Webhooks)")
+    try:
+        key = base64.b64decode(text.removeprefix("whsec_"), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a signing key is whsec_ then base64; this one is not base64") from None
+    if len(key) < 24:
+        raise ValueError(f"a signing key needs at least 24 bytes of key; this one has {len(key)}")
+    return secret
+
+
+SigningKey = Annotated[SecretStr, AfterValidator(_signing_key)]
+
+
+class HttpBrokerConfig(TlsCapable):
+    """Webhooks: a POST per message, signed as Standard Webhooks say (docs/brokers/http.md)."""
+
+    type: Literal["http"]
+    url: str = Field(
+        "{destination}",
+        description="http(s):// URL; may name {destination} (as written), {key} and {type}"
+        " (percent-encoded).",
+    )
+    headers: dict[str, SecretStr] = Field(
+        {}, description="Sent with every request; values are secret: write them as ${VAR}."
+    )
+    signing_keys: list[SigningKey] = Field(
+        [], description="whsec_ keys; one signature per key, so that a key can be rotated."
+    )
+    max_in_flight: Annotated[int, Field(ge=1, le=1024)] = Field(
+        16, description="Requests in flight together; never two of one key."
+    )
+    max_body_bytes: Annotated[int, Field(ge=1)] = Field(
+        1_048_576, description="A bigger body is not sent: parked."
+    )
+    follow_redirects: bool = Field(False, description="Else a 3xx answer is parked.")
+    retry_after_max: PositiveDuration = Field(
+        300.0, description="Retry-After longer than this is cut to it."
+    )
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = Field(10.0, description="How long a request may take.")
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, url: str) -> str:
+        for name in _URL_FIELD.findall(url):
+            if name not in HTTP_URL_FIELDS:
+                raise ValueError(
+                    f"{{{name}}} is not a field of a message; use"
+                    f" {', '.join('{' + f + '}' for f in HTTP_URL_FIELDS)}"
+                )
+        if url.startswith("{destination}"):
+            return url  # the destination brings the scheme and host: checked per message
+        if not (_HTTP.match(url) and urlsplit(_URL_FIELD.sub("x", url)).hostname):
+            raise ValueError("must be an http:// or https:// URL with a host, or {destination}")
+        return url
+
+    @field_validator("headers")
+    @classmethod
+    def _headers_are_the_operators(cls, headers: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        for name, value in headers.items():
+            lower = name.lower()
+            if not _TOKEN.match(name):
+                raise ValueError(f"{name!r} is not a header name")
+            if lower in _RELAY_HEADERS or lower.startswith(_RELAY_PREFIXES):
+                raise ValueError(f"{name}: the relay writes this header itself")
+            text = value.get_secret_value()
+            if not text.isprintable() or text != text.strip():
+                raise ValueError(  # the value is not quoted: it may be a secret
+                    f"{name}: no control characters and no whitespace at either end"
+                )
+        return headers
+
+
 BrokerConfig = Annotated[
     NatsBrokerConfig
     | KafkaBrokerConfig
     | RabbitMqBrokerConfig
     | SqsBrokerConfig
     | PubSubBrokerConfig
-    | RedisBrokerConfig,
+    | RedisBrokerConfig
+    | HttpBrokerConfig,
     Field(discriminator="type"),
 ]

@@ -155,7 +155,8 @@ class Delivery:
                 await self._park(checkpoint, parked, failure, count.rejections, upto)
                 continue
             await self._retrying(checkpoint, pending[0], failure, count)
-            await wait_any(self.stop, self.interrupt, within=backoff.delay(count.attempts))
+            pause = max(backoff.delay(count.attempts), failure.retry_after or 0.0)
+            await wait_any(self.stop, self.interrupt, within=pause)
             if self.stop.is_set() or self.interrupt.is_set():
                 return False  # nothing unacknowledged was checkpointed: it is read again
         return True

@@ -20,7 +20,7 @@ from relay.asyncapi.view import outbox_views
 from relay.config import load_config
 from relay.core.publishing import Message, to_structured
 from tests.support.asyncapi import NodeMissing, diagnostics, install_parser, problems
-from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, document, outbox, rule
+from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, BROKERS, document, outbox, rule
 from tests.support.relay_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,11 @@ brokers:
     url: rediss://redis.internal:6380/2
     username: relay
     password: ${RELAY_SECRET}
+  hooks:
+    type: http
+    url: "https://relay:${RELAY_SECRET}@hooks.internal/in/{destination}?token=${RELAY_SECRET}"
+    headers: {Authorization: "Bearer ${RELAY_SECRET}"}
+    signing_keys: ["whsec_${RELAY_SECRET}${RELAY_SECRET}${RELAY_SECRET}"]
 outboxes:
   loans:
     broker: nats
@@ -122,6 +127,12 @@ outboxes:
         type: library.loan-renewed.v1
         destination: "library.renewals.{aggregate_type}"
         payload: {bookId: aggregate_id, until: data.until}
+  reminders:
+    broker: hooks
+    messages:
+      ReminderSent:
+        type: library.reminder-sent.v1
+        destination: "reminders/{aggregate_type}"
 """
 
 
@@ -208,11 +219,17 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "sqs": ("localhost:4566", "sqs"),
         "pubsub": ("pubsub.googleapis.com:443", "googlepubsub"),
         "redis": ("redis.internal:6380", "rediss"),
+        "hooks": ("hooks.internal", "https"),
     }
     assert schemes["redis-user-password"]["type"] == "userPassword"
     assert "nats-2.internal:4222" in servers["nats"]["description"]
     assert schemes["kafka-sasl"] == {"type": "scramSha512"}
     assert schemes["nats-user-password"] == {"type": "userPassword"}
+    assert schemes["hooks-header-authorization"] == {
+        "type": "httpApiKey",
+        "name": "Authorization",
+        "in": "header",
+    }
 
     channels = {c["title"]: c for c in doc["channels"].values()}
     lent = channels["library.{aggregate_type}.{aggregate_id}.lent"]
@@ -254,11 +271,17 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-paid.v1",
         "library.hold-placed.v1",
         "library.loan-renewed.v1",
+        "library.reminder-sent.v1",
     }
     renewals = channels["library.renewals.{aggregate_type}"]
     assert "A Redis stream" in renewals["description"]
     renewed = messages["library.loan-renewed.v1"]["headers"]["properties"]
     assert renewed["ce_type"] == {"const": "library.loan-renewed.v1"}
+    reminded = messages["library.reminder-sent.v1"]["headers"]["required"]
+    assert {"webhook-id", "webhook-timestamp", "ce-id"} <= set(reminded)
+    assert (
+        operations["Publish to reminders/{aggregate_type}"]["bindings"]["http"]["method"] == "POST"
+    )
     assert_valid(parser, written)
 
 
@@ -287,7 +310,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub", "redis")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -362,19 +385,24 @@ def sent_headers(
         from relay.brokers.redis import message_fields
 
         return set(message_fields(message))
+    if broker == "http":
+        from relay.brokers.http import HttpPublisher
+
+        publisher = HttpPublisher("b", BROKERS["http"])  # type: ignore[arg-type]
+        return set(publisher.headers(message))
     from relay.brokers.sqs import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

@@ -22,6 +22,7 @@ from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
 from tests.support.nats_server import NatsServerWithAuth
+from tests.support.net import free_port
 from tests.support.postgres import as_role
 from tests.support.rabbitmq_server import QueueReader, create_topology, delete_topology
 from tests.support.redis_server import DEDUP_PREFIX, redis_client, unique_stream
@@ -29,6 +30,7 @@ from tests.support.redis_server import delete_stream as delete_redis_stream
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
 from tests.support.sqs_server import REGION, create_queue, receive_all, sqs_client, unique_queue
+from tests.support.webhook_server import SECRET, WebhookServer
 
 OUTBOX = "loans"
 FULL_GRANTS = """
@@ -307,6 +309,34 @@ def broker_config(
         for i, (destination, broker) in enumerate(destinations.items())
     }
     return data
+
+
+async def test_webhook_receivers_that_cannot_be_reached_are_named_and_nothing_is_posted(
+    migrated: str, tmp_path: Path
+) -> None:
+    """A webhook has no request without effect: `relay check` connects to each host and
+    sends nothing; a bad URL and a dead host are named, the live one is not."""
+    receiver = await WebhookServer().start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        brokers = {"hooks": {"type": "http", "signing_keys": [SECRET]}}
+        destinations = {
+            f"{receiver.url}/in/loans": "hooks",
+            f"{dead}/in/loans": "hooks",
+            "loans-without-a-scheme": "hooks",
+        }
+        data = broker_config(migrated, brokers, destinations)
+        result = await asyncio.to_thread(run_cli, ["check", "--config", str(save(tmp_path, data))])
+        assert result.returncode == 1, result.stderr
+        said = errors(result.stderr)
+        assert len(said) == 2, result.stderr
+        assert "broker 'hooks': 'loans-without-a-scheme' is not an http:// or https:// URL" in (
+            said[0] + said[1]
+        )
+        assert f"broker 'hooks': cannot connect to {dead}" in said[0] + said[1]
+        assert receiver.requests == []
+    finally:
+        await receiver.close()
 
 
 async def test_wrong_broker_passwords_are_named(
@@ -611,6 +641,14 @@ BROKER_RULES = {
     "redis database not a number": (
         {"type": "redis", "url": "redis://redis.invalid:6380/cache"},
         "the path must be a database number",
+    ),
+    "http url names no field of a message": (
+        {"type": "http", "url": "https://hooks.example.com/{aggregate_id}"},
+        "brokers.b.url: {aggregate_id} is not a field of a message",
+    ),
+    "http signing key not whsec_": (
+        {"type": "http", "signing_keys": ["plain-text-secret-of-some-length"]},
+        "brokers.b.signing_keys.0: a signing key starts with whsec_",
     ),
 }
 

@@ -21,7 +21,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument(
-        "--broker", default="nats", choices=["nats", "kafka", "rabbitmq", "pubsub", "redis"]
+        "--broker",
+        default="nats",
+        choices=["nats", "kafka", "rabbitmq", "pubsub", "redis", "http"],
     )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--replicas", type=int, default=3)

@@ -446,6 +446,64 @@ class RedisSoakBroker:
         self.server.kill()
 
 
+class HttpSoakBroker:
+    """A webhook receiver in this process (tests/support/webhook_server.py), every signature
+    verified; a crash ends it (requests in flight are cut, connections refused) and a restart
+    serves again on the same port. What it answered 2xx is what was delivered."""
+
+    name = "http"
+    crash_kind = "the receiver stopped (requests in flight cut), restarted on the same port"
+    rule = {"destination": "soak.{aggregate_type}"}
+
+    def __init__(self, root: Path) -> None:
+        del root  # it keeps nothing on disk
+        from tests.support.net import free_port
+
+        self.port = free_port()
+        self.servers: list[Any] = []  # every incarnation, for read_all
+
+    def relay_config(self) -> dict[str, Any]:
+        from tests.support.webhook_server import SECRET
+
+        return {
+            "type": "http",
+            "url": f"http://127.0.0.1:{self.port}/{{destination}}",
+            "signing_keys": [SECRET],
+            "ack_timeout": "3s",
+            "connect_timeout": "2s",
+        }
+
+    async def start(self) -> None:
+        from tests.support.webhook_server import WebhookServer
+
+        self.servers.append(await WebhookServer(port=self.port).start())
+
+    async def crash(self) -> None:
+        await self.servers[-1].close()
+
+    async def restart(self) -> None:
+        await self.start()
+
+    async def read_all(self) -> list[Delivery]:
+        out = []
+        for server in self.servers:
+            for request in server.delivered():
+                assert request.verified, f"webhook {request.id!r}: its signature does not verify"
+                out.append(
+                    Delivery(
+                        id=request.id,
+                        uid=str(json.loads(request.body)["uid"]),
+                        destination=request.path.strip("/"),
+                        stored_at=request.at,
+                    )
+                )
+        return out
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop_now()
+
+
 def make_broker(name: str, root: Path) -> SoakBroker:
     if name == "nats":
         return NatsSoakBroker(root)
@@ -457,4 +515,6 @@ def make_broker(name: str, root: Path) -> SoakBroker:
         return PubSubSoakBroker(root)
     if name == "redis":
         return RedisSoakBroker(root)
-    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq, pubsub, redis)")
+    if name == "http":
+        return HttpSoakBroker(root)
+    raise ValueError(f"no soak broker {name!r} (known: nats, kafka, rabbitmq, pubsub, redis, http)")

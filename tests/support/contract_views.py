@@ -8,6 +8,7 @@ from relay.asyncapi.document import build
 from relay.asyncapi.view import OutboxView, Protocol, RuleView
 from relay.config import (
     BrokerConfig,
+    HttpBrokerConfig,
     KafkaBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
@@ -27,6 +28,13 @@ BROKERS: dict[str, BrokerConfig] = {
     "redis": RedisBrokerConfig.model_validate(
         {"type": "redis", "url": "redis://redis.internal:6379/0"}
     ),
+    "http": HttpBrokerConfig.model_validate(
+        {
+            "type": "http",
+            "url": "https://hooks.example.com/in/{destination}",
+            "signing_keys": ["whsec_" + "a" * 32],
+        }
+    ),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
@@ -35,6 +43,7 @@ PROTOCOL: dict[str, Protocol] = {
     "sqs": "sqs",
     "pubsub": "pubsub",
     "redis": "redis",
+    "http": "http",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}

@@ -468,3 +468,20 @@ async def test_another_events_id_in_the_last_batch_is_counted() -> None:
 async def test_two_events_with_one_id_in_a_batch_are_counted_even_right_after_a_claim() -> None:
     broker = DedupBroker()
     assert await unexpected(broker, [[same_id(1, "x"), same_id(2, "x")]], set()) == 1
+
+
+async def test_a_retry_after_asked_by_the_broker_lengthens_the_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An HTTP receiver's Retry-After: the backoff waits at least that long, never less."""
+    pauses: list[float] = []
+
+    async def recorded(*_: asyncio.Event, within: float) -> None:
+        pauses.append(within)
+
+    monkeypatch.setattr("relay.core.delivery.wait_any", recorded)
+    busy = TransientPublishError("429 Too Many Requests")
+    busy.retry_after = 7.0
+    publisher = ScriptedPublisher(lambda mid, n: busy if n == 1 else TRANSIENT if n == 2 else None)
+    assert await delivery(publisher).deliver(MemoryCheckpoint(), [item(1)])
+    assert pauses == [7.0, 0.001]  # the asked pause, then the backoff's own (1ms)

@@ -144,6 +144,12 @@ relay's config. Called with (list $ NAME BROKER_CONFIG).
 {{- else if eq $broker.type "pubsub" }}
 {{- $endpoint := $broker.emulator_host | default ($broker.endpoint | default "pubsub.googleapis.com:443") }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint" $key) "setting" $setting) }}
+{{- else if eq $broker.type "http" }}
+{{- $url := $broker.url | default "{destination}" | toString }}
+{{- if hasPrefix "{" $url }}
+{{- fail (printf "networkPolicy.enabled: %s.url starts with {destination}, so each message names its own host; set %s, for example [{port: 443, protocol: TCP}]" $key $setting) }}
+{{- end }}
+{{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $url) "scheme" "https" "key" (printf "%s.url" $key) "setting" $setting) }}
 {{- else }}
 {{- fail (printf "networkPolicy.enabled: %s has the type %v, whose ports the chart does not know; set %s" $key $broker.type $setting) }}
 {{- end }}

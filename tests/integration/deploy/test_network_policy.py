@@ -161,6 +161,24 @@ def test_ports_come_from_the_config(chart: Any, url: str, ports: list[int]) -> N
     ]
 
 
+def test_a_webhook_broker_gets_the_port_of_its_url_or_must_be_given_one(chart: Any) -> None:
+    """`type: http`: the URL's port (443 for https://); a URL that starts with {destination}
+    names its host per message, so the chart asks for the ports."""
+    database = {"url": "postgresql://relay:${PGPASSWORD}@db/app"}
+    hooks = {
+        "a": {"type": "http", "url": "https://relay:${TOKEN}@hooks.example.com/in/{destination}"},
+        "b": {"type": "http", "url": "http://hooks.internal:8080/{type}?key={key}"},
+    }
+    values = {**custom(database=database, brokers=hooks), "networkPolicy": on()}
+    egress = policies(chart, values)[RELEASE]["spec"]["egress"]
+    assert egress[2:] == [{"ports": tcp(443)}, {"ports": tcp(8080)}]
+    anywhere = {"c": {"type": "http"}}
+    values = {**custom(database=database, brokers=anywhere), "networkPolicy": on()}
+    message = render_error(chart, values)
+    assert "relay.config brokers.c.url starts with {destination}" in message
+    assert "set networkPolicy.egress.brokers.c.ports" in message
+
+
 def test_the_default_config_needs_the_database_port(chart: Any) -> None:
     """The example config reads database.url from ${DATABASE_URL}; its NATS port is known."""
     message = render_error(chart, {"networkPolicy": on()})
