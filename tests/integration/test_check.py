@@ -454,7 +454,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 5, result.stderr
+            assert len(errors(result.stderr)) == 6, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
