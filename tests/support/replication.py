@@ -14,6 +14,7 @@ from pathlib import Path
 
 from relay.demo.embedded import EmbeddedPostgres, free_port
 from relay.errors import RelayError
+from tests.support.net import steady_port
 from tests.support.postgres import with_address
 from tests.support.proxy import TcpProxy
 
@@ -27,7 +28,7 @@ class Standby(EmbeddedPostgres):
     def __init__(self, primary: EmbeddedPostgres, via: TcpProxy | None = None) -> None:
         """`via`: a proxy to the primary that the standby streams through, so that a test
         can freeze replication (the standby then falls behind while writers commit)."""
-        super().__init__(primary.settings)
+        super().__init__(primary.settings, port=steady_port())
         self.primary = primary
         self.via = via
 
@@ -85,7 +86,7 @@ def replicated_pair(
     """A primary and its standby, both stopped and deleted afterwards. `frozen_link`: the
     standby streams through a TcpProxy (`standby.via`) that a test may pause. `settings`:
     more server settings for both."""
-    primary = EmbeddedPostgres({**PRIMARY_SETTINGS, **(settings or {})})
+    primary = EmbeddedPostgres({**PRIMARY_SETTINGS, **(settings or {})}, port=steady_port())
     link: TcpProxy | None = None
     try:
         primary.start()
