@@ -294,6 +294,7 @@ def check_postgres_url(url: str) -> None:
     except ValueError:
         raise _broken("the query (after '?') is not key=value pairs joined by '&'") from None
     _check_hosts_in_query(query, hosts)
+    _check_libpq_only(query)
     if "sslmode" in query and query["sslmode"][-1] not in SSLMODES:
         raise UrlError(f"sslmode must be one of {', '.join(SSLMODES)}")
     for ports in query.get("port", []):
@@ -305,6 +306,48 @@ def check_postgres_url(url: str) -> None:
                 f"target_session_attrs={attrs} is not for the relay, which writes on every"
                 " connection and so always connects to the primary (a standby is passed"
                 f" over): leave it out, or write one of {', '.join(PRIMARY_SESSION_ATTRS)}"
+            )
+
+
+_KEEPALIVES = "set lease.keepalives instead (the relay sets TCP keepalives itself)"
+_NOT_READ = "not supported by the relay's driver (asyncpg): leave it out"
+# libpq's connection parameters that asyncpg does not read. It passes every query key it
+# does not know to the server as a setting, and the server refuses these at every connect.
+LIBPQ_ONLY = {
+    "connect_timeout": "set database.connect_timeout instead",
+    "keepalives": _KEEPALIVES,
+    "keepalives_idle": _KEEPALIVES,
+    "keepalives_interval": _KEEPALIVES,
+    "keepalives_count": _KEEPALIVES,
+    "tcp_user_timeout": _KEEPALIVES,
+    "hostaddr": "write the address as the host instead",
+    "options": "give each server setting as a query key of its own (?statement_timeout=5s)",
+    "fallback_application_name": "leave it out: the relay names its sessions itself",
+    **{
+        key: _NOT_READ
+        for key in (
+            "channel_binding",
+            "gssdelegation",
+            "gssencmode",
+            "load_balance_hosts",
+            "replication",
+            "require_auth",
+            "requirepeer",
+            "requiressl",
+            "sslcertmode",
+            "sslcompression",
+            "sslsni",
+        )
+    },
+}
+
+
+def _check_libpq_only(query: dict[str, list[str]]) -> None:
+    for key in sorted(query):
+        if key in LIBPQ_ONLY:
+            raise UrlError(
+                f"{key} is a libpq parameter the relay's driver does not read; it would go to"
+                f" the server as a setting, which refuses it: {LIBPQ_ONLY[key]}"
             )
 
 

@@ -14,7 +14,15 @@ import asyncpg
 
 from relay.config import DatabaseConfig
 from relay.errors import DatabaseError
-from relay.postgres.primary import Host, address, ask_each, hosts, no_primary, split_brain
+from relay.postgres.primary import (
+    Host,
+    address,
+    ask_each,
+    hosts,
+    no_primary,
+    split_brain,
+    url_user,
+)
 from relay.redaction import redact
 
 # The one classifier of driver errors: these mean "the database went away or the
@@ -103,18 +111,25 @@ class Database:
                 # answered as a standby: say what each one is.
                 raise await self._no_primary() from exc
             raise DatabaseUnavailable(
-                f"cannot reach the database at {self.address}: {_text(exc)}"
+                f"cannot reach the database at {self.address}: {self._said(exc)}"
             ) from exc
         except NOT_NOW as exc:
             raise DatabaseUnavailable(
-                f"the database at {self.address} {_not_now(exc)}: {_text(exc)}"
+                f"the database at {self.address} {_not_now(exc)}: {self._said(exc)}"
                 f" (SQLSTATE {exc.sqlstate})"
             ) from exc
         except asyncpg.PostgresError as exc:
             raise DatabaseError(
-                f"the database at {self.address} refused the connection: {_text(exc)}"
+                f"the database at {self.address} refused the connection: {self._said(exc)}"
             ) from exc
         return await self._one_primary(conn)
+
+    def _said(self, exc: BaseException) -> str:
+        """The driver's or the server's words, with the URL's user as `***`, as the URL
+        itself is shown: the server quotes it (`role "..." does not exist`)."""
+        text = _text(exc)
+        user = url_user(self.config.url.get_secret_value())
+        return text.replace(f'"{user}"', '"***"') if user else text
 
     async def _hosts(self) -> list[Host]:
         """What each host of the URL is now (primary.py)."""

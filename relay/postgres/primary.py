@@ -12,7 +12,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import asyncpg
 
@@ -32,8 +32,8 @@ class Host:
 
 def listed(url: str) -> list[str]:
     """The URL's `host:port` entries, from before its path or from `?host=` and `?port=`
-    (a host without a port gets 5432, or the one port given for all); socket directories
-    and a URL naming no host give none."""
+    (a host without a port gets 5432, or the one port given for all), socket directories
+    (`/run/postgresql:5432`) among them; a URL naming no host gives none."""
     rest = url.strip().partition("://")[2]
     authority = re.match(r"[^/?]*", rest)
     written = authority.group().rpartition("@")[2] if authority else ""
@@ -41,15 +41,28 @@ def listed(url: str) -> list[str]:
     names = written.split(",") if written else ",".join(query.get("host", [])).split(",")
     ports = ",".join(query.get("port", [])).split(",")
     found = []
-    for i, name in enumerate(n for n in names if n):
-        if name.startswith(("/", "%2F", ":")):
-            continue  # a socket directory, or no host: no address to name or probe
+    for i, written_name in enumerate(n for n in names if n):
+        # A socket directory is percent-encoded in the authority; it is a host like any
+        # other, and may be a primary (a split brain must see it).
+        name = unquote(written_name) if written_name[:3].upper() == "%2F" else written_name
+        if name.startswith(":"):
+            continue  # no host: no address to name or probe
         if re.search(r"(^[^:\[]+|\]):\d+$", name):
             found.append(name)
             continue
         port = ports[i] if i < len(ports) and ports[i] else (ports[0] or str(DEFAULT_PORT))
         found.append(f"{name.rstrip(':')}:{port}")
     return found
+
+
+def url_user(url: str) -> str:
+    """The user the URL logs in as (before `@`, or `?user=`), decoded; empty if none."""
+    rest = url.strip().partition("://")[2]
+    authority = re.match(r"[^/?]*", rest)
+    userinfo, at, _ = authority.group().rpartition("@") if authority else ("", "", "")
+    if at and userinfo:
+        return unquote(userinfo.partition(":")[0])
+    return parse_qs(rest.partition("?")[2]).get("user", [""])[0]
 
 
 def address(url: str) -> str:

@@ -7,7 +7,7 @@ import asyncio
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pytest
 
@@ -161,3 +161,73 @@ def test_a_host_list_the_driver_refuses_is_a_config_error_at_load(
     assert result.returncode == 2, said
     assert "invalid config" in said, said
     assert "database.url" in said, said
+
+
+@pytest.mark.parametrize("form", ["netloc", "query"])
+def test_a_primary_listed_by_its_socket_directory_is_seen_in_a_split_brain(
+    tmp_path: Path, nats_url: str, stream: str, form: str
+) -> None:
+    """configuration.md lets a host of `database.url` be a socket directory (percent-encoded
+    in the authority, or in `?host=`). With the old primary listed by its socket and the
+    promoted standby by TCP, both answering as primaries, `relay check` said `config OK`
+    and `relay run` took the lease on the old primary and published its events: socket
+    hosts were left out of the split-brain probe (found attacking: a phantom, and the new
+    primary's event of the same id dropped as a duplicate)."""
+    with replicated_pair() as (primary, standby):
+        standby.promote()  # the old primary never stopped: two primaries
+        socket = quote(str(primary.pgdata), safe="")
+        if form == "netloc":
+            url = f"postgresql://postgres@{socket}:{primary.port},127.0.0.1:{standby.port}/postgres"
+        else:
+            url = (
+                f"postgresql://postgres@/postgres?host={socket},127.0.0.1"
+                f"&port={primary.port},{standby.port}"
+            )
+        config = save(tmp_path, config_dict(url, nats_url, stream))
+        result = run_cli(["check", "--config", str(config)])
+        said = result.stdout + result.stderr
+        assert result.returncode == 1, said
+        assert "split brain" in said, said
+        assert f"{primary.pgdata}:{primary.port}" in said, said  # the socket host is named
+
+
+@pytest.mark.parametrize(
+    ("parameter", "advice"),
+    [
+        ("connect_timeout=10", "database.connect_timeout"),
+        ("keepalives=1", "lease.keepalives"),
+        ("gssencmode=disable", "not supported"),
+        ("channel_binding=prefer", "not supported"),
+    ],
+)
+def test_a_libpq_parameter_the_driver_does_not_know_is_a_config_error(  # noqa: PLR0917
+    tmp_path: Path, events_table: str, nats_url: str, stream: str, parameter: str, advice: str
+) -> None:
+    """configuration.md: a URL the driver cannot read is a config error (exit code 2) naming
+    `database.url`. libpq's `connect_timeout`, `keepalives`, `gssencmode` and
+    `channel_binding` passed the load check; the driver then sent them to the server as
+    settings, and `relay run` exited 1 at start with `unrecognized configuration parameter
+    "connect_timeout"`, naming neither the key nor the URL (found attacking)."""
+    separator = "&" if "?" in events_table else "?"
+    config = save(tmp_path, config_dict(events_table + separator + parameter, nats_url, stream))
+    result = run_cli(["check", "--offline", "--config", str(config)])
+    said = result.stdout + result.stderr
+    assert result.returncode == 2, said
+    assert "database.url" in said, said
+    assert parameter.partition("=")[0] in said, said
+    assert advice in said, said
+
+
+def test_the_user_of_the_url_is_not_echoed_in_a_database_error(
+    tmp_path: Path, events_table: str, nats_url: str, stream: str
+) -> None:
+    """configuration.md: errors show the URL's user as `***`. A user the server does not
+    know came back in the server's own words: `role "SecretUser" does not exist`."""
+    parts = urlsplit(events_table)
+    url = events_table.replace(f"{parts.username}@", "SecretUser@", 1)
+    config = save(tmp_path, config_dict(url, nats_url, stream))
+    result = run_cli(["check", "--config", str(config)])
+    said = result.stdout + result.stderr
+    assert result.returncode == 1, said
+    assert "SecretUser" not in said, said
+    assert '"***"' in said, said
