@@ -29,15 +29,10 @@ from pydantic import SecretStr
 
 from bench import backlog, report
 from bench.measure import ceiling, timed_publish
+from relay.brokers._aws import CONCURRENCY, deduplication_id, group_id, message_attributes
 from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
-from relay.brokers.sqs import (
-    CONCURRENCY,
-    MAX_ENTRIES,
-    deduplication_id,
-    group_id,
-    message_attributes,
-)
+from relay.brokers.sqs import MAX_ENTRIES
 from relay.config import RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message
 from tests.support import kafka_server, sqs_server

@@ -316,7 +316,7 @@ def sent_headers(
         from relay.brokers.rabbitmq import _properties
 
         return set(_properties(message, prefix).headers or {})
-    from relay.brokers.sqs import message_attributes
+    from relay.brokers._aws import message_attributes
 
     return set(message_attributes(message))
 
