@@ -429,6 +429,111 @@ class Sqs:
         return result
 
 
+# -- SNS: a FIFO topic per phase, each with a FIFO queue subscribed (raw delivery) -------------
+
+
+class Sns(Sqs):
+    """The same private moto server as SQS. What a phase stored is counted in the queue
+    subscribed to its topic: moto's SNS delivers into SQS inside the publish call."""
+
+    label = f"aioboto3 `publish_batch` x{MAX_ENTRIES}, {CONCURRENCY} calls in flight"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._topics: dict[str, str] = {}  # queue name -> the ARN of the topic feeding it
+        self._sns: Any = None
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        self.name = name
+        stack.enter_context(fake_aws_environment())
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-moto-")))
+        self.server = sqs_server.MotoServer(logs / "moto.log")
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        self._client = await stack.enter_async_context(
+            session.client("sqs", endpoint_url=self.server.url)
+        )
+        self._sns = await stack.enter_async_context(
+            session.client("sns", endpoint_url=self.server.url)
+        )
+        stack.push_async_callback(quietly, "delete the SQS queues", self._delete_queues)
+        await self._queue(self.queue_name("relay"))
+        return f"moto {metadata.version('moto')} (SNS and SQS API mock)"
+
+    async def _queue(self, name: str) -> str:
+        """A fresh FIFO topic, and a FIFO queue subscribed to it with raw delivery."""
+        url = await super()._queue(name)
+        attributes = await self._client.get_queue_attributes(
+            QueueUrl=url, AttributeNames=["QueueArn"]
+        )
+        topic = await self._sns.create_topic(Name=name, Attributes={"FifoTopic": "true"})
+        self._topics[name] = topic["TopicArn"]
+        await self._sns.subscribe(
+            TopicArn=topic["TopicArn"],
+            Protocol="sqs",
+            Endpoint=attributes["Attributes"]["QueueArn"],
+            Attributes={"RawMessageDelivery": "true"},
+        )
+        return url
+
+    async def _delete_queues(self) -> None:
+        for arn in self._topics.values():
+            await self._sns.delete_topic(TopicArn=arn)
+        await super()._delete_queues()
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {"type": "sns", "region": sqs_server.REGION, "endpoint_url": self.server.url}
+
+    def destination(self) -> str | None:
+        return self._topics[self.queue_name("relay")]
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        assert self.server is not None
+        name = self.queue_name(f"raw{tag}")
+        await self._queue(name)
+        arn = self._topics[name]
+        slots = asyncio.Semaphore(CONCURRENCY)
+        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
+            retries={"mode": "standard", "total_max_attempts": 2},
+            max_pool_connections=CONCURRENCY,
+        )
+        SnsChunk = list[list[dict[str, Any]]]
+
+        def prepare(messages: list[Message]) -> SnsChunk:
+            entries = [
+                {
+                    "Id": str(i),
+                    "Message": m.body.decode(),
+                    "MessageAttributes": message_attributes(m),
+                    "MessageGroupId": group_id(m.key),
+                    "MessageDeduplicationId": deduplication_id(m.id),
+                }
+                for i, m in enumerate(messages)
+            ]
+            return [entries[i : i + MAX_ENTRIES] for i in range(0, len(entries), MAX_ENTRIES)]
+
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        async with session.client("sns", endpoint_url=self.server.url, config=client_config) as c:
+
+            async def call(entries: list[dict[str, Any]]) -> None:
+                async with slots:
+                    response = await c.publish_batch(
+                        TopicArn=arn, PublishBatchRequestEntries=entries
+                    )
+                if response.get("Failed") or len(response["Successful"]) != len(entries):
+                    raise RuntimeError(f"SNS refused entries: {response.get('Failed', [])[:3]}")
+
+            async def send(chunk: SnsChunk) -> None:
+                await asyncio.gather(*(call(entries) for entries in chunk))
+
+            await c.get_topic_attributes(TopicArn=arn)  # connection opened outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        result.stored = await self.stored(result.count, name)
+        return result
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, SNS), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -27,6 +27,8 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS), one after the other:
      persistent, the adapter's properties and headers;
    - SQS: aioboto3 `send_message_batch` of 10 entries, at most 8 calls in flight (the adapter's
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
+   - SNS: aioboto3 `publish_batch` of 10 entries to a FIFO topic, as for SQS; what was stored is
+     counted in a FIFO queue subscribed to the topic with raw delivery (a topic per phase);
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -68,6 +70,7 @@ from bench.broker_targets import (
     Kafka,
     Nats,
     RabbitMq,
+    Sns,
     Sqs,
     Target,
     quietly,
@@ -81,7 +84,8 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "sns")
+MOTO = ("sqs", "sns")  # served by a private moto server: a smaller backlog (--sqs-events)
 
 
 @dataclass
@@ -148,6 +152,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return Kafka()
     if broker == "rabbitmq":
         return RabbitMq(args.rabbitmq)
+    if broker == "sns":
+        return Sns()
     return Sqs()
 
 
@@ -158,7 +164,7 @@ def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
 
 async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     """Measure one broker; a failure is reported in the row, after everything is removed."""
-    events = args.sqs_events if broker == "sqs" else args.events
+    events = args.sqs_events if broker in MOTO else args.events
     row = Row(broker=broker, events=events, load_at_start=load_average())
     target = target_for(broker, args)
     row.raw_client = target.label.replace("x500", f"x{args.batch}")
@@ -318,7 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sqs-events",
         type=int,
         default=500,
-        help="backlog for SQS (moto slows down as its queues fill: see docs/performance.md)",
+        help="backlog for SQS and SNS (moto slows down as its queues fill: see"
+        " docs/performance.md)",
     )
     parser.add_argument(
         "--batch", type=int, default=500, help="relay batch.max_messages and raw chunk size"

@@ -29,7 +29,13 @@ from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
-BINDING_VERSIONS = {"kafka": "0.5.0", "amqp": "0.3.0", "sqs": "0.2.0", "nats": "0.1.0"}
+BINDING_VERSIONS = {
+    "kafka": "0.5.0",
+    "amqp": "0.3.0",
+    "sqs": "0.2.0",
+    "nats": "0.1.0",
+    "sns": "0.1.0",
+}
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
 
@@ -176,10 +182,11 @@ def _plan_channels(builder: _Builder, views: list[OutboxView]) -> None:
 def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
     address, parameters = _address(channel)
     description = f"Destination `{channel.destination}` on broker `{channel.broker}`."
-    if broker.type == "sqs" and _queue(channel.destination)["fifoQueue"]:
+    fifo = {"sqs": "queue", "sns": "topic"}.get(broker.type)
+    if fifo and _queue(channel.destination)["fifoQueue"]:
         keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
         description += (
-            f" A FIFO queue: a message's MessageGroupId is its key ({keys}), and its "
+            f" A FIFO {fifo}: a message's MessageGroupId is its key ({keys}), and its "
             "MessageDeduplicationId is derived from its id."
         )
     out: Object = {"address": address, "title": channel.destination, "description": description}
@@ -244,6 +251,8 @@ def _queue(destination: str) -> Object:
     name = destination
     if destination.startswith(("https://", "http://")):
         name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
+    elif destination.startswith("arn:"):
+        name = destination.rpartition(":")[2]
     return {"name": name, "fifoQueue": name.endswith(".fifo")}
 
 
@@ -262,6 +271,10 @@ def _channel_bindings(channel: _Channel, broker: BrokerConfig, address: str | No
         return _binding("amqp", {"is": "routingKey", "exchange": exchange})
     if broker.type == "sqs":
         return _binding("sqs", {"queue": _queue(channel.destination)})
+    if broker.type == "sns":
+        topic = _queue(channel.destination)  # a topic ARN's name is its last field
+        ordering = {"type": "FIFO" if topic["fifoQueue"] else "standard"}
+        return _binding("sns", {"name": topic["name"], "ordering": ordering})
     return {}  # NATS has no channel binding: the address is the subject
 
 
@@ -291,6 +304,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
+    elif broker.type == "sns":
+        pass  # SNS's operation binding requires the topic's consumers, which the relay never knows
     else:
         operation["bindings"] = _binding("nats", {})
     return operation

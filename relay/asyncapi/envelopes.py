@@ -96,7 +96,13 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
         attributes, always = _attributes(outbox, rule)
         if outbox.protocol == "kafka":  # the record key is the partition key
             del attributes["partitionkey"]
-        prefix = {"nats": "ce-", "kafka": "ce_", "sqs": "ce_", "rabbitmq": outbox.amqp_prefix}
+        prefix = {
+            "nats": "ce-",
+            "kafka": "ce_",
+            "sqs": "ce_",
+            "sns": "ce_",
+            "rabbitmq": outbox.amqp_prefix,
+        }
         for name, schema in attributes.items():
             add(prefix[outbox.protocol] + name, schema, name in always)
     if outbox.protocol == "rabbitmq":  # the content type is an AMQP message property

@@ -12,8 +12,10 @@ from typing import Any
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
@@ -47,7 +49,7 @@ def _server(broker: BrokerConfig) -> tuple[Object, Object]:
         return _kafka(broker)
     if isinstance(broker, RabbitMqBrokerConfig):
         return _rabbitmq(broker)
-    return _sqs(broker)
+    return _aws(broker)
 
 
 def _listing(kind: str, hosts: list[str]) -> Object:
@@ -108,15 +110,18 @@ def _rabbitmq(broker: RabbitMqBrokerConfig) -> tuple[Object, Object]:
     return server, {"user-password": {"type": "userPassword"}, **_mutual_tls(broker.tls)}
 
 
-def _sqs(broker: SqsBrokerConfig) -> tuple[Object, Object]:
+_AWS_TITLES = {"sqs": "Amazon SQS", "sns": "Amazon SNS", "kinesis": "Amazon Kinesis Data Streams"}
+
+
+def _aws(broker: SqsBrokerConfig | SnsBrokerConfig | KinesisBrokerConfig) -> tuple[Object, Object]:
     if broker.endpoint_url is not None:
         host = host_of(broker.endpoint_url)[0]
     else:
-        host = f"sqs.{broker.region}.amazonaws.com"
+        host = f"{broker.type}.{broker.region}.amazonaws.com"
     server: Object = {
         "host": host,
-        "protocol": "sqs",
-        "title": "Amazon SQS",
+        "protocol": broker.type,
+        "title": _AWS_TITLES[broker.type],
         "summary": f"Region {broker.region}.",
     }
     sigv4 = {

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from relay.config import BrokerConfig, OutboxConfig, RelayConfig
 from relay.mapping.message_schemas import load_schema
 
-Protocol = Literal["nats", "kafka", "rabbitmq", "sqs"]
+Protocol = Literal["nats", "kafka", "rabbitmq", "sqs", "sns", "kinesis"]
 CloudEventsMode = Literal["binary", "structured"]
 
 

@@ -20,6 +20,7 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "kafka": ("relay.brokers.kafka", "KafkaPublisher", "kafka"),
     "rabbitmq": ("relay.brokers.rabbitmq", "RabbitMqPublisher", "rabbitmq"),
     "sqs": ("relay.brokers.sqs", "SqsPublisher", "sqs"),
+    "sns": ("relay.brokers.sns", "SnsPublisher", "sns"),
 }
 
 

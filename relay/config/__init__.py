@@ -36,8 +36,10 @@ from relay.config.base import (
 from relay.config.brokers import (
     BrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.rules import (
@@ -58,12 +60,14 @@ __all__ = [
     "BrokerConfig",
     "ColumnsConfig",
     "KafkaBrokerConfig",
+    "KinesisBrokerConfig",
     "MessageConfig",
     "NatsBrokerConfig",
     "OutboxConfig",
     "RabbitMqBrokerConfig",
     "RelayConfig",
     "Rule",
+    "SnsBrokerConfig",
     "SqsBrokerConfig",
     "TraceContextConfig",
     "load_config",

@@ -12,8 +12,10 @@ import re
 
 from relay.config.brokers import (
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -29,7 +31,12 @@ _DEFAULT_PORTS = {
 
 
 def broker_identity(
-    config: NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig,
+    config: NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | SnsBrokerConfig
+    | KinesisBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -40,7 +47,7 @@ def broker_identity(
         host, path = _host(config.url.get_secret_value(), "amqp")
         hosts = [f"{host}/{path.removeprefix('/') or '/'}"]
     else:
-        endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
+        endpoint = config.endpoint_url or f"https://{config.type}.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]
     return f"{config.type} {','.join(sorted(set(hosts)))}"
 

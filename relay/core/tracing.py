@@ -24,7 +24,13 @@ except ImportError:  # pragma: no cover - the test of that runs in a subprocess
 Publish = Callable[[Sequence[Message]], Awaitable[list[Outcome]]]
 
 # OpenTelemetry's names for the brokers (semantic conventions, messaging.system).
-_SYSTEMS = {"nats": "nats", "kafka": "kafka", "rabbitmq": "rabbitmq", "sqs": "aws_sqs"}
+_SYSTEMS = {
+    "nats": "nats",
+    "kafka": "kafka",
+    "rabbitmq": "rabbitmq",
+    "sqs": "aws_sqs",
+    "sns": "aws_sns",  # not a well-known value of the conventions yet; named as aws_sqs is
+}
 
 
 def enabled() -> bool:

@@ -55,6 +55,9 @@ brokers:
     type: sqs
     region: eu-west-1
     endpoint_url: http://relay:${RELAY_SECRET}@localhost:4566
+  sns:
+    type: sns
+    region: eu-west-1
 outboxes:
   loans:
     broker: nats
@@ -100,6 +103,12 @@ outboxes:
       FinePaid:
         type: library.fine-paid.v1
         destination: https://sqs.eu-west-1.amazonaws.com/123456789012/fines
+  notices:
+    broker: sns
+    messages:
+      BookOverdue:
+        type: library.book-overdue.v1
+        destination: arn:aws:sns:eu-west-1:123456789012:notices.fifo
 """
 
 
@@ -183,6 +192,7 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "kafka": ("kafka-1.internal:9093", "kafka-secure"),
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
+        "sns": ("sns.eu-west-1.amazonaws.com", "sns"),
     }
     assert "nats-2.internal:4222" in servers["nats"]["description"]
     schemes = doc["components"]["securitySchemes"]
@@ -200,6 +210,12 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
     assert channels["https://sqs.eu-west-1.amazonaws.com/123456789012/fines"]["bindings"]["sqs"][
         "queue"
     ] == {"name": "fines", "fifoQueue": False}
+    topic = channels["arn:aws:sns:eu-west-1:123456789012:notices.fifo"]["bindings"]["sns"]
+    assert topic == {
+        "name": "notices.fifo",
+        "ordering": {"type": "FIFO"},
+        "bindingVersion": "0.1.0",
+    }
 
     operations = {op["title"]: op for op in doc["operations"].values()}
     assert operations["Publish to library"]["bindings"]["amqp"]["cc"] == [
@@ -220,6 +236,7 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1",
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
+        "library.book-overdue.v1",
     }
     assert_valid(parser, written)
 
@@ -249,7 +266,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "sns")
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -302,7 +319,7 @@ def _message(**fields: Any) -> Message:
 def sent_headers(
     broker: str, message: Message | None = None, prefix: str = "cloudEvents:"
 ) -> set[str]:
-    """The header names each adapter really writes (SQS: message attribute names)."""
+    """The header names each adapter really writes (SQS, SNS: message attribute names)."""
     message = message or _message()
     if broker == "nats":
         from relay.brokers.nats import message_headers as nats_headers
@@ -321,14 +338,14 @@ def sent_headers(
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "sns"])
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "sns"])
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

@@ -16,6 +16,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from relay.postgres.lease import lock_key
+from tests.contract.brokers.sns import sns_client, subscribed_queue
+from tests.contract.brokers.sns import unique_topic as unique_sns_topic
 from tests.support import postgres
 from tests.support.db import connect
 from tests.support.jetstream import connect as nats_connect
@@ -369,13 +371,16 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
         "exchange": unique_name("no-exchange"),
         "topic": unique_topic("no-topic"),
         "queue": unique_queue("no-queue", fifo=False),
+        "sns": unique_sns_topic("no-topic", fifo=False),
     }
     sqs_queue = unique_queue("chk", fifo=False)
     await create_stream(nats_url, stream, [f"{stream}.>"])
     await create_topology(rabbitmq_url, exchange, queue)
     await create_topic(tansu.bootstrap, topic, partitions=1)
-    async with sqs_client(sqs_endpoint) as sqs:
+    async with sqs_client(sqs_endpoint) as sqs, sns_client(sqs_endpoint) as sns:
         sqs_url = await create_queue(sqs, sqs_queue)
+        sns_topic = (await sns.create_topic(Name=unique_sns_topic("chk", fifo=False)))["TopicArn"]
+        sns_queue = await subscribed_queue(sns, sqs, sns_topic, unique_queue("chk-sns", False))
         brokers = {
             "nats": {"type": "nats", "servers": [nats_url]},
             "rabbit": {"type": "rabbitmq", "url": rabbitmq_url},
@@ -385,6 +390,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
                 "enable_idempotence": False,
             },
             "sqs": {"type": "sqs", "region": REGION, "endpoint_url": sqs_endpoint},
+            "sns": {"type": "sns", "region": REGION, "endpoint_url": sqs_endpoint},
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -395,6 +401,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["topic"]: "kafka",
             sqs_url: "sqs",
             missing["queue"]: "sqs",
+            sns_topic: "sns",
+            missing["sns"]: "sns",
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -404,13 +412,14 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 4, result.stderr
+            assert len(errors(result.stderr)) == 5, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
             assert f"broker 'rabbit': exchange {missing['exchange']!r} does not exist" in said
             assert f"broker 'kafka': topic {missing['topic']!r} does not exist" in said
             assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
+            assert f"broker 'sns': topic {missing['sns']!r} does not exist" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -420,6 +429,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await QueueReader(rabbitmq_url, queue).fetch() == []
             assert await consume(tansu.bootstrap, topic, timeout=1) == []
             assert await receive_all(sqs, sqs_url) == []
+            assert await receive_all(sqs, sns_queue) == []
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
@@ -543,6 +553,10 @@ BROKER_RULES = {
     ),
     "sqs endpoint not a url": (
         {"type": "sqs", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
+        "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "sns endpoint not a url": (
+        {"type": "sns", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
         "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
     ),
     "sqs region malformed": (

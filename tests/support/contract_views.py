@@ -11,6 +11,7 @@ from relay.config import (
     KafkaBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -21,12 +22,14 @@ BROKERS: dict[str, BrokerConfig] = {
         {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/"}
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
+    "sns": SnsBrokerConfig(type="sns", region="eu-west-1"),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
     "kafka": "kafka",
     "rabbit": "rabbitmq",
     "sqs": "sqs",
+    "sns": "sns",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}

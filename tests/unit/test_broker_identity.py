@@ -34,6 +34,7 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             {"type": "sqs", "region": "us-east-1", "endpoint_url": "http://127.0.0.1:5000"},
             "sqs 127.0.0.1:5000/us-east-1",
         ),
+        ({"type": "sns", "region": "eu-west-1"}, "sns sns.eu-west-1.amazonaws.com:443/eu-west-1"),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(
