@@ -82,9 +82,10 @@ class _Builder:
             "name": rule.type,
             "title": rule.type,
             "contentType": STRUCTURED if structured else DATA_CONTENT_TYPE,
-            "headers": headers_schema(outbox, rule),
-            "payload": envelope_schema(outbox, rule, data) if structured else data,
         }
+        if outbox.protocol != "kinesis":  # a Kinesis record is its data and partition key
+            message["headers"] = headers_schema(outbox, rule)
+        message["payload"] = envelope_schema(outbox, rule, data) if structured else data
         if bindings := _message_bindings(outbox, rule):
             message["bindings"] = bindings
         base = key_of(rule.type, "message")
@@ -183,6 +184,12 @@ def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
     address, parameters = _address(channel)
     description = f"Destination `{channel.destination}` on broker `{channel.broker}`."
     fifo = {"sqs": "queue", "sns": "topic"}.get(broker.type)
+    if broker.type == "kinesis":
+        keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
+        description += (
+            f" A Kinesis stream: a record's partition key is its key ({keys}); each record is "
+            "a CloudEvent in structured mode, since records have no headers."
+        )
     if fifo and _queue(channel.destination)["fifoQueue"]:
         keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
         description += (
@@ -304,10 +311,10 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
     elif broker.type == "sqs":
         queues = [_queue(channel.destination)]
         operation["bindings"] = _binding("sqs", {"queues": queues})
-    elif broker.type == "sns":
-        pass  # SNS's operation binding requires the topic's consumers, which the relay never knows
-    else:
+    elif broker.type == "nats":
         operation["bindings"] = _binding("nats", {})
+    # SNS's operation binding requires the topic's consumers, which the relay never knows;
+    # Kinesis has no AsyncAPI binding.
     return operation
 
 

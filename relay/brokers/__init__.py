@@ -21,6 +21,7 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "rabbitmq": ("relay.brokers.rabbitmq", "RabbitMqPublisher", "rabbitmq"),
     "sqs": ("relay.brokers.sqs", "SqsPublisher", "sqs"),
     "sns": ("relay.brokers.sns", "SnsPublisher", "sns"),
+    "kinesis": ("relay.brokers.kinesis", "KinesisPublisher", "kinesis"),
 }
 
 

@@ -274,6 +274,11 @@ class KinesisBrokerConfig(Model):
 
 
 BrokerConfig = Annotated[
-    NatsBrokerConfig | KafkaBrokerConfig | RabbitMqBrokerConfig | SqsBrokerConfig | SnsBrokerConfig,
+    NatsBrokerConfig
+    | KafkaBrokerConfig
+    | RabbitMqBrokerConfig
+    | SqsBrokerConfig
+    | SnsBrokerConfig
+    | KinesisBrokerConfig,
     Field(discriminator="type"),
 ]

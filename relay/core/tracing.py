@@ -30,6 +30,7 @@ _SYSTEMS = {
     "rabbitmq": "rabbitmq",
     "sqs": "aws_sqs",
     "sns": "aws_sns",  # not a well-known value of the conventions yet; named as aws_sqs is
+    "kinesis": "aws_kinesis",  # likewise
 }
 
 

@@ -35,6 +35,10 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             "sqs 127.0.0.1:5000/us-east-1",
         ),
         ({"type": "sns", "region": "eu-west-1"}, "sns sns.eu-west-1.amazonaws.com:443/eu-west-1"),
+        (
+            {"type": "kinesis", "region": "eu-west-1"},
+            "kinesis kinesis.eu-west-1.amazonaws.com:443/eu-west-1",
+        ),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(

@@ -28,6 +28,7 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "rabbitmq": {"url": "amqp://127.0.0.1:1/"},
     "sqs": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
     "sns": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
+    "kinesis": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
 }
 
 

@@ -136,7 +136,7 @@ relay's config. Called with (list $ NAME BROKER_CONFIG).
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" $servers "scheme" "kafka" "key" (printf "%s.bootstrap_servers" $key) "setting" $setting) }}
 {{- else if eq $broker.type "rabbitmq" }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $broker.url) "scheme" "amqp" "key" (printf "%s.url" $key) "setting" $setting) }}
-{{- else if has $broker.type (list "sqs" "sns") }}
+{{- else if has $broker.type (list "sqs" "sns" "kinesis") }}
 {{- $endpoint := $broker.endpoint_url | default (printf "https://%s.%s.amazonaws.com" $broker.type $broker.region) }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint_url" $key) "setting" $setting) }}
 {{- else }}

@@ -123,6 +123,7 @@ BROKERS = {
     "aws": {"type": "sqs", "region": "eu-west-1"},
     "moto": {"type": "sqs", "region": "eu-west-1", "endpoint_url": "http://moto:5000"},
     "topics": {"type": "sns", "region": "eu-west-1", "endpoint_url": "http://localstack:4566"},
+    "streams": {"type": "kinesis", "region": "eu-west-1"},
 }
 
 
@@ -147,12 +148,13 @@ def test_ports_come_from_the_config(chart: Any, url: str, ports: list[int]) -> N
     assert egress == [
         {"to": KUBE_DNS, "ports": DNS_PORTS},
         {"ports": tcp(*ports)},  # no `to`: any address, on these ports only
-        # The brokers, by name: aws, kafka, moto, nats, rabbit, topics.
+        # The brokers, by name: aws, kafka, moto, nats, rabbit, streams, topics.
         {"ports": tcp(443)},
         {"to": kafka, "ports": tcp(9093, 9092)},
         {"ports": tcp(5000)},
         {"ports": tcp(4333, 4222, 4555, 443)},
         {"ports": tcp(5671)},
+        {"ports": tcp(443)},
         {"ports": tcp(4566)},
     ]
 
