@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import io
 import re
 from collections import deque
 from collections.abc import Awaitable, Collection, Sequence
@@ -35,7 +36,6 @@ import aioboto3
 from botocore.exceptions import ClientError, NoCredentialsError
 
 from relay.brokers._aws import (
-    CONCURRENCY,
     ENTRY_RETRIES,
     Accepted,
     chunks,
@@ -53,6 +53,7 @@ MAX_RECORDS = 500  # per PutRecords call (a Kinesis limit)
 MAX_CALL_BYTES = 5 * 1024 * 1024  # data and partition keys of one call (a Kinesis limit)
 MAX_RECORD_BYTES = 1024 * 1024  # data and partition key of one record (the default limit)
 MAX_PARTITION_KEY = 256  # characters
+_STREAMED_BODY = 512 * 1024  # a request body at least this big goes to aiohttp as a stream
 
 _STREAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _STREAM_ARN = re.compile(r"arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/([A-Za-z0-9_.-]+)")
@@ -84,8 +85,10 @@ class KinesisPublisher:
         self._session = aioboto3.Session(region_name=config.region)
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._slots: asyncio.Semaphore | None = None
         self._accepted = Accepted()
+        # A whole call, both of botocore's attempts: ack_timeout bounds only the reads, and
+        # a body of megabytes can wait on its writes for ever while the network drops packets.
+        self._deadline = 2 * (config.connect_timeout + config.ack_timeout) + 1.0
         self.duplicates = 0  # re-sends acknowledged from memory: Kinesis itself cannot tell
         self.last_duplicates: tuple[int, ...] = ()
 
@@ -102,7 +105,7 @@ class KinesisPublisher:
             raise TransientPublishError(
                 f"broker {self.name!r}: cannot create the Kinesis client: {error_text(exc)}"
             ) from exc
-        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._client.meta.events.register("before-send.kinesis.PutRecords", _stream_body)
 
     async def close(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
@@ -232,13 +235,17 @@ class KinesisPublisher:
     async def _send(
         self, stream: _Stream, heads: list[_Record]
     ) -> tuple[list[tuple[Outcome, bool]], bool]:
-        """One call per chunk of `heads`, at most CONCURRENCY at once: per record, its
-        outcome and whether it is worth sending again at once; and whether a call failed
-        as a whole for a reason that stops every call (unreachable, no stream)."""
-        calls = list(chunks(heads, MAX_RECORDS, MAX_CALL_BYTES))
+        """One call per chunk of `heads`, one after the other: per record, its outcome and
+        whether it is worth sending again at once; and whether a call failed as a whole for a
+        reason that stops every call (unreachable, no stream: the rest are not made).
+
+        A round has more than one call only with more than 500 keys or 5 MiB, and a shard
+        takes 1 MB/s whatever the calls; moto loses records of concurrent calls to a shard."""
         halted: list[PublishError] = []
-        done = await asyncio.gather(*(self._send_chunk(stream, c, halted) for c in calls))
-        return [result for chunk_results in done for result in chunk_results], bool(halted)
+        results: list[tuple[Outcome, bool]] = []
+        for call in chunks(heads, MAX_RECORDS, MAX_CALL_BYTES):
+            results += await self._send_chunk(stream, call, halted)
+        return results, bool(halted)
 
     async def _send_chunk(
         self, stream: _Stream, chunk: list[_Record], halted: list[PublishError]
@@ -247,10 +254,7 @@ class KinesisPublisher:
         if isinstance(response, PublishError):
             if response.permanent and len(chunk) > 1:
                 # Refused as a whole because of one of its records: find which one.
-                singles = await asyncio.gather(
-                    *(self._send_chunk(stream, [r], halted) for r in chunk)
-                )
-                return [result for (result,) in singles]
+                return [(await self._send_chunk(stream, [r], halted))[0] for r in chunk]
             if not response.permanent and not halted:
                 halted.append(response)  # the calls still waiting would fail the same way
             return [(response, False)] * len(chunk)
@@ -271,17 +275,19 @@ class KinesisPublisher:
         self, stream: _Stream, chunk: list[_Record], halted: list[PublishError]
     ) -> dict[str, Any] | PublishError:
         """One PutRecords: its response, or why it failed as a whole."""
-        assert self._slots is not None
-        async with self._slots:
-            if halted:
-                return halted[0]  # not sent
-            try:
+        if halted:
+            return halted[0]  # not sent
+        try:
+            async with asyncio.timeout(self._deadline):
                 response: dict[str, Any] = await self._client.put_records(
                     Records=[r.request for r in chunk], **stream.param
                 )
-            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
-                return self._call_error(exc, stream.name)
-            return response
+        except TimeoutError:
+            text = f"no answer within {self._deadline:g}s (a call of {len(chunk)} records)"
+            return self._transient(stream.name, text)
+        except Exception as exc:  # noqa: BLE001 - classified, not swallowed
+            return self._call_error(exc, stream.name)
+        return response
 
     # -- messages to records -------------------------------------------------------------------
 
@@ -313,6 +319,14 @@ class KinesisPublisher:
 
     def _transient(self, stream: str, text: str) -> TransientPublishError:
         return TransientPublishError(f"broker {self.name!r}: stream {stream!r}: {text}")
+
+
+def _stream_body(request: Any, **_: Any) -> None:
+    """Hand aiohttp a big PutRecords body (up to about 7 MB: the records in base64) as a
+    stream, as it asks: sent in one piece, it would hold the event loop while it is written
+    (and aiohttp warns of it)."""
+    if isinstance(request.body, bytes) and len(request.body) > _STREAMED_BODY:
+        request.body = io.BytesIO(request.body)
 
 
 def record_data(message: Message) -> bytes:
