@@ -31,10 +31,13 @@ from bench import backlog, report
 from bench.measure import ceiling, timed_publish
 from relay.brokers._aws import CONCURRENCY, deduplication_id, group_id, message_attributes
 from relay.brokers.kafka import message_headers as kafka_headers
+from relay.brokers.kinesis import MAX_RECORDS as KINESIS_MAX_RECORDS
+from relay.brokers.kinesis import partition_key, record_data
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.sqs import MAX_ENTRIES
 from relay.config import RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message
+from tests.contract.brokers.kinesis import StreamReader
 from tests.support import kafka_server, sqs_server
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -529,6 +532,91 @@ class Sns(Sqs):
                 await asyncio.gather(*(call(entries) for entries in chunk))
 
             await c.get_topic_attributes(TopicArn=arn)  # connection opened outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        result.stored = await self.stored(result.count, name)
+        return result
+
+
+# -- Kinesis: a stream per phase on the same private moto server -------------------------------
+
+
+class Kinesis(Sqs):
+    """A 4-shard stream per phase; what a phase stored is counted by reading every shard."""
+
+    label = f"aioboto3 `put_records` x{KINESIS_MAX_RECORDS}, one call at a time"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._streams: list[str] = []
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        self.name = name
+        stack.enter_context(fake_aws_environment())
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-moto-")))
+        self.server = sqs_server.MotoServer(logs / "moto.log")
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        self._client = await stack.enter_async_context(
+            aioboto3.Session(region_name=sqs_server.REGION).client(
+                "kinesis", endpoint_url=self.server.url
+            )
+        )
+        stack.push_async_callback(quietly, "delete the Kinesis streams", self._delete_streams)
+        await self._stream(self.stream_name("relay"))
+        return f"moto {metadata.version('moto')} (Kinesis API mock)"
+
+    def stream_name(self, phase: str) -> str:
+        return f"{self.name}-{phase}"
+
+    async def _stream(self, name: str) -> str:
+        await self._client.create_stream(StreamName=name, ShardCount=4)
+        self._streams.append(name)
+        return name
+
+    async def _delete_streams(self) -> None:
+        for name in self._streams:
+            await self._client.delete_stream(StreamName=name)
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {"type": "kinesis", "region": sqs_server.REGION, "endpoint_url": self.server.url}
+
+    def destination(self) -> str | None:
+        return self.stream_name("relay")
+
+    async def stored(self, expected: int, queue: str | None = None) -> int:
+        reader = StreamReader(self._client, queue or self.stream_name("relay"))
+        records = await reader.read(expected, timeout=10)
+        return len({r["Data"] for r in records})
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        assert self.server is not None
+        name = await self._stream(self.stream_name(f"raw{tag}"))
+        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
+            retries={"mode": "standard", "total_max_attempts": 2},
+            max_pool_connections=CONCURRENCY,
+        )
+        Calls = list[list[dict[str, Any]]]
+
+        def prepare(messages: list[Message]) -> Calls:
+            records = [
+                {"Data": record_data(m), "PartitionKey": partition_key(m.key)} for m in messages
+            ]
+            step = KINESIS_MAX_RECORDS
+            return [records[i : i + step] for i in range(0, len(records), step)]
+
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        async with session.client(
+            "kinesis", endpoint_url=self.server.url, config=client_config
+        ) as c:
+
+            async def send(calls: Calls) -> None:
+                for records in calls:
+                    response = await c.put_records(StreamName=name, Records=records)
+                    if response.get("FailedRecordCount"):
+                        raise RuntimeError(f"Kinesis failed {response['FailedRecordCount']}")
+
+            await c.describe_stream_summary(StreamName=name)  # connected outside the timer
             result = await timed_publish(config, last, batch, prepare, send)
         result.stored = await self.stored(result.count, name)
         return result

@@ -5,7 +5,7 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, SNS), one after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, SNS, Kinesis), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -29,6 +29,8 @@ For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, SNS), one after the other
      CONCURRENCY), MessageGroupId = key, MessageDeduplicationId = message id;
    - SNS: aioboto3 `publish_batch` of 10 entries to a FIFO topic, as for SQS; what was stored is
      counted in a FIFO queue subscribed to the topic with raw delivery (a topic per phase);
+   - Kinesis: aioboto3 `put_records` of up to 500 records (the adapter's structured events and
+     partition keys), one call at a time, to a 4-shard stream per phase, counted by reading it;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -68,6 +70,7 @@ from bench import backlog, report
 from bench.broker_targets import (
     RABBITMQ_URL,
     Kafka,
+    Kinesis,
     Nats,
     RabbitMq,
     Sns,
@@ -84,8 +87,12 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "sns")
-MOTO = ("sqs", "sns")  # served by a private moto server: a smaller backlog (--sqs-events)
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "sns", "kinesis")
+MOTO = (
+    "sqs",
+    "sns",
+    "kinesis",
+)  # served by a private moto server: a smaller backlog (--sqs-events)
 
 
 @dataclass
@@ -154,6 +161,8 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return RabbitMq(args.rabbitmq)
     if broker == "sns":
         return Sns()
+    if broker == "kinesis":
+        return Kinesis()
     return Sqs()
 
 
