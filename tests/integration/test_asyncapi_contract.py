@@ -58,6 +58,9 @@ brokers:
   sns:
     type: sns
     region: eu-west-1
+  kinesis:
+    type: kinesis
+    region: eu-west-1
 outboxes:
   loans:
     broker: nats
@@ -109,6 +112,12 @@ outboxes:
       BookOverdue:
         type: library.book-overdue.v1
         destination: arn:aws:sns:eu-west-1:123456789012:notices.fifo
+  visits:
+    broker: kinesis
+    messages:
+      MemberVisited:
+        type: library.member-visited.v1
+        destination: "visits-{aggregate_type}"
 """
 
 
@@ -193,6 +202,7 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "rabbit": ("rabbit.internal:5671", "amqps"),
         "sqs": ("localhost:4566", "sqs"),
         "sns": ("sns.eu-west-1.amazonaws.com", "sns"),
+        "kinesis": ("kinesis.eu-west-1.amazonaws.com", "kinesis"),
     }
     assert "nats-2.internal:4222" in servers["nats"]["description"]
     schemes = doc["components"]["securitySchemes"]
@@ -237,7 +247,9 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.fine-charged.v1.sqs",
         "library.fine-paid.v1",
         "library.book-overdue.v1",
+        "library.member-visited.v1",
     }
+    assert "headers" not in messages["library.member-visited.v1"]  # Kinesis: whole events
     assert_valid(parser, written)
 
 
@@ -266,7 +278,7 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs", "sns")
+                for broker in ("nats", "kafka", "rabbit", "sqs", "sns", "kinesis")
             )
         )
         path = tmp_path / f"{mode}.yaml"

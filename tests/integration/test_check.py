@@ -16,6 +16,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from relay.postgres.lease import lock_key
+from tests.contract.brokers.kinesis import kinesis_client, unique_stream
 from tests.contract.brokers.sns import sns_client, subscribed_queue
 from tests.contract.brokers.sns import unique_topic as unique_sns_topic
 from tests.support import postgres
@@ -372,15 +373,22 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
         "topic": unique_topic("no-topic"),
         "queue": unique_queue("no-queue", fifo=False),
         "sns": unique_sns_topic("no-topic", fifo=False),
+        "kinesis": unique_stream("no-stream"),
     }
     sqs_queue = unique_queue("chk", fifo=False)
     await create_stream(nats_url, stream, [f"{stream}.>"])
     await create_topology(rabbitmq_url, exchange, queue)
     await create_topic(tansu.bootstrap, topic, partitions=1)
-    async with sqs_client(sqs_endpoint) as sqs, sns_client(sqs_endpoint) as sns:
+    async with (
+        sqs_client(sqs_endpoint) as sqs,
+        sns_client(sqs_endpoint) as sns,
+        kinesis_client(sqs_endpoint) as kinesis,
+    ):
         sqs_url = await create_queue(sqs, sqs_queue)
         sns_topic = (await sns.create_topic(Name=unique_sns_topic("chk", fifo=False)))["TopicArn"]
         sns_queue = await subscribed_queue(sns, sqs, sns_topic, unique_queue("chk-sns", False))
+        stream_name = unique_stream("chk")
+        await kinesis.create_stream(StreamName=stream_name, ShardCount=1)
         brokers = {
             "nats": {"type": "nats", "servers": [nats_url]},
             "rabbit": {"type": "rabbitmq", "url": rabbitmq_url},
@@ -391,6 +399,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             },
             "sqs": {"type": "sqs", "region": REGION, "endpoint_url": sqs_endpoint},
             "sns": {"type": "sns", "region": REGION, "endpoint_url": sqs_endpoint},
+            "kinesis": {"type": "kinesis", "region": REGION, "endpoint_url": sqs_endpoint},
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -403,6 +412,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["queue"]: "sqs",
             sns_topic: "sns",
             missing["sns"]: "sns",
+            stream_name: "kinesis",
+            missing["kinesis"]: "kinesis",
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -412,7 +423,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 5, result.stderr
+            assert len(errors(result.stderr)) == 6, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
@@ -420,6 +431,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert f"broker 'kafka': topic {missing['topic']!r} does not exist" in said
             assert f"broker 'sqs': queue {missing['queue']!r} does not exist" in said
             assert f"broker 'sns': topic {missing['sns']!r} does not exist" in said
+            assert f"broker 'kinesis': stream {missing['kinesis']!r} does not exist" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -430,6 +442,12 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await consume(tansu.bootstrap, topic, timeout=1) == []
             assert await receive_all(sqs, sqs_url) == []
             assert await receive_all(sqs, sns_queue) == []
+            shard = (await kinesis.list_shards(StreamName=stream_name))["Shards"][0]["ShardId"]
+            iterator = await kinesis.get_shard_iterator(
+                StreamName=stream_name, ShardId=shard, ShardIteratorType="TRIM_HORIZON"
+            )
+            records = await kinesis.get_records(ShardIterator=iterator["ShardIterator"])
+            assert records["Records"] == []
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
@@ -558,6 +576,10 @@ BROKER_RULES = {
     "sns endpoint not a url": (
         {"type": "sns", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
         "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "kinesis region malformed": (
+        {"type": "kinesis", "region": "eu west 1"},
+        "brokers.b.region: String should match pattern",
     ),
     "sqs region malformed": (
         {"type": "sqs", "region": "eu west 1"},

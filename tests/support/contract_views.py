@@ -9,6 +9,7 @@ from relay.asyncapi.view import OutboxView, Protocol, RuleView
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
     SnsBrokerConfig,
@@ -23,6 +24,7 @@ BROKERS: dict[str, BrokerConfig] = {
     ),
     "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
     "sns": SnsBrokerConfig(type="sns", region="eu-west-1"),
+    "kinesis": KinesisBrokerConfig(type="kinesis", region="eu-west-1"),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
@@ -30,6 +32,7 @@ PROTOCOL: dict[str, Protocol] = {
     "rabbit": "rabbitmq",
     "sqs": "sqs",
     "sns": "sns",
+    "kinesis": "kinesis",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}
@@ -57,6 +60,8 @@ def rule(type_: str, destination: str = "library.loans", **fields: Any) -> RuleV
 
 
 def outbox(rules: list[tuple[str, RuleView]], broker: str = "nats", **fields: Any) -> OutboxView:
+    if broker == "kinesis":  # as outbox_view makes it: Kinesis records are whole events
+        fields["cloudevents"] = "structured"
     return OutboxView(
         name=fields.pop("name", f"{broker}-outbox"),
         broker=broker,

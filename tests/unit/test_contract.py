@@ -18,6 +18,7 @@ from relay.asyncapi.servers import servers
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     RabbitMqBrokerConfig,
     SnsBrokerConfig,
@@ -268,6 +269,18 @@ def test_a_server_host_never_keeps_a_piece_of_the_password(
     assert host_of(url.format(password=password)) == (host, path)
 
 
+def test_kinesis_records_are_whole_events_with_no_headers_and_no_binding() -> None:
+    doc = document(outbox([("BookLent", rule("library.book-lent.v1", "loans"))], "kinesis"))
+    message = doc["components"]["messages"]["library.book-lent.v1"]
+    assert message["contentType"] == "application/cloudevents+json"
+    assert "headers" not in message
+    assert {"specversion", "id", "source", "type", "data"} <= set(message["payload"]["required"])
+    channel = doc["channels"]["loans"]
+    assert "bindings" not in channel
+    assert "a record's partition key is its key (`{aggregate_id}`)" in channel["description"]
+    assert all("bindings" not in operation for operation in doc["operations"].values())
+
+
 def test_sns_topics_have_their_name_and_ordering_and_no_operation_binding() -> None:
     arn = "arn:aws:sns:eu-west-1:123456789012:fines.fifo"
     fifo = outbox([("FineCharged", rule("library.fine-charged.v1", arn))], "sns")
@@ -309,6 +322,7 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
         ),
         "sqs": SqsBrokerConfig(type="sqs", region="eu-west-1"),
         "sns": SnsBrokerConfig(type="sns", region="eu-west-1"),
+        "kinesis": KinesisBrokerConfig(type="kinesis", region="eu-west-1"),
     }
     found, schemes = servers(brokers)
     assert SECRET[:3] not in repr((found, schemes))
@@ -326,6 +340,7 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
     assert found["sqs"]["host"] == "sqs.eu-west-1.amazonaws.com"
     assert found["sns"]["host"] == "sns.eu-west-1.amazonaws.com"
     assert (found["sns"]["protocol"], found["sns"]["title"]) == ("sns", "Amazon SNS")
+    assert found["kinesis"]["host"] == "kinesis.eu-west-1.amazonaws.com"
     assert schemes["kafka-sasl"] == {"type": "plain"}
     assert {schemes["nats-user-password"]["type"], schemes["nats-token"]["type"]} == {
         "userPassword",
