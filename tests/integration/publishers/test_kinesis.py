@@ -246,6 +246,15 @@ async def test_a_stream_arn_is_a_destination(sqs_endpoint: str) -> None:
         assert json.loads(record["Data"])["id"] == "book/k@1"
 
 
+def test_a_record_is_the_event_to_structured_makes() -> None:
+    from relay.core.publishing import to_structured
+
+    for sent in (message("s", "k", 1), message("s", "k", 2, time=None, dataschema="urn:x")):
+        expected = replace(sent)
+        to_structured(expected)
+        assert record_data(sent) == expected.body
+
+
 async def test_a_structured_message_goes_as_it_is(sqs_endpoint: str) -> None:
     from relay.core.publishing import to_structured
 
