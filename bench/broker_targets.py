@@ -36,21 +36,19 @@ from redis.asyncio import Redis as RedisClient
 
 from bench import backlog, report
 from bench.measure import ceiling, timed_publish
+from relay.brokers._aws import CONCURRENCY, deduplication_id, group_id, message_attributes
 from relay.brokers.http import HttpPublisher
 from relay.brokers.kafka import message_headers as kafka_headers
+from relay.brokers.kinesis import MAX_RECORDS as KINESIS_MAX_RECORDS
+from relay.brokers.kinesis import partition_key, record_data
 from relay.brokers.pubsub import message_attributes as pubsub_attributes
 from relay.brokers.pubsub import ordering_key
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.redis import BODY_FIELD
-from relay.brokers.sqs import (
-    CONCURRENCY,
-    MAX_ENTRIES,
-    deduplication_id,
-    group_id,
-    message_attributes,
-)
+from relay.brokers.sqs import MAX_ENTRIES
 from relay.config import HttpBrokerConfig, PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message, cloudevent_attributes
+from tests.contract.brokers.kinesis import StreamReader
 from tests.support import kafka_server, pubsub_server, redis_server, sqs_server
 from tests.support.net import free_port, wait_for_port
 from tests.support.webhook_server import SECRET
@@ -696,6 +694,196 @@ class Http:
                 pass  # a connection opened outside the timer
             result = await timed_publish(config, last, batch, prepare, send)
         result.stored = await self.stored(result.count, phase)
+        return result
+
+
+# -- SNS: a FIFO topic per phase, each with a FIFO queue subscribed (raw delivery) -------------
+
+
+class Sns(Sqs):
+    """The same private moto server as SQS. What a phase stored is counted in the queue
+    subscribed to its topic: moto's SNS delivers into SQS inside the publish call."""
+
+    label = f"aioboto3 `publish_batch` x{MAX_ENTRIES}, {CONCURRENCY} calls in flight"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._topics: dict[str, str] = {}  # queue name -> the ARN of the topic feeding it
+        self._sns: Any = None
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        self.name = name
+        stack.enter_context(fake_aws_environment())
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-moto-")))
+        self.server = sqs_server.MotoServer(logs / "moto.log")
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        self._client = await stack.enter_async_context(
+            session.client("sqs", endpoint_url=self.server.url)
+        )
+        self._sns = await stack.enter_async_context(
+            session.client("sns", endpoint_url=self.server.url)
+        )
+        stack.push_async_callback(quietly, "delete the SQS queues", self._delete_queues)
+        await self._queue(self.queue_name("relay"))
+        return f"moto {metadata.version('moto')} (SNS and SQS API mock)"
+
+    async def _queue(self, name: str) -> str:
+        """A fresh FIFO topic, and a FIFO queue subscribed to it with raw delivery."""
+        url = await super()._queue(name)
+        attributes = await self._client.get_queue_attributes(
+            QueueUrl=url, AttributeNames=["QueueArn"]
+        )
+        topic = await self._sns.create_topic(Name=name, Attributes={"FifoTopic": "true"})
+        self._topics[name] = topic["TopicArn"]
+        await self._sns.subscribe(
+            TopicArn=topic["TopicArn"],
+            Protocol="sqs",
+            Endpoint=attributes["Attributes"]["QueueArn"],
+            Attributes={"RawMessageDelivery": "true"},
+        )
+        return url
+
+    async def _delete_queues(self) -> None:
+        for arn in self._topics.values():
+            await self._sns.delete_topic(TopicArn=arn)
+        await super()._delete_queues()
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {"type": "sns", "region": sqs_server.REGION, "endpoint_url": self.server.url}
+
+    def destination(self) -> str | None:
+        return self._topics[self.queue_name("relay")]
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        assert self.server is not None
+        name = self.queue_name(f"raw{tag}")
+        await self._queue(name)
+        arn = self._topics[name]
+        slots = asyncio.Semaphore(CONCURRENCY)
+        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
+            retries={"mode": "standard", "total_max_attempts": 2},
+            max_pool_connections=CONCURRENCY,
+        )
+        SnsChunk = list[list[dict[str, Any]]]
+
+        def prepare(messages: list[Message]) -> SnsChunk:
+            entries = [
+                {
+                    "Id": str(i),
+                    "Message": m.body.decode(),
+                    "MessageAttributes": message_attributes(m),
+                    "MessageGroupId": group_id(m.key),
+                    "MessageDeduplicationId": deduplication_id(m.id),
+                }
+                for i, m in enumerate(messages)
+            ]
+            return [entries[i : i + MAX_ENTRIES] for i in range(0, len(entries), MAX_ENTRIES)]
+
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        async with session.client("sns", endpoint_url=self.server.url, config=client_config) as c:
+
+            async def call(entries: list[dict[str, Any]]) -> None:
+                async with slots:
+                    response = await c.publish_batch(
+                        TopicArn=arn, PublishBatchRequestEntries=entries
+                    )
+                if response.get("Failed") or len(response["Successful"]) != len(entries):
+                    raise RuntimeError(f"SNS refused entries: {response.get('Failed', [])[:3]}")
+
+            async def send(chunk: SnsChunk) -> None:
+                await asyncio.gather(*(call(entries) for entries in chunk))
+
+            await c.get_topic_attributes(TopicArn=arn)  # connection opened outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        result.stored = await self.stored(result.count, name)
+        return result
+
+
+# -- Kinesis: a stream per phase on the same private moto server -------------------------------
+
+
+class Kinesis(Sqs):
+    """A 4-shard stream per phase; what a phase stored is counted by reading every shard."""
+
+    label = f"aioboto3 `put_records` x{KINESIS_MAX_RECORDS}, one call at a time"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._streams: list[str] = []
+
+    async def start(self, name: str, stack: contextlib.AsyncExitStack) -> str:
+        self.name = name
+        stack.enter_context(fake_aws_environment())
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-moto-")))
+        self.server = sqs_server.MotoServer(logs / "moto.log")
+        stack.callback(self.server.kill)
+        await asyncio.to_thread(self.server.start)
+        self._client = await stack.enter_async_context(
+            aioboto3.Session(region_name=sqs_server.REGION).client(
+                "kinesis", endpoint_url=self.server.url
+            )
+        )
+        stack.push_async_callback(quietly, "delete the Kinesis streams", self._delete_streams)
+        await self._stream(self.stream_name("relay"))
+        return f"moto {metadata.version('moto')} (Kinesis API mock)"
+
+    def stream_name(self, phase: str) -> str:
+        return f"{self.name}-{phase}"
+
+    async def _stream(self, name: str) -> str:
+        await self._client.create_stream(StreamName=name, ShardCount=4)
+        self._streams.append(name)
+        return name
+
+    async def _delete_streams(self) -> None:
+        for name in self._streams:
+            await self._client.delete_stream(StreamName=name)
+
+    def broker(self) -> dict[str, Any] | None:
+        assert self.server is not None
+        return {"type": "kinesis", "region": sqs_server.REGION, "endpoint_url": self.server.url}
+
+    def destination(self) -> str | None:
+        return self.stream_name("relay")
+
+    async def stored(self, expected: int, queue: str | None = None) -> int:
+        reader = StreamReader(self._client, queue or self.stream_name("relay"))
+        records = await reader.read(expected, timeout=10)
+        return len({r["Data"] for r in records})
+
+    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        assert self.server is not None
+        name = await self._stream(self.stream_name(f"raw{tag}"))
+        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
+            retries={"mode": "standard", "total_max_attempts": 2},
+            max_pool_connections=CONCURRENCY,
+        )
+        Calls = list[list[dict[str, Any]]]
+
+        def prepare(messages: list[Message]) -> Calls:
+            records = [
+                {"Data": record_data(m), "PartitionKey": partition_key(m.key)} for m in messages
+            ]
+            step = KINESIS_MAX_RECORDS
+            return [records[i : i + step] for i in range(0, len(records), step)]
+
+        session = aioboto3.Session(region_name=sqs_server.REGION)
+        async with session.client(
+            "kinesis", endpoint_url=self.server.url, config=client_config
+        ) as c:
+
+            async def send(calls: Calls) -> None:
+                for records in calls:
+                    response = await c.put_records(StreamName=name, Records=records)
+                    if response.get("FailedRecordCount"):
+                        raise RuntimeError(f"Kinesis failed {response['FailedRecordCount']}")
+
+            await c.describe_stream_summary(StreamName=name)  # connected outside the timer
+            result = await timed_publish(config, last, batch, prepare, send)
+        result.stored = await self.stored(result.count, name)
         return result
 
 

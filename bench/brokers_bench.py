@@ -6,8 +6,8 @@
 
 Run from the repository's root: `bench` and `tests.support` are packages there.
 
-For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub, Redis Streams, webhooks), one
-after the other:
+For each broker (NATS JetStream, Kafka, RabbitMQ, SQS, Pub/Sub, Redis Streams, webhooks, SNS,
+Kinesis), one after the other:
 
 1. a fresh database `bench_<hex>` holding the example event table and the relay's schema, with a
    backlog of N BookLent events COPYed in (the same rows as `relay_bench.py`); a fresh
@@ -38,6 +38,10 @@ after the other:
    - webhooks: aiohttp `session.post` per message to a bare aiohttp.web receiver in a process
      of its own (tests/support/webhook_server.py), 16 in flight (the adapter's default
      max_in_flight), one request per key at a time, signed headers made outside the timer;
+   - SNS: aioboto3 `publish_batch` of 10 entries to a FIFO topic, as for SQS; what was stored is
+     counted in a FIFO queue subscribed to the topic with raw delivery (a topic per phase);
+   - Kinesis: aioboto3 `put_records` of up to 500 records (the adapter's structured events and
+     partition keys), one call at a time, to a 4-shard stream per phase, counted by reading it;
 3. the real relay (`relay.runtime.runner.Relay`, in this process, http off, logging at warning,
    default batch 500 and linger 10 ms) relays the backlog to that broker; it is timed from its
    start until `relay.checkpoints` reaches the last position, on the wall clock and on this
@@ -78,10 +82,12 @@ from bench.broker_targets import (
     RABBITMQ_URL,
     Http,
     Kafka,
+    Kinesis,
     Nats,
     PubSub,
     RabbitMq,
     Redis,
+    Sns,
     Sqs,
     Target,
     quietly,
@@ -95,7 +101,12 @@ from relay.postgres.database import Database
 from relay.postgres.migrations import migrate_database
 from relay.runtime.logs import configure
 
-BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http")
+BROKERS = ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http", "sns", "kinesis")
+MOTO = (
+    "sqs",
+    "sns",
+    "kinesis",
+)  # served by a private moto server: a smaller backlog (--sqs-events)
 
 
 @dataclass
@@ -168,6 +179,10 @@ def target_for(broker: str, args: argparse.Namespace) -> Target:
         return Redis()
     if broker == "http":
         return Http()
+    if broker == "sns":
+        return Sns()
+    if broker == "kinesis":
+        return Kinesis()
     return Sqs()
 
 
@@ -178,11 +193,8 @@ def check(row: Row, what: str, t: report.Throughput, expected: int) -> None:
 
 async def bench_broker(broker: str, args: argparse.Namespace) -> Row:
     """Measure one broker; a failure is reported in the row, after everything is removed."""
-    events = {
-        "sqs": args.sqs_events,
-        "pubsub": args.pubsub_events,
-        "http": args.http_events,
-    }.get(broker, args.events)
+    events = args.sqs_events if broker in MOTO else args.events
+    events = {"pubsub": args.pubsub_events, "http": args.http_events}.get(broker, events)
     row = Row(broker=broker, events=events, load_at_start=load_average())
     target = target_for(broker, args)
     row.raw_client = target.label.replace("x500", f"x{args.batch}")
@@ -351,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sqs-events",
         type=int,
         default=500,
-        help="backlog for SQS (moto slows down as its queues fill: see docs/performance.md)",
+        help="backlog for SQS and SNS (moto slows down as its queues fill: see"
+        " docs/performance.md)",
     )
     parser.add_argument(
         "--pubsub-events",

@@ -37,6 +37,7 @@ BINDING_VERSIONS = {
     "googlepubsub": "0.2.0",
     "redis": "0.1.0",
     "http": "0.3.0",
+    "sns": "0.1.0",
 }
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]+")  # component keys allow only these
 
@@ -84,9 +85,10 @@ class _Builder:
             "name": rule.type,
             "title": rule.type,
             "contentType": STRUCTURED if structured else DATA_CONTENT_TYPE,
-            "headers": headers_schema(outbox, rule),
-            "payload": envelope_schema(outbox, rule, data) if structured else data,
         }
+        if outbox.protocol != "kinesis":  # a Kinesis record is its data and partition key
+            message["headers"] = headers_schema(outbox, rule)
+        message["payload"] = envelope_schema(outbox, rule, data) if structured else data
         if bindings := _message_bindings(outbox, rule):
             message["bindings"] = bindings
         base = key_of(rule.type, "message")
@@ -184,10 +186,17 @@ def _plan_channels(builder: _Builder, views: list[OutboxView]) -> None:
 def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
     address, parameters = _address(channel)
     description = f"Destination `{channel.destination}` on broker `{channel.broker}`."
-    if broker.type == "sqs" and _queue(channel.destination)["fifoQueue"]:
+    fifo = {"sqs": "queue", "sns": "topic"}.get(broker.type)
+    if broker.type == "kinesis":
         keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
         description += (
-            f" A FIFO queue: a message's MessageGroupId is its key ({keys}), and its "
+            f" A Kinesis stream: a record's partition key is its key ({keys}); each record is "
+            "a CloudEvent in structured mode, since records have no headers."
+        )
+    if fifo and _queue(channel.destination)["fifoQueue"]:
+        keys = ", ".join(dict.fromkeys(f"`{rule.key}`" for _, rule in channel.rules))
+        description += (
+            f" A FIFO {fifo}: a message's MessageGroupId is its key ({keys}), and its "
             "MessageDeduplicationId is derived from its id."
         )
     if broker.type == "pubsub":
@@ -264,6 +273,8 @@ def _queue(destination: str) -> Object:
     name = destination
     if destination.startswith(("https://", "http://")):
         name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
+    elif destination.startswith("arn:"):
+        name = destination.rpartition(":")[2]
     return {"name": name, "fifoQueue": name.endswith(".fifo")}
 
 
@@ -282,6 +293,10 @@ def _channel_bindings(channel: _Channel, broker: BrokerConfig, address: str | No
         return _binding("amqp", {"is": "routingKey", "exchange": exchange})
     if broker.type == "sqs":
         return _binding("sqs", {"queue": _queue(channel.destination)})
+    if broker.type == "sns":
+        topic = _queue(channel.destination)  # a topic ARN's name is its last field
+        ordering = {"type": "FIFO" if topic["fifoQueue"] else "standard"}
+        return _binding("sns", {"name": topic["name"], "ordering": ordering})
     # NATS has no channel binding: the address is the subject. Pub/Sub's needs the topic's
     # schema settings, which the relay does not know.
     return {}
@@ -319,6 +334,8 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
         operation["bindings"] = _binding("http", {"method": "POST"})
     elif broker.type == "nats":  # Google Pub/Sub's bindings have no operation binding
         operation["bindings"] = _binding("nats", {})
+    # SNS's operation binding requires the topic's consumers, which the relay never knows;
+    # Kinesis has no AsyncAPI binding.
     return operation
 
 

@@ -112,6 +112,7 @@ def headers_schema(outbox: OutboxView, rule: RuleView) -> Schema:
             "pubsub": "ce-",
             "redis": "ce_",
             "http": "ce-",
+            "sns": "ce_",
             "rabbitmq": outbox.amqp_prefix,
         }
         for name, schema in attributes.items():

@@ -13,10 +13,12 @@ from relay.config import (
     BrokerConfig,
     HttpBrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     RedisBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
@@ -56,7 +58,7 @@ def _server(broker: BrokerConfig) -> tuple[Object, Object]:
         return _redis(broker)
     if isinstance(broker, HttpBrokerConfig):
         return _http(broker)
-    return _sqs(broker)
+    return _aws(broker)
 
 
 def _listing(kind: str, hosts: list[str]) -> Object:
@@ -133,15 +135,18 @@ def _redis(broker: RedisBrokerConfig) -> tuple[Object, Object]:
     return server, {**needs, **_mutual_tls(broker.tls)}
 
 
-def _sqs(broker: SqsBrokerConfig) -> tuple[Object, Object]:
+_AWS_TITLES = {"sqs": "Amazon SQS", "sns": "Amazon SNS", "kinesis": "Amazon Kinesis Data Streams"}
+
+
+def _aws(broker: SqsBrokerConfig | SnsBrokerConfig | KinesisBrokerConfig) -> tuple[Object, Object]:
     if broker.endpoint_url is not None:
         host = host_of(broker.endpoint_url)[0]
     else:
-        host = f"sqs.{broker.region}.amazonaws.com"
+        host = f"{broker.type}.{broker.region}.amazonaws.com"
     server: Object = {
         "host": host,
-        "protocol": "sqs",
-        "title": "Amazon SQS",
+        "protocol": broker.type,
+        "title": _AWS_TITLES[broker.type],
         "summary": f"Region {broker.region}.",
     }
     sigv4 = {

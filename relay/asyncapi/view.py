@@ -14,7 +14,7 @@ from typing import Any, Literal
 from relay.config import BrokerConfig, OutboxConfig, RelayConfig
 from relay.mapping.message_schemas import load_schema
 
-Protocol = Literal["nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http"]
+Protocol = Literal["nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http", "sns", "kinesis"]
 CloudEventsMode = Literal["binary", "structured"]
 
 
@@ -76,7 +76,8 @@ def outbox_view(name: str, config: RelayConfig) -> OutboxView:
         source=outbox.source(name),
         rules=tuple(rules_of(outbox)),
         aggregates=tuple(outbox.aggregates) if outbox.aggregates is not None else None,
-        cloudevents=outbox.cloudevents,
+        # Kinesis records have no headers: the relay always writes the whole event.
+        cloudevents="structured" if broker.type == "kinesis" else outbox.cloudevents,
         has_time=config.source.columns.created_at is not None,
         trace_context=outbox.trace_context is not None,
         amqp_prefix=broker.header_prefix if broker.type == "rabbitmq" else "cloudEvents:",

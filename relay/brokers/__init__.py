@@ -23,6 +23,8 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "pubsub": ("relay.brokers.pubsub", "PubSubPublisher", "pubsub"),
     "redis": ("relay.brokers.redis", "RedisPublisher", "redis"),
     "http": ("relay.brokers.http", "HttpPublisher", "http"),
+    "sns": ("relay.brokers.sns", "SnsPublisher", "sns"),
+    "kinesis": ("relay.brokers.kinesis", "KinesisPublisher", "kinesis"),
 }
 
 

@@ -33,131 +33,57 @@ is the outbox's backoff, visible in `status`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
 import re
-import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Collection
 from typing import Any
 from urllib.parse import urlsplit
 
-import aioboto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import ClientError
 
-from relay.brokers._batch import connect_or_fail, not_sent
+from relay.brokers._aws import (
+    EntryBatchPublisher,
+    Target,
+    error_code,
+)
 from relay.config import SqsBrokerConfig
-from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError
 
 MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
-MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit)
 MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
-CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
-ENTRY_RETRIES = (0.05, 0.2)  # delays of the in-adapter retries of failed entries
-REMEMBER_FOR = 300.0  # seconds an accepted message is remembered: the FIFO dedup window
-REMEMBER_MAX = 20_000
 
-# MessageGroupId and MessageDeduplicationId: 1 to 128 letters, digits and punctuation.
-_SQS_ID = re.compile(r"[!-~]{1,128}")
-_SQS_ID_CHARS = re.compile(r"[!-~]+")
-# The two shapes of a hashed MessageGroupId (see group_id).
-_HASHED_GROUP = re.compile(r"~sha256:[0-9a-f]{64}|[!-~]{111}~[0-9a-f]{16}")
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,80}|[A-Za-z0-9_-]{1,75}\.fifo")
-# Characters SQS accepts in a body or a String attribute (XML 1.0 Char).
-_NOT_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 # Error codes, as botocore reports them (the `AWS.SimpleQueueService.` prefix removed).
-_QUEUE_GONE = {"QueueDoesNotExist", "NonExistentQueue", "QueueDeletedRecently"}
-_THROTTLED = {
-    "RequestThrottled",
-    "Throttling",
-    "ThrottlingException",
-    "TooManyRequestsException",
-    "KmsThrottled",
-}
-_SERVER_FAULT = {"InternalError", "InternalFailure", "ServiceUnavailable", "RequestTimeout"}
+_QUEUE_GONE = frozenset({"QueueDoesNotExist", "NonExistentQueue", "QueueDeletedRecently"})
 # The message itself is at fault: sending it again cannot help.
-_MESSAGE_FAULT = {
-    "InvalidParameterValue",
-    "InvalidMessageContents",
-    "MessageTooLong",
-    "BatchRequestTooLong",
-    "InvalidAttributeName",
-    "InvalidAttributeValue",
-}
+_MESSAGE_FAULT = frozenset(
+    {
+        "InvalidParameterValue",
+        "InvalidMessageContents",
+        "MessageTooLong",
+        "BatchRequestTooLong",
+        "InvalidAttributeName",
+        "InvalidAttributeValue",
+    }
+)
 
 
-@dataclass(frozen=True, slots=True)
-class _Queue:
-    name: str
-    url: str
-    fifo: bool
+class SqsPublisher(EntryBatchPublisher):
+    service = "sqs"
+    title = "SQS"
+    kind = "queue"
+    max_entries = MAX_ENTRIES
+    max_call_bytes = MAX_CALL_BYTES
+    max_message_bytes = MAX_MESSAGE_BYTES
+    body_field = "MessageBody"
+    gone = _QUEUE_GONE
+    message_fault = _MESSAGE_FAULT
 
-
-@dataclass(slots=True)
-class _Sending:
-    """One queue's share of a publish."""
-
-    queue: _Queue
-    halted: PublishError | None = None  # a call failed as a whole: send no more
-
-
-@dataclass(slots=True)
-class _Entry:
-    index: int  # in the batch
-    message: Message
-    request: dict[str, Any]  # a SendMessageBatchRequestEntry; empty when `error`
-    size: int
-    error: PermanentPublishError | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Result:
-    outcome: Outcome
-    retry_now: bool = False  # worth an in-adapter retry before returning
-
-
-class SqsPublisher:
     def __init__(self, name: str, config: SqsBrokerConfig) -> None:
-        self.name = name
-        self._config = config
-        self._session = aioboto3.Session(region_name=config.region)
-        self._client: Any = None
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._queues: dict[str, _Queue] = {}
-        self._accepted: OrderedDict[Message, float] = OrderedDict()
-        self.duplicates = 0
-        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
-
-    async def connect(self) -> None:
-        """Create the client; no request is made, so an unreachable SQS shows at publish."""
-        if self._client is not None:
-            return
-        c = self._config
-        config = Config(
-            connect_timeout=c.connect_timeout,
-            read_timeout=c.ack_timeout,
-            retries={"mode": "standard", "total_max_attempts": 2},
-            max_pool_connections=CONCURRENCY,
+        super().__init__(
+            name, config.region, config.endpoint_url, config.connect_timeout, config.ack_timeout
         )
-        stack = contextlib.AsyncExitStack()
-        try:
-            self._client = await stack.enter_async_context(
-                self._session.client("sqs", endpoint_url=c.endpoint_url, config=config)
-            )
-        except Exception as exc:
-            await stack.aclose()
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot create the SQS client: {_text(exc)}"
-            ) from exc
-        self._stack = stack
-        self._slots = asyncio.Semaphore(CONCURRENCY)
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: ask SQS for each queue (GetQueueUrl, or GetQueueAttributes for a
@@ -197,345 +123,36 @@ class SqsPublisher:
         try:
             await call
         except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
-            if isinstance(exc, ClientError) and _code(exc) in _QUEUE_GONE:
+            if isinstance(exc, ClientError) and error_code(exc) in _QUEUE_GONE:
                 return (
                     f"broker {self.name!r}: queue {queue!r} does not exist: every message to"
                     " it would be retried for ever; create it"
                 )
-            if denied_is_fine and isinstance(exc, ClientError) and "AccessDenied" in _code(exc):
+            if (
+                denied_is_fine
+                and isinstance(exc, ClientError)
+                and "AccessDenied" in error_code(exc)
+            ):
                 return None  # authenticated, just not allowed to list
-            return str(self._call_error(exc, queue))
+            return str(self.call_error(exc, queue))
         return None
 
-    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
-        results = not_sent(
-            len(messages), "an earlier message for its FIFO queue failed", broker=self.name
-        )
-        by_destination: dict[str, list[int]] = {}
-        for index, message in enumerate(messages):
-            by_destination.setdefault(message.destination, []).append(index)
-        await asyncio.gather(
-            *(
-                self._publish_to(destination, [(i, messages[i]) for i in indexes], results)
-                for destination, indexes in by_destination.items()
-            )
-        )
-        self._remember(messages, results)
-        return results
-
-    async def close(self) -> None:
-        stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            with contextlib.suppress(Exception):
-                await stack.aclose()
-
-    # -- one queue -----------------------------------------------------------------------------
-
-    async def _publish_to(
-        self, destination: str, batch: list[tuple[int, Message]], results: list[Outcome]
-    ) -> None:
-        try:
-            queue = await self._queue(destination)
-        except PublishError as exc:
-            for index, _ in batch:
-                results[index] = exc
-            return
-        entries: list[_Entry] = []
-        for index, message in batch:
-            if self._accepted and self._accepted.pop(message, None) is not None:
-                results[index] = None  # SQS accepted it before; the core re-sends it
-                self.duplicates += 1
-            else:
-                entries.append(self._entry(index, message, queue.fifo))
-        sending = _Sending(queue)
-        for layer in _layers(entries) if queue.fifo else [entries]:
-            for entry in layer:
-                if entry.error is not None:
-                    results[entry.index] = entry.error
-            await self._send(sending, [e for e in layer if e.error is None], results)
-            if queue.fifo and any(results[e.index] is not None for e in layer):
-                return  # nothing of a later layer may overtake a failed message
-
-    async def _queue(self, destination: str) -> _Queue:
-        if (queue := self._queues.get(destination)) is not None:
-            return queue
+    async def _find(self, destination: str) -> Target:
         if destination.startswith(("https://", "http://")):
             name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
-            queue = _Queue(name, destination, name.endswith(".fifo"))
+            queue = Target(name, destination, name.endswith(".fifo"))
         elif _QUEUE_NAME.fullmatch(destination):
             try:
                 response = await self._client.get_queue_url(QueueName=destination)
             except Exception as exc:
-                raise self._call_error(exc, destination) from exc
-            queue = _Queue(destination, response["QueueUrl"], destination.endswith(".fifo"))
+                raise self.call_error(exc, destination) from exc
+            queue = Target(destination, response["QueueUrl"], destination.endswith(".fifo"))
         else:
             raise PermanentPublishError(
                 f"broker {self.name!r}: {destination!r} is neither a queue URL nor a queue name "
                 "(1-80 letters, digits, '-' or '_', FIFO queues ending in '.fifo')"
             )
-        self._queues[destination] = queue
         return queue
 
-    async def _send(self, sending: _Sending, entries: list[_Entry], results: list[Outcome]) -> None:
-        """Send `entries` (for FIFO, one per group) and retry those worth retrying at once."""
-        for delay in (0.0, *ENTRY_RETRIES):
-            if not entries or sending.halted is not None:
-                return
-            if delay:
-                await asyncio.sleep(delay)
-            chunks = list(_chunks(entries))
-            sent = await asyncio.gather(*(self._send_chunk(sending, chunk) for chunk in chunks))
-            entries = []
-            for chunk, chunk_results in zip(chunks, sent, strict=True):
-                for entry, result in zip(chunk, chunk_results, strict=True):
-                    results[entry.index] = result.outcome
-                    if result.retry_now:
-                        entries.append(entry)
-
-    async def _send_chunk(self, sending: _Sending, chunk: list[_Entry]) -> list[_Result]:
-        queue = sending.queue
-        response = await self._call(sending, chunk)
-        if isinstance(response, PublishError):
-            if response.permanent and len(chunk) > 1:
-                # The call failed as a whole because of one of its messages: find which one.
-                singles = await asyncio.gather(*(self._send_chunk(sending, [e]) for e in chunk))
-                return [result for (result,) in singles]
-            if not response.permanent:
-                # SQS unreachable, throttling, no such queue...: the calls still waiting
-                # would only fail the same way, each after its own timeout.
-                sending.halted = sending.halted or response
-            return [_Result(response)] * len(chunk)
-        accepted = {s["Id"] for s in response.get("Successful", ())}
-        failed = {f["Id"]: f for f in response.get("Failed", ())}
-        results: list[_Result] = []
-        for entry in chunk:
-            entry_id = entry.request["Id"]
-            if entry_id in accepted:
-                results.append(_Result(None))
-            elif entry_id in failed:
-                results.append(self._entry_error(failed[entry_id], queue))
-            else:
-                results.append(
-                    _Result(self._transient(queue.name, "no result for the entry"), True)
-                )
-        return results
-
-    async def _call(self, sending: _Sending, chunk: list[_Entry]) -> dict[str, Any] | PublishError:
-        """One SendMessageBatch: its response, or why it failed as a whole."""
-        assert self._slots is not None
-        async with self._slots:
-            if sending.halted is not None:
-                return sending.halted  # not sent
-            try:
-                response: dict[str, Any] = await self._client.send_message_batch(
-                    QueueUrl=sending.queue.url, Entries=[e.request for e in chunk]
-                )
-            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
-                return self._call_error(exc, sending.queue.name)
-            return response
-
-    # -- messages to entries -------------------------------------------------------------------
-
-    def _entry(self, index: int, message: Message, fifo: bool) -> _Entry:
-        try:
-            body = message.body.decode()
-        except UnicodeDecodeError:
-            return self._invalid(index, message, "the body is not UTF-8 text")
-        if not body or _NOT_XML_CHAR.search(body):
-            return self._invalid(
-                index, message, "the body is empty or has characters SQS does not accept"
-            )
-        attributes = message_attributes(message)
-        size = len(message.body)
-        for name, value in attributes.items():
-            text = value["StringValue"]
-            if _NOT_XML_CHAR.search(text):
-                return self._invalid(
-                    index, message, f"attribute {name} has characters SQS does not accept"
-                )
-            size += len(name) + len("String") + len(text.encode())
-        if size > MAX_MESSAGE_BYTES:
-            return self._invalid(
-                index,
-                message,
-                f"{size} bytes (body and attributes) is more than SQS's maximum of 1 MiB",
-            )
-        request: dict[str, Any] = {
-            "Id": str(index),
-            "MessageBody": body,
-            "MessageAttributes": attributes,
-        }
-        if fifo:
-            request["MessageGroupId"] = group_id(message.key)
-            request["MessageDeduplicationId"] = deduplication_id(message.id)
-        return _Entry(index, message, request, size)
-
-    def _invalid(self, index: int, message: Message, reason: str) -> _Entry:
-        error = PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {reason}")
-        return _Entry(index, message, {}, 0, error)
-
-    # -- errors --------------------------------------------------------------------------------
-
-    def _call_error(self, exc: BaseException, queue: str) -> PublishError:
-        """Why a whole call failed: permanent only when a message is to blame."""
-        if isinstance(exc, ClientError):
-            code, text = _code(exc), _client_error_text(exc)
-            if code in _QUEUE_GONE:
-                self._forget(queue)
-                return self._transient(queue, f"the queue does not exist: {text}")
-            if code in _MESSAGE_FAULT:
-                return self._permanent(queue, text)
-            return self._transient(queue, text)
-        if isinstance(exc, NoCredentialsError):
-            return self._transient(queue, "no AWS credentials found in the standard chain")
-        return self._transient(queue, _text(exc))
-
-    def _entry_error(self, failure: dict[str, Any], queue: _Queue) -> _Result:
-        code = _strip(str(failure.get("Code", "")))
-        text = f"{code}: {failure.get('Message') or 'no message'}"
-        if code in _THROTTLED or code in _SERVER_FAULT or not failure.get("SenderFault"):
-            return _Result(self._transient(queue.name, text), retry_now=True)
-        if code in _QUEUE_GONE:
-            self._forget(queue.name)
-            return _Result(self._transient(queue.name, text))
-        if code.startswith("Kms") or "AccessDenied" in code:
-            return _Result(self._transient(queue.name, text))  # configuration, not the message
-        return _Result(self._permanent(queue.name, text))
-
-    def _transient(self, queue: str, text: str) -> TransientPublishError:
-        return TransientPublishError(f"broker {self.name!r}: queue {queue!r}: {text}")
-
-    def _permanent(self, queue: str, text: str) -> PermanentPublishError:
-        return PermanentPublishError(f"broker {self.name!r}: queue {queue!r}: {text}")
-
-    def _forget(self, queue: str) -> None:
-        for destination, known in list(self._queues.items()):
-            if queue in (destination, known.name):
-                del self._queues[destination]
-
-    # -- what SQS already has ------------------------------------------------------------------
-
-    def _remember(self, messages: Sequence[Message], results: list[Outcome]) -> None:
-        """Accepted messages after the first failure: the core will offer them again."""
-        first = next((i for i, r in enumerate(results) if r is not None), len(results))
-        now = time.monotonic()
-        for index in range(first + 1, len(results)):
-            if results[index] is None:
-                self._accepted[messages[index]] = now
-        while self._accepted:
-            message, since = next(iter(self._accepted.items()))
-            if len(self._accepted) <= REMEMBER_MAX and now - since < REMEMBER_FOR:
-                break
-            del self._accepted[message]
-
-
-def _layers(entries: list[_Entry]) -> list[list[_Entry]]:
-    """Layer n: the n-th entry of each key, in position order; at most one per group."""
-    depth: dict[str, int] = {}
-    layers: list[list[_Entry]] = []
-    for entry in entries:
-        n = depth.get(entry.message.key, 0)
-        depth[entry.message.key] = n + 1
-        if n == len(layers):
-            layers.append([])
-        layers[n].append(entry)
-    return layers
-
-
-def _chunks(entries: list[_Entry]) -> Iterator[list[_Entry]]:
-    """Consecutive runs of up to MAX_ENTRIES entries and MAX_CALL_BYTES (bigger ones alone)."""
-    chunk: list[_Entry] = []
-    size = 0
-    for entry in entries:
-        if chunk and (len(chunk) == MAX_ENTRIES or size + entry.size > MAX_CALL_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(entry)
-        size += entry.size
-    if chunk:
-        yield chunk
-
-
-def message_attributes(message: Message) -> dict[str, dict[str, str]]:
-    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix).
-
-    At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
-    today, and should one more ever be added, the least useful ones go first (_KEEP).
-    """
-    values = cloudevent_attributes(message, "ce_")
-    values["content-type"] = message.content_type
-    if len(values) > MAX_ATTRIBUTES:
-        values = _within_limit(values)
-    # SQS refuses empty attribute values; an absent attribute says the same.
-    return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
-
-
-# Which attributes SQS gets first when there are more than it takes: what the CloudEvents
-# SDKs require, the data's content type, then the optional ones. The partition key comes
-# last: a FIFO queue's MessageGroupId already orders by it, and a standard queue has no order.
-_KEEP = (
-    "ce_specversion",
-    "ce_id",
-    "ce_type",
-    "ce_source",
-    "content-type",
-    "ce_time",
-    "ce_traceparent",
-    "ce_tracestate",
-    "ce_dataschema",
-    "ce_partitionkey",
-)
-
-
-def _within_limit(values: dict[str, str]) -> dict[str, str]:
-    """The first MAX_ATTRIBUTES in _KEEP order; an attribute not listed there goes first."""
-    rank = {name: i for i, name in enumerate(_KEEP)}
-    kept = sorted(values, key=lambda name: rank.get(name, len(_KEEP)))[:MAX_ATTRIBUTES]
-    return {name: values[name] for name in values if name in kept}
-
-
-def group_id(key: str) -> str:
-    """A valid MessageGroupId for `key`, the same every time, and no other key's.
-
-    A key SQS accepts is used as it is. A longer one of the allowed characters becomes a
-    prefix and a hash (still readable); any other key (empty, spaces, non-ASCII) becomes
-    `~sha256:` and its digest. A key that already has one of those two shapes is hashed
-    too, so that no key used as it is can share its group with a hashed one.
-    """
-    if _SQS_ID.fullmatch(key) and not _HASHED_GROUP.fullmatch(key):
-        return key
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    if len(key) > 128 and _SQS_ID_CHARS.fullmatch(key):
-        return f"{key[:111]}~{digest[:16]}"
-    return f"~sha256:{digest}"
-
-
-def deduplication_id(message_id: str) -> str:
-    """The id itself when SQS accepts it, else `sha256:` and its hex digest (stable)."""
-    if _SQS_ID.fullmatch(message_id):
-        return message_id
-    return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
-
-
-def _code(exc: ClientError) -> str:
-    error = exc.response.get("Error", {})
-    return _strip(str(error.get("QueryErrorCode") or error.get("Code") or ""))
-
-
-def _strip(code: str) -> str:
-    return code.removeprefix("AWS.SimpleQueueService.")
-
-
-def _client_error_text(exc: ClientError) -> str:
-    error = exc.response.get("Error", {})
-    return f"{_code(exc) or 'error'}: {error.get('Message') or 'no message'}"
-
-
-def _text(exc: BaseException) -> str:
-    if isinstance(exc, BotoCoreError):
-        return str(exc)
-    return str(exc) or type(exc).__name__
+    async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
+        return await self._client.send_message_batch(QueueUrl=target.address, Entries=requests)

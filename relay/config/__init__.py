@@ -37,10 +37,12 @@ from relay.config.brokers import (
     BrokerConfig,
     HttpBrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     RedisBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.rules import (
@@ -62,6 +64,7 @@ __all__ = [
     "ColumnsConfig",
     "HttpBrokerConfig",
     "KafkaBrokerConfig",
+    "KinesisBrokerConfig",
     "MessageConfig",
     "NatsBrokerConfig",
     "OutboxConfig",
@@ -70,6 +73,7 @@ __all__ = [
     "RedisBrokerConfig",
     "RelayConfig",
     "Rule",
+    "SnsBrokerConfig",
     "SqsBrokerConfig",
     "TraceContextConfig",
     "load_config",

@@ -13,10 +13,12 @@ import re
 from relay.config.brokers import (
     HttpBrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     RedisBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -40,7 +42,9 @@ def broker_identity(
     | SqsBrokerConfig
     | PubSubBrokerConfig
     | RedisBrokerConfig
-    | HttpBrokerConfig,
+    | HttpBrokerConfig
+    | SnsBrokerConfig
+    | KinesisBrokerConfig,
 ) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
@@ -61,7 +65,7 @@ def broker_identity(
         fixed = not config.url.startswith("{")
         hosts = [_host(config.url.partition("{")[0], "https")[0] if fixed else "*"]
     else:
-        endpoint = config.endpoint_url or f"https://sqs.{config.region}.amazonaws.com"
+        endpoint = config.endpoint_url or f"https://{config.type}.{config.region}.amazonaws.com"
         hosts = [f"{_host(endpoint, 'https')[0]}/{config.region}"]
     return f"{config.type} {','.join(sorted(set(hosts)))}"
 

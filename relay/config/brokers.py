@@ -426,6 +426,41 @@ class HttpBrokerConfig(TlsCapable):
         return headers
 
 
+def _http_endpoint(url: str) -> str:
+    if not (_HTTP.match(url) and urlsplit(url).hostname):
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return url
+
+
+# As SqsBrokerConfig's: botocore's rule for region names, and an endpoint that is a URL.
+AwsRegion = Annotated[str, Field(pattern=r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")]
+AwsEndpoint = Annotated[str, AfterValidator(_http_endpoint)]
+
+
+class SnsBrokerConfig(Model):
+    """Amazon SNS topics; credentials come from the standard AWS chain, as for SQS."""
+
+    type: Literal["sns"]
+    region: AwsRegion
+    endpoint_url: AwsEndpoint | None = Field(
+        None, description="Another SNS endpoint (a VPC endpoint, LocalStack, moto)."
+    )
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = Field(30.0, description="Read timeout of one SNS call.")
+
+
+class KinesisBrokerConfig(Model):
+    """Amazon Kinesis Data Streams; credentials come from the standard AWS chain."""
+
+    type: Literal["kinesis"]
+    region: AwsRegion
+    endpoint_url: AwsEndpoint | None = Field(
+        None, description="Another Kinesis endpoint (a VPC endpoint, LocalStack, moto)."
+    )
+    connect_timeout: PositiveDuration = 5.0
+    ack_timeout: PositiveDuration = Field(30.0, description="Read timeout of one Kinesis call.")
+
+
 BrokerConfig = Annotated[
     NatsBrokerConfig
     | KafkaBrokerConfig
@@ -433,6 +468,8 @@ BrokerConfig = Annotated[
     | SqsBrokerConfig
     | PubSubBrokerConfig
     | RedisBrokerConfig
-    | HttpBrokerConfig,
+    | HttpBrokerConfig
+    | SnsBrokerConfig
+    | KinesisBrokerConfig,
     Field(discriminator="type"),
 ]

@@ -31,6 +31,8 @@ _SYSTEMS = {
     "sqs": "aws_sqs",
     "pubsub": "gcp_pubsub",
     "redis": "redis",
+    "sns": "aws_sns",  # not a well-known value of the conventions yet; named as aws_sqs is
+    "kinesis": "aws_kinesis",  # likewise
 }
 
 

@@ -68,6 +68,12 @@ brokers:
     url: "https://relay:${RELAY_SECRET}@hooks.internal/in/{destination}?token=${RELAY_SECRET}"
     headers: {Authorization: "Bearer ${RELAY_SECRET}"}
     signing_keys: ["whsec_${RELAY_SECRET}${RELAY_SECRET}${RELAY_SECRET}"]
+  sns:
+    type: sns
+    region: eu-west-1
+  kinesis:
+    type: kinesis
+    region: eu-west-1
 outboxes:
   loans:
     broker: nats
@@ -133,6 +139,18 @@ outboxes:
       ReminderSent:
         type: library.reminder-sent.v1
         destination: "reminders/{aggregate_type}"
+  notices:
+    broker: sns
+    messages:
+      BookOverdue:
+        type: library.book-overdue.v1
+        destination: arn:aws:sns:eu-west-1:123456789012:notices.fifo
+  visits:
+    broker: kinesis
+    messages:
+      MemberVisited:
+        type: library.member-visited.v1
+        destination: "visits-{aggregate_type}"
 """
 
 
@@ -220,6 +238,8 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "pubsub": ("pubsub.googleapis.com:443", "googlepubsub"),
         "redis": ("redis.internal:6380", "rediss"),
         "hooks": ("hooks.internal", "https"),
+        "sns": ("sns.eu-west-1.amazonaws.com", "sns"),
+        "kinesis": ("kinesis.eu-west-1.amazonaws.com", "kinesis"),
     }
     assert schemes["redis-user-password"]["type"] == "userPassword"
     assert "nats-2.internal:4222" in servers["nats"]["description"]
@@ -245,6 +265,12 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
     holds = channels["holds-{aggregate_type}"]
     assert "bindings" not in holds  # Pub/Sub's channel binding needs a topic schema
     assert "ordering key" in holds["description"]
+    topic = channels["arn:aws:sns:eu-west-1:123456789012:notices.fifo"]["bindings"]["sns"]
+    assert topic == {
+        "name": "notices.fifo",
+        "ordering": {"type": "FIFO"},
+        "bindingVersion": "0.1.0",
+    }
 
     operations = {op["title"]: op for op in doc["operations"].values()}
     assert operations["Publish to library"]["bindings"]["amqp"]["cc"] == [
@@ -272,7 +298,10 @@ def test_every_broker_with_templates_gives_a_valid_document_without_credentials(
         "library.hold-placed.v1",
         "library.loan-renewed.v1",
         "library.reminder-sent.v1",
+        "library.book-overdue.v1",
+        "library.member-visited.v1",
     }
+    assert "headers" not in messages["library.member-visited.v1"]  # Kinesis: whole events
     renewals = channels["library.renewals.{aggregate_type}"]
     assert "A Redis stream" in renewals["description"]
     renewed = messages["library.loan-renewed.v1"]["headers"]["properties"]
@@ -310,7 +339,17 @@ def test_rules_schemas_and_cloudevents_modes_give_valid_documents(
         doc = document(
             *(
                 outbox(rules, broker, cloudevents=mode, trace_context=True)
-                for broker in ("nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http")
+                for broker in (
+                    "nats",
+                    "kafka",
+                    "rabbit",
+                    "sqs",
+                    "pubsub",
+                    "redis",
+                    "http",
+                    "sns",
+                    "kinesis",
+                )
             )
         )
         path = tmp_path / f"{mode}.yaml"
@@ -363,7 +402,7 @@ def _message(**fields: Any) -> Message:
 def sent_headers(
     broker: str, message: Message | None = None, prefix: str = "cloudEvents:"
 ) -> set[str]:
-    """The header names each adapter really writes (SQS: message attribute names)."""
+    """The header names each adapter really writes (SQS, SNS: message attribute names)."""
     message = message or _message()
     if broker == "nats":
         from relay.brokers.nats import message_headers as nats_headers
@@ -390,19 +429,23 @@ def sent_headers(
 
         publisher = HttpPublisher("b", BROKERS["http"])  # type: ignore[arg-type]
         return set(publisher.headers(message))
-    from relay.brokers.sqs import message_attributes
+    from relay.brokers._aws import message_attributes
 
     return set(message_attributes(message))
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http"])
+@pytest.mark.parametrize(
+    "broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http", "sns"]
+)
 def test_the_headers_in_the_contract_are_the_ones_the_adapters_send(broker: str) -> None:
     doc = document(outbox([("BookLent", rule("library.book-lent.v1"))], broker))
     (message,) = doc["components"]["messages"].values()
     assert set(message["headers"]["properties"]) == sent_headers(broker)
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http"])
+@pytest.mark.parametrize(
+    "broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "redis", "http", "sns"]
+)
 @pytest.mark.parametrize("mode", ["binary", "structured"])
 def test_trace_context_modes_and_header_styles_match_the_adapters(broker: str, mode: str) -> None:
     """With trace context (a message that has it), each mode, RabbitMQ's `ce` style."""

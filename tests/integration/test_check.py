@@ -16,6 +16,10 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from relay.postgres.lease import lock_key
+from tests.contract.brokers.kinesis import kinesis_client
+from tests.contract.brokers.kinesis import unique_stream as unique_kinesis_stream
+from tests.contract.brokers.sns import sns_client, subscribed_queue
+from tests.contract.brokers.sns import unique_topic as unique_sns_topic
 from tests.support import postgres, pubsub_server
 from tests.support.db import connect
 from tests.support.jetstream import connect as nats_connect
@@ -407,6 +411,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
         "topic": unique_topic("no-topic"),
         "queue": unique_queue("no-queue", fifo=False),
         "pubsub": pubsub_server.unique_name("no-topic"),
+        "sns": unique_sns_topic("no-topic", fifo=False),
+        "kinesis": unique_kinesis_stream("no-stream"),
     }
     ps_topic, ps_reader = pubsub_server.unique_name("chk"), pubsub_server.unique_name("chk")
     await asyncio.to_thread(pubsub_server.create_topic, pubsub_emulator, ps_topic, ps_reader)
@@ -414,8 +420,16 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
     await create_stream(nats_url, stream, [f"{stream}.>"])
     await create_topology(rabbitmq_url, exchange, queue)
     await create_topic(tansu.bootstrap, topic, partitions=1)
-    async with sqs_client(sqs_endpoint) as sqs:
+    async with (
+        sqs_client(sqs_endpoint) as sqs,
+        sns_client(sqs_endpoint) as sns,
+        kinesis_client(sqs_endpoint) as kinesis,
+    ):
         sqs_url = await create_queue(sqs, sqs_queue)
+        sns_topic = (await sns.create_topic(Name=unique_sns_topic("chk", fifo=False)))["TopicArn"]
+        sns_queue = await subscribed_queue(sns, sqs, sns_topic, unique_queue("chk-sns", False))
+        stream_name = unique_kinesis_stream("chk")
+        await kinesis.create_stream(StreamName=stream_name, ShardCount=1)
         brokers = {
             "nats": {"type": "nats", "servers": [nats_url]},
             "rabbit": {"type": "rabbitmq", "url": rabbitmq_url},
@@ -431,6 +445,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
                 "emulator_host": pubsub_emulator,
             },
             "redis": {"type": "redis", "url": redis_url},
+            "sns": {"type": "sns", "region": REGION, "endpoint_url": sqs_endpoint},
+            "kinesis": {"type": "kinesis", "region": REGION, "endpoint_url": sqs_endpoint},
         }
         destinations = {
             f"{stream}.x": "nats",
@@ -445,6 +461,10 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing["pubsub"]: "pubsub",
             taken: "redis",
             fresh: "redis",  # not there yet: XADD creates it
+            sns_topic: "sns",
+            missing["sns"]: "sns",
+            stream_name: "kinesis",
+            missing["kinesis"]: "kinesis",
             "library.{aggregate_type}": "nats",
         }
         data = broker_config(migrated, brokers, destinations)
@@ -454,7 +474,7 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             )
             assert result.returncode == 1, result.stderr
             said = "\n".join(errors(result.stderr))
-            assert len(errors(result.stderr)) == 6, result.stderr
+            assert len(errors(result.stderr)) == 8, result.stderr
             assert (
                 f"broker 'nats': no JetStream stream captures subject {missing['stream']!r}" in said
             )
@@ -464,6 +484,8 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             missing_topic = pubsub_server.topic_path(missing["pubsub"])
             assert f"broker 'pubsub': topic {missing_topic!r} does not exist" in said
             assert f"broker 'redis': key {taken!r} holds a string, not a stream" in said
+            assert f"broker 'sns': topic {missing['sns']!r} does not exist" in said
+            assert f"broker 'kinesis': stream {missing['kinesis']!r} does not exist" in said
             assert (
                 "destination 'library.{aggregate_type}' depends on the event: checked at run time"
                 in result.stderr
@@ -476,6 +498,13 @@ async def test_missing_destinations_are_named_and_nothing_is_published(  # noqa:
             assert await pubsub_server.pull_all_async(pubsub_emulator, ps_reader, 0) == []
             async with redis_client(redis_url) as client:
                 assert await client.exists(fresh, DEDUP_PREFIX + fresh) == 0
+            assert await receive_all(sqs, sns_queue) == []
+            shard = (await kinesis.list_shards(StreamName=stream_name))["Shards"][0]["ShardId"]
+            iterator = await kinesis.get_shard_iterator(
+                StreamName=stream_name, ShardId=shard, ShardIteratorType="TRIM_HORIZON"
+            )
+            records = await kinesis.get_records(ShardIterator=iterator["ShardIterator"])
+            assert records["Records"] == []
             again = await asyncio.to_thread(
                 run_cli, ["check", "--config", str(save(tmp_path, data))]
             )
@@ -604,6 +633,14 @@ BROKER_RULES = {
     "sqs endpoint not a url": (
         {"type": "sqs", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
         "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "sns endpoint not a url": (
+        {"type": "sns", "region": "eu-west-1", "endpoint_url": "localhost:4566"},
+        "brokers.b.endpoint_url: must be an http:// or https:// URL with a host",
+    ),
+    "kinesis region malformed": (
+        {"type": "kinesis", "region": "eu west 1"},
+        "brokers.b.region: String should match pattern",
     ),
     "sqs region malformed": (
         {"type": "sqs", "region": "eu west 1"},

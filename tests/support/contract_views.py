@@ -10,10 +10,12 @@ from relay.config import (
     BrokerConfig,
     HttpBrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     RedisBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 
@@ -35,6 +37,8 @@ BROKERS: dict[str, BrokerConfig] = {
             "signing_keys": ["whsec_" + "a" * 32],
         }
     ),
+    "sns": SnsBrokerConfig(type="sns", region="eu-west-1"),
+    "kinesis": KinesisBrokerConfig(type="kinesis", region="eu-west-1"),
 }
 PROTOCOL: dict[str, Protocol] = {
     "nats": "nats",
@@ -44,6 +48,8 @@ PROTOCOL: dict[str, Protocol] = {
     "pubsub": "pubsub",
     "redis": "redis",
     "http": "http",
+    "sns": "sns",
+    "kinesis": "kinesis",
 }
 
 LENT = {"bookId": "aggregate_id", "loanId": "data.loanId", "memberId": "data.memberId"}
@@ -71,6 +77,8 @@ def rule(type_: str, destination: str = "library.loans", **fields: Any) -> RuleV
 
 
 def outbox(rules: list[tuple[str, RuleView]], broker: str = "nats", **fields: Any) -> OutboxView:
+    if broker == "kinesis":  # as outbox_view makes it: Kinesis records are whole events
+        fields["cloudevents"] = "structured"
     return OutboxView(
         name=fields.pop("name", f"{broker}-outbox"),
         broker=broker,

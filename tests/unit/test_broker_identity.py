@@ -47,6 +47,11 @@ BROKERS: TypeAdapter[Any] = TypeAdapter(BrokerConfig)
             "redis redis.example:6380/2",
         ),
         ({"type": "redis", "url": "redis://redis.example"}, "redis redis.example:6379/0"),
+        ({"type": "sns", "region": "eu-west-1"}, "sns sns.eu-west-1.amazonaws.com:443/eu-west-1"),
+        (
+            {"type": "kinesis", "region": "eu-west-1"},
+            "kinesis kinesis.eu-west-1.amazonaws.com:443/eu-west-1",
+        ),
     ],
 )
 def test_identity_is_type_and_sorted_hosts_without_credentials(

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from cloudevents.core.formats.json import JSONFormat
 
+from relay.brokers._aws import MAX_ATTRIBUTES, message_attributes
+from relay.brokers._aws import within_limit as _within_limit
 from relay.brokers.kafka import message_headers as kafka_headers
 from relay.brokers.nats import message_headers as nats_headers
-from relay.brokers.sqs import MAX_ATTRIBUTES, _within_limit, message_attributes
 from relay.config import OutboxConfig, load_config
 from relay.core.event import Event
 from relay.core.publishing import STRUCTURED, Message, cloudevent_attributes, to_structured
@@ -282,7 +283,7 @@ def test_past_the_limit_the_least_useful_attributes_go_first(
     every = {f"ce_{name}": "x" for name in cloudevent_attributes(full_message())}
     every["content-type"] = "application/json"
     assert _within_limit({**every, "ce_subject": "x", "ce_other": "x"}) == every
-    monkeypatch.setattr("relay.brokers.sqs.MAX_ATTRIBUTES", 8)
+    monkeypatch.setattr("relay.brokers._aws.MAX_ATTRIBUTES", 8)
     kept = _within_limit(every)
     assert set(every) - set(kept) == {"ce_partitionkey", "ce_dataschema"}
     assert list(kept) == [name for name in every if name in kept]  # order kept

@@ -13,13 +13,16 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from relay.asyncapi.document import key_of
 from relay.asyncapi.servers import servers
 from relay.config import (
     BrokerConfig,
     KafkaBrokerConfig,
+    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
+    SnsBrokerConfig,
     SqsBrokerConfig,
 )
 from relay.config.broker_identity import host_of
@@ -172,7 +175,7 @@ def test_template_placeholders_become_channel_parameters() -> None:
     assert "parameters" not in lost
 
 
-@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub"])
+@pytest.mark.parametrize("broker", ["nats", "kafka", "rabbit", "sqs", "pubsub", "sns"])
 def test_structured_mode_puts_the_whole_event_in_the_body(broker: str) -> None:
     schema_rule = rule("library.book-lent.v2", schema=BOOK_LENT_V2_SCHEMA)
     doc = document(outbox([("BookLent", schema_rule)], broker, cloudevents="structured"))
@@ -239,6 +242,7 @@ def test_broker_bindings() -> None:
         in doc["channels"]["fines.fifo"]["description"]
     )
     assert doc["channels"]["loans"]["bindings"]["kafka"]["topic"] == "loans"
+
     messages = doc["components"]["messages"]
     assert messages["library.book-lent.v1"]["bindings"]["amqp"]["messageType"] == (
         "library.book-lent.v1"
@@ -266,6 +270,37 @@ def test_a_server_host_never_keeps_a_piece_of_the_password(
     assert host_of(url.format(password=password)) == (host, path)
 
 
+def test_kinesis_records_are_whole_events_with_no_headers_and_no_binding() -> None:
+    doc = document(outbox([("BookLent", rule("library.book-lent.v1", "loans"))], "kinesis"))
+    message = doc["components"]["messages"]["library.book-lent.v1"]
+    assert message["contentType"] == "application/cloudevents+json"
+    assert "headers" not in message
+    assert {"specversion", "id", "source", "type", "data"} <= set(message["payload"]["required"])
+    channel = doc["channels"]["loans"]
+    assert "bindings" not in channel
+    assert "a record's partition key is its key (`{aggregate_id}`)" in channel["description"]
+    assert all("bindings" not in operation for operation in doc["operations"].values())
+
+
+def test_sns_topics_have_their_name_and_ordering_and_no_operation_binding() -> None:
+    arn = "arn:aws:sns:eu-west-1:123456789012:fines.fifo"
+    fifo = outbox([("FineCharged", rule("library.fine-charged.v1", arn))], "sns")
+    standard = outbox([("FinePaid", rule("library.fine-paid.v1", "fines"))], "sns", name="paid")
+    doc = document(fifo, standard)
+    channel = doc["channels"][key_of(arn)]
+    assert channel["bindings"]["sns"] == {
+        "name": "fines.fifo",
+        "ordering": {"type": "FIFO"},
+        "bindingVersion": "0.1.0",
+    }
+    assert "A FIFO topic: a message's MessageGroupId is its key" in channel["description"]
+    assert doc["channels"]["fines"]["bindings"]["sns"]["ordering"] == {"type": "standard"}
+    # Its operation binding requires the topic's consumers, which the relay does not know.
+    assert all("bindings" not in operation for operation in doc["operations"].values())
+    headers = doc["components"]["messages"]["library.fine-charged.v1"]["headers"]
+    assert {"ce_id", "ce_type", "content-type"} <= set(headers["properties"])
+
+
 def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
     brokers: dict[str, BrokerConfig] = {
         "nats": NatsBrokerConfig(
@@ -291,6 +326,8 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
         "emulated": PubSubBrokerConfig(
             type="pubsub", project="library-prod", emulator_host="pubsub-emulator:8085"
         ),
+        "sns": SnsBrokerConfig(type="sns", region="eu-west-1"),
+        "kinesis": KinesisBrokerConfig(type="kinesis", region="eu-west-1"),
     }
     found, schemes = servers(brokers)
     assert SECRET[:3] not in repr((found, schemes))
@@ -311,6 +348,9 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
     assert schemes["pubsub-google-oauth2"]["type"] == "oauth2"
     assert found["emulated"]["host"] == "pubsub-emulator:8085"
     assert "security" not in found["emulated"]  # the emulator takes no credentials
+    assert found["sns"]["host"] == "sns.eu-west-1.amazonaws.com"
+    assert (found["sns"]["protocol"], found["sns"]["title"]) == ("sns", "Amazon SNS")
+    assert found["kinesis"]["host"] == "kinesis.eu-west-1.amazonaws.com"
     assert schemes["kafka-sasl"] == {"type": "plain"}
     assert {schemes["nats-user-password"]["type"], schemes["nats-token"]["type"]} == {
         "userPassword",

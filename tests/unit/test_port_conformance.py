@@ -30,6 +30,8 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "pubsub": {"project": "relay-tests", "emulator_host": "127.0.0.1:1"},
     "redis": {"url": "redis://127.0.0.1:1/0"},
     "http": {"url": "http://127.0.0.1:1/{destination}"},
+    "sns": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
+    "kinesis": {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:1"},
 }
 
 

@@ -138,8 +138,8 @@ relay's config. Called with (list $ NAME BROKER_CONFIG).
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $broker.url) "scheme" "amqp" "key" (printf "%s.url" $key) "setting" $setting) }}
 {{- else if eq $broker.type "redis" }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $broker.url) "scheme" "redis" "key" (printf "%s.url" $key) "setting" $setting) }}
-{{- else if eq $broker.type "sqs" }}
-{{- $endpoint := $broker.endpoint_url | default (printf "https://sqs.%s.amazonaws.com" $broker.region) }}
+{{- else if has $broker.type (list "sqs" "sns" "kinesis") }}
+{{- $endpoint := $broker.endpoint_url | default (printf "https://%s.%s.amazonaws.com" $broker.type $broker.region) }}
 {{- $found = include "outbox-relay.addressPorts" (dict "addresses" (list $endpoint) "scheme" "https" "key" (printf "%s.endpoint_url" $key) "setting" $setting) }}
 {{- else if eq $broker.type "pubsub" }}
 {{- $endpoint := $broker.emulator_host | default ($broker.endpoint | default "pubsub.googleapis.com:443") }}

@@ -82,7 +82,7 @@ def image_distributions() -> set[str]:
     lock = locked_versions()
     project = PYPROJECT["project"]
     pending = [Requirement(r) for r in project["dependencies"]]
-    for extra in ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http"):
+    for extra in ("nats", "kafka", "rabbitmq", "sqs", "pubsub", "redis", "http", "sns", "kinesis"):
         pending += [Requirement(r) for r in project["optional-dependencies"][extra]]
     seen: set[str] = set()
     while pending:

@@ -125,6 +125,8 @@ BROKERS = {
     "moto": {"type": "sqs", "region": "eu-west-1", "endpoint_url": "http://moto:5000"},
     "redis": {"type": "redis", "url": "rediss://redis:6380/0", "password": "${REDIS_PASSWORD}"},
     "streams": {"type": "redis", "url": "redis://streams/1"},
+    "topics": {"type": "sns", "region": "eu-west-1", "endpoint_url": "http://localstack:4566"},
+    "kinesis": {"type": "kinesis", "region": "eu-west-1"},
 }
 
 
@@ -149,15 +151,18 @@ def test_ports_come_from_the_config(chart: Any, url: str, ports: list[int]) -> N
     assert egress == [
         {"to": KUBE_DNS, "ports": DNS_PORTS},
         {"ports": tcp(*ports)},  # no `to`: any address, on these ports only
-        # The brokers, by name: aws, gcp, kafka, moto, nats, rabbit, redis, streams.
+        # The brokers, by name: aws, gcp, kafka, kinesis, moto, nats, rabbit, redis, streams,
+        # topics.
         {"ports": tcp(443)},
         {"ports": tcp(443)},  # pubsub.googleapis.com
         {"to": kafka, "ports": tcp(9093, 9092)},
+        {"ports": tcp(443)},  # kinesis.eu-west-1.amazonaws.com
         {"ports": tcp(5000)},
         {"ports": tcp(4333, 4222, 4555, 443)},
         {"ports": tcp(5671)},
         {"ports": tcp(6380)},
         {"ports": tcp(6379)},
+        {"ports": tcp(4566)},
     ]
 
 

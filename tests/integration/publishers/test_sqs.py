@@ -18,7 +18,8 @@ from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from relay.brokers.sqs import CONCURRENCY, SqsPublisher
+from relay.brokers._aws import CONCURRENCY
+from relay.brokers.sqs import SqsPublisher
 from relay.config import SqsBrokerConfig
 from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError

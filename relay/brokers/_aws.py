@@ -1,0 +1,549 @@
+"""What the AWS adapters (SQS, SNS, Kinesis) share, written once.
+
+The client (botocore settings, credentials from the standard chain, never logged), how
+botocore errors are read and classified, the CloudEvents message attributes under the
+10-attribute limit SQS and SNS share, the FIFO MessageGroupId and MessageDeduplicationId
+rules (SNS FIFO topics take SQS's), and the batch shapes: per-key layers, chunks under a
+count and a byte budget, and the memory of messages already accepted after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import aioboto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from relay.brokers._batch import connect_or_fail, not_sent
+from relay.core.publishing import Message, Outcome, cloudevent_attributes
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+
+MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit; SNS to SQS carries them)
+CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
+ENTRY_RETRIES = (0.05, 0.2)  # delays of the in-adapter retries of failed entries
+REMEMBER_FOR = 300.0  # seconds an accepted message is remembered: the FIFO dedup window
+REMEMBER_MAX = 20_000
+
+# MessageGroupId and MessageDeduplicationId: 1 to 128 letters, digits and punctuation.
+_ID = re.compile(r"[!-~]{1,128}")
+_ID_CHARS = re.compile(r"[!-~]+")
+# The two shapes of a hashed MessageGroupId (see group_id).
+_HASHED_GROUP = re.compile(r"~sha256:[0-9a-f]{64}|[!-~]{111}~[0-9a-f]{16}")
+# Characters SQS and SNS accept in a body or a String attribute (XML 1.0 Char).
+NOT_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+THROTTLED = {
+    "RequestThrottled",
+    "Throttling",
+    "ThrottlingException",
+    "Throttled",
+    "TooManyRequestsException",
+    "KmsThrottled",
+    "KMSThrottling",
+    "ProvisionedThroughputExceededException",
+}
+SERVER_FAULT = {
+    "InternalError",
+    "InternalFailure",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "InternalFailureException",
+}
+
+
+async def open_client(
+    session: aioboto3.Session,
+    service: str,
+    endpoint_url: str | None,
+    connect_timeout: float,
+    ack_timeout: float,
+) -> tuple[Any, contextlib.AsyncExitStack]:
+    """A client and the stack that closes it. botocore tries a failed call once more (stale
+    keep-alive connections); every other retry is the outbox's backoff, visible in status."""
+    config = Config(
+        connect_timeout=connect_timeout,
+        read_timeout=ack_timeout,
+        retries={"mode": "standard", "total_max_attempts": 2},
+        max_pool_connections=CONCURRENCY,
+    )
+    stack = contextlib.AsyncExitStack()
+    try:
+        client = await stack.enter_async_context(
+            session.client(service, endpoint_url=endpoint_url, config=config)
+        )
+    except BaseException:
+        await stack.aclose()
+        raise
+    return client, stack
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def error_code(exc: ClientError) -> str:
+    """The error's code, without SQS's `AWS.SimpleQueueService.` prefix."""
+    error = exc.response.get("Error", {})
+    return strip(str(error.get("QueryErrorCode") or error.get("Code") or ""))
+
+
+def strip(code: str) -> str:
+    return code.removeprefix("AWS.SimpleQueueService.")
+
+
+def client_error_text(exc: ClientError) -> str:
+    error = exc.response.get("Error", {})
+    return f"{error_code(exc) or 'error'}: {error.get('Message') or 'no message'}"
+
+
+def error_text(exc: BaseException) -> str:
+    if isinstance(exc, BotoCoreError):
+        return str(exc)
+    return str(exc) or type(exc).__name__
+
+
+def is_configuration_fault(code: str) -> bool:
+    """Credentials, permissions, KMS keys: the operator's to fix, never the message's."""
+    lowered = code.lower()
+    return lowered.startswith("kms") or "accessdenied" in lowered or "authorization" in lowered
+
+
+# -- message attributes ------------------------------------------------------------------------
+
+
+def message_attributes(message: Message) -> dict[str, dict[str, str]]:
+    """CloudEvents in binary mode, named as in the Kafka binding (`ce_` prefix), plus
+    `content-type`, as String attributes in the shape SQS and SNS both take; empty values
+    left out (both refuse them; an absent attribute says the same).
+
+    At most MAX_ATTRIBUTES: a message with every optional attribute has exactly ten
+    today, and should one more ever be added, the least useful ones go first (_KEEP).
+    """
+    values = cloudevent_attributes(message, "ce_")
+    values["content-type"] = message.content_type
+    if len(values) > MAX_ATTRIBUTES:
+        values = within_limit(values)
+    return {k: {"DataType": "String", "StringValue": v} for k, v in values.items() if v}
+
+
+# Which attributes are kept first when there are more than SQS and SNS take: what the
+# CloudEvents SDKs require, the data's content type, then the optional ones. The partition
+# key comes last: a FIFO MessageGroupId already orders by it, and standard ones have no order.
+_KEEP = (
+    "ce_specversion",
+    "ce_id",
+    "ce_type",
+    "ce_source",
+    "content-type",
+    "ce_time",
+    "ce_traceparent",
+    "ce_tracestate",
+    "ce_dataschema",
+    "ce_partitionkey",
+)
+
+
+def within_limit(values: dict[str, str]) -> dict[str, str]:
+    """The first MAX_ATTRIBUTES in _KEEP order; an attribute not listed there goes first."""
+    rank = {name: i for i, name in enumerate(_KEEP)}
+    kept = sorted(values, key=lambda name: rank.get(name, len(_KEEP)))[:MAX_ATTRIBUTES]
+    return {name: values[name] for name in values if name in kept}
+
+
+# -- FIFO ids ----------------------------------------------------------------------------------
+
+
+def group_id(key: str) -> str:
+    """A valid MessageGroupId for `key`, the same every time, and no other key's.
+
+    A key SQS accepts is used as it is. A longer one of the allowed characters becomes a
+    prefix and a hash (still readable); any other key (empty, spaces, non-ASCII) becomes
+    `~sha256:` and its digest. A key that already has one of those two shapes is hashed
+    too, so that no key used as it is can share its group with a hashed one.
+    """
+    if _ID.fullmatch(key) and not _HASHED_GROUP.fullmatch(key):
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    if len(key) > 128 and _ID_CHARS.fullmatch(key):
+        return f"{key[:111]}~{digest[:16]}"
+    return f"~sha256:{digest}"
+
+
+def deduplication_id(message_id: str) -> str:
+    """The id itself when SQS accepts it, else `sha256:` and its hex digest (stable)."""
+    if _ID.fullmatch(message_id):
+        return message_id
+    return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
+
+
+# -- batch shapes ------------------------------------------------------------------------------
+
+
+class Keyed(Protocol):
+    @property
+    def message(self) -> Message: ...
+
+
+class Sized(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+K = TypeVar("K", bound=Keyed)
+S = TypeVar("S", bound=Sized)
+
+
+def layers(entries: list[K]) -> list[list[K]]:
+    """Layer n: the n-th entry of each key, in position order; at most one per group."""
+    depth: dict[str, int] = {}
+    found: list[list[K]] = []
+    for entry in entries:
+        n = depth.get(entry.message.key, 0)
+        depth[entry.message.key] = n + 1
+        if n == len(found):
+            found.append([])
+        found[n].append(entry)
+    return found
+
+
+def chunks(entries: list[S], max_entries: int, max_bytes: int) -> Iterator[list[S]]:
+    """Consecutive runs of up to `max_entries` entries and `max_bytes` (bigger ones alone)."""
+    chunk: list[S] = []
+    size = 0
+    for entry in entries:
+        if chunk and (len(chunk) == max_entries or size + entry.size > max_bytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += entry.size
+    if chunk:
+        yield chunk
+
+
+class Accepted:
+    """Messages the service stored after the first failure of a publish: the core offers
+    them again, and they are acknowledged without being sent twice (for REMEMBER_FOR)."""
+
+    def __init__(self) -> None:
+        self._since: OrderedDict[Message, float] = OrderedDict()
+
+    def take(self, message: Message) -> bool:
+        """Whether `message` was stored before (and forget it: it is acknowledged now)."""
+        return bool(self._since) and self._since.pop(message, None) is not None
+
+    def remember(self, messages: Sequence[Message], results: Sequence[Outcome]) -> None:
+        first = next((i for i, r in enumerate(results) if r is not None), len(results))
+        now = time.monotonic()
+        for index in range(first + 1, len(results)):
+            if results[index] is None:
+                self._since[messages[index]] = now
+        while self._since:
+            message, since = next(iter(self._since.items()))
+            if len(self._since) <= REMEMBER_MAX and now - since < REMEMBER_FOR:
+                break
+            del self._since[message]
+
+
+# -- the batch flow of SendMessageBatch and PublishBatch -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A queue or topic: its name (for messages and errors), its address, its kind."""
+
+    name: str
+    address: str  # the queue URL, the topic ARN
+    fifo: bool
+
+
+@dataclass(slots=True)
+class Entry:
+    index: int  # in the batch
+    message: Message
+    request: dict[str, Any]  # the API's batch request entry; empty when `error`
+    size: int
+    error: PermanentPublishError | None = None
+
+
+@dataclass(slots=True)
+class _Sending:
+    """One target's share of a publish."""
+
+    target: Target
+    halted: PublishError | None = None  # a call failed as a whole: send no more
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    outcome: Outcome
+    retry_now: bool = False  # worth an in-adapter retry before returning
+
+
+class EntryBatchPublisher(ABC):
+    """SQS's SendMessageBatch and SNS's PublishBatch work alike: up to 10 entries a call, each
+    entry stored or failed on its own (`Successful`, `Failed` with `SenderFault`). This is
+    their publish, written once; a subclass finds its targets, builds its entries, makes its
+    call and names its own error codes.
+
+    FIFO targets get the batch in layers (layer n: the n-th message of every group), one after
+    the other, and nothing after a layer that failed: a later message of a group is never
+    stored before an earlier one that failed. Entries failed for a reason worth retrying at
+    once are sent again, alone, before `publish` returns; messages stored after the first
+    failure are remembered (Accepted) so that the core's re-send does not send them twice.
+    """
+
+    service: ClassVar[str]  # botocore's service name: "sqs"
+    title: ClassVar[str]  # in messages: "SQS"
+    kind: ClassVar[str]  # what a target is: "queue"
+    max_entries: ClassVar[int] = 10
+    max_call_bytes: ClassVar[int] = 256 * 1024
+    max_message_bytes: ClassVar[int]  # body and attributes; a bigger message is not sent
+    body_field: ClassVar[str]  # the entry's body: "MessageBody"
+    gone: ClassVar[frozenset[str]]  # codes saying the target does not exist
+    message_fault: ClassVar[frozenset[str]]  # codes of a call refused because of a message
+
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        endpoint_url: str | None,
+        connect_timeout: float,
+        ack_timeout: float,
+    ) -> None:
+        self.name = name
+        self._session = aioboto3.Session(region_name=region)
+        self._endpoint_url = endpoint_url
+        self._timeouts = (connect_timeout, ack_timeout)
+        self._client: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._targets: dict[str, Target] = {}
+        self._accepted = Accepted()
+        self.duplicates = 0
+        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
+
+    @abstractmethod
+    async def _find(self, destination: str) -> Target:
+        """The target a destination names; raises PublishError."""
+
+    @abstractmethod
+    async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
+        """One batch call's response."""
+
+    async def connect(self) -> None:
+        """Create the client; no request is made, so an unreachable service shows at publish."""
+        if self._client is not None:
+            return
+        try:
+            self._client, self._stack = await open_client(
+                self._session, self.service, self._endpoint_url, *self._timeouts
+            )
+        except Exception as exc:
+            raise TransientPublishError(
+                f"broker {self.name!r}: cannot create the {self.title} client: {error_text(exc)}"
+            ) from exc
+        self._slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+
+    async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
+        if not messages:
+            return []
+        if failed := await connect_or_fail(self.connect, len(messages)):
+            return failed
+        results = not_sent(
+            len(messages), f"an earlier message for its FIFO {self.kind} failed", self.name
+        )
+        by_destination: dict[str, list[int]] = {}
+        for index, message in enumerate(messages):
+            by_destination.setdefault(message.destination, []).append(index)
+        await asyncio.gather(
+            *(
+                self._publish_to(destination, [(i, messages[i]) for i in indexes], results)
+                for destination, indexes in by_destination.items()
+            )
+        )
+        self._accepted.remember(messages, results)
+        return results
+
+    async def _target(self, destination: str) -> Target:
+        if (target := self._targets.get(destination)) is None:
+            target = self._targets[destination] = await self._find(destination)
+        return target
+
+    async def _publish_to(
+        self, destination: str, batch: list[tuple[int, Message]], results: list[Outcome]
+    ) -> None:
+        try:
+            target = await self._target(destination)
+        except PublishError as exc:
+            for index, _ in batch:
+                results[index] = exc
+            return
+        entries: list[Entry] = []
+        for index, message in batch:
+            if self._accepted.take(message):
+                results[index] = None  # stored before; the core re-sends it
+                self.duplicates += 1
+            else:
+                entries.append(self._entry(index, message, target.fifo))
+        sending = _Sending(target)
+        for layer in layers(entries) if target.fifo else [entries]:
+            for entry in layer:
+                if entry.error is not None:
+                    results[entry.index] = entry.error
+            await self._send(sending, [e for e in layer if e.error is None], results)
+            if target.fifo and any(results[e.index] is not None for e in layer):
+                return  # nothing of a later layer may overtake a failed message
+
+    async def _send(self, sending: _Sending, entries: list[Entry], results: list[Outcome]) -> None:
+        """Send `entries` (for FIFO, one per group) and retry those worth retrying at once."""
+        for delay in (0.0, *ENTRY_RETRIES):
+            if not entries or sending.halted is not None:
+                return
+            if delay:
+                await asyncio.sleep(delay)
+            calls = list(chunks(entries, self.max_entries, self.max_call_bytes))
+            sent = await asyncio.gather(*(self._send_chunk(sending, chunk) for chunk in calls))
+            entries = []
+            for chunk, chunk_results in zip(calls, sent, strict=True):
+                for entry, result in zip(chunk, chunk_results, strict=True):
+                    results[entry.index] = result.outcome
+                    if result.retry_now:
+                        entries.append(entry)
+
+    async def _send_chunk(self, sending: _Sending, chunk: list[Entry]) -> list[_Result]:
+        target = sending.target
+        response = await self._call(sending, chunk)
+        if isinstance(response, PublishError):
+            if response.permanent and len(chunk) > 1:
+                # The call failed as a whole because of one of its messages: find which one.
+                singles = await asyncio.gather(*(self._send_chunk(sending, [e]) for e in chunk))
+                return [result for (result,) in singles]
+            if not response.permanent:
+                # Unreachable, throttling, no such target...: the calls still waiting
+                # would only fail the same way, each after its own timeout.
+                sending.halted = sending.halted or response
+            return [_Result(response)] * len(chunk)
+        accepted = {s["Id"] for s in response.get("Successful", ())}
+        failed = {f["Id"]: f for f in response.get("Failed", ())}
+        results: list[_Result] = []
+        for entry in chunk:
+            entry_id = entry.request["Id"]
+            if entry_id in accepted:
+                results.append(_Result(None))
+            elif entry_id in failed:
+                results.append(self._entry_error(failed[entry_id], target))
+            else:
+                results.append(
+                    _Result(self.transient(target.name, "no result for the entry"), True)
+                )
+        return results
+
+    async def _call(self, sending: _Sending, chunk: list[Entry]) -> dict[str, Any] | PublishError:
+        """One batch call: its response, or why it failed as a whole."""
+        assert self._slots is not None
+        async with self._slots:
+            if sending.halted is not None:
+                return sending.halted  # not sent
+            try:
+                response: dict[str, Any] = await self._batch_call(
+                    sending.target, [e.request for e in chunk]
+                )
+            except Exception as exc:  # noqa: BLE001 - classified, not swallowed
+                return self.call_error(exc, sending.target.name)
+            return response
+
+    def _entry(self, index: int, message: Message, fifo: bool) -> Entry:
+        """The batch request entry of a message, or why the service would refuse it."""
+        try:
+            body = message.body.decode()
+        except UnicodeDecodeError:
+            return self.invalid(index, message, "the body is not UTF-8 text")
+        if not body or NOT_XML_CHAR.search(body):
+            return self.invalid(
+                index, message, f"the body is empty or has characters {self.title} does not accept"
+            )
+        attributes = message_attributes(message)
+        size = len(message.body)
+        for name, value in attributes.items():
+            text = value["StringValue"]
+            if NOT_XML_CHAR.search(text):
+                return self.invalid(
+                    index, message, f"attribute {name} has characters {self.title} does not accept"
+                )
+            size += len(name) + len("String") + len(text.encode())
+        if size > self.max_message_bytes:
+            limit = f"{self.title}'s maximum of {_size_text(self.max_message_bytes)}"
+            return self.invalid(
+                index, message, f"{size} bytes (body and attributes) is more than {limit}"
+            )
+        request: dict[str, Any] = {
+            "Id": str(index),
+            self.body_field: body,
+            "MessageAttributes": attributes,
+        }
+        if fifo:
+            request["MessageGroupId"] = group_id(message.key)
+            request["MessageDeduplicationId"] = deduplication_id(message.id)
+        return Entry(index, message, request, size)
+
+    def invalid(self, index: int, message: Message, reason: str) -> Entry:
+        error = PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {reason}")
+        return Entry(index, message, {}, 0, error)
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def call_error(self, exc: BaseException, target: str) -> PublishError:
+        """Why a whole call failed: permanent only when a message is to blame."""
+        if isinstance(exc, ClientError):
+            code, text = error_code(exc), client_error_text(exc)
+            if code in self.gone:
+                self._forget(target)
+                return self.transient(target, f"the {self.kind} does not exist: {text}")
+            if code in self.message_fault:
+                return self.permanent(target, text)
+            return self.transient(target, text)
+        if isinstance(exc, NoCredentialsError):
+            return self.transient(target, "no AWS credentials found in the standard chain")
+        return self.transient(target, error_text(exc))
+
+    def _entry_error(self, failure: dict[str, Any], target: Target) -> _Result:
+        code = strip(str(failure.get("Code", "")))
+        text = f"{code}: {failure.get('Message') or 'no message'}"
+        if code in THROTTLED or code in SERVER_FAULT or not failure.get("SenderFault"):
+            return _Result(self.transient(target.name, text), retry_now=True)
+        if code in self.gone:
+            self._forget(target.name)
+            return _Result(self.transient(target.name, text))
+        if is_configuration_fault(code):
+            return _Result(self.transient(target.name, text))  # configuration, not the message
+        return _Result(self.permanent(target.name, text))
+
+    def transient(self, target: str, text: str) -> TransientPublishError:
+        return TransientPublishError(f"broker {self.name!r}: {self.kind} {target!r}: {text}")
+
+    def permanent(self, target: str, text: str) -> PermanentPublishError:
+        return PermanentPublishError(f"broker {self.name!r}: {self.kind} {target!r}: {text}")
+
+    def _forget(self, target: str) -> None:
+        for destination, known in list(self._targets.items()):
+            if target in (destination, known.name):
+                del self._targets[destination]
+
+
+def _size_text(size: int) -> str:
+    return f"{size // (1024 * 1024)} MiB" if size % (1024 * 1024) == 0 else f"{size // 1024} KiB"

@@ -1,0 +1,148 @@
+"""Amazon SNS publisher, standard and FIFO topics, with aioboto3.
+
+A message's `destination` is a topic ARN, or a topic name that the relay makes an ARN of
+with the account of its credentials (STS GetCallerIdentity, once) and the region; a name
+ending in `.fifo` is a FIFO topic. Messages go out with PublishBatch, up to 10 entries and
+256 KiB per call. On FIFO topics the message key is the MessageGroupId and the message id
+the MessageDeduplicationId, under SQS's rules (hashed where SNS would refuse them: see
+relay.brokers._aws), so a re-send within the 5-minute window is dropped.
+
+PublishBatch works as SQS's SendMessageBatch does, so the flow is theirs (EntryBatchPublisher):
+FIFO batches in layers, one message per group per layer and nothing after a failed layer;
+entries failed for a reason worth retrying at once are retried alone; what SNS stored after
+a failure is remembered, so that the core's re-send does not send it twice.
+
+SNS delivers to its subscribers; an SQS queue subscribed with RawMessageDelivery gets the
+body as it is and the message attributes as SQS message attributes, which is why they are
+held to SQS's limit of 10. Credentials come from the standard AWS chain and are never logged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Collection
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from relay.brokers._aws import (
+    EntryBatchPublisher,
+    Target,
+    error_code,
+    is_configuration_fault,
+)
+from relay.config import SnsBrokerConfig
+from relay.errors import PermanentPublishError, PublishError
+
+MAX_ENTRIES = 10  # per PublishBatch call (an SNS limit)
+MAX_CALL_BYTES = 256 * 1024  # all the entries of one call (an SNS limit)
+MAX_MESSAGE_BYTES = 256 * 1024  # one message, body and attributes (an SNS limit)
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9_-]{1,256}|[A-Za-z0-9_-]{1,251}\.fifo")
+_TOPIC_ARN = re.compile(r"arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:([A-Za-z0-9_.-]{1,256})")
+
+# Error codes, as botocore reports them.
+_TOPIC_GONE = frozenset({"NotFound", "NotFoundException", "ResourceNotFound"})
+# The message itself is at fault: sending it again cannot help.
+_MESSAGE_FAULT = frozenset(
+    {
+        "InvalidParameter",
+        "InvalidParameterValue",
+        "ParameterValueInvalid",
+        "BatchRequestTooLong",
+        "ValidationError",
+    }
+)
+
+
+class SnsPublisher(EntryBatchPublisher):
+    service = "sns"
+    title = "SNS"
+    kind = "topic"
+    max_entries = MAX_ENTRIES
+    max_call_bytes = MAX_CALL_BYTES
+    max_message_bytes = MAX_MESSAGE_BYTES
+    body_field = "Message"
+    gone = _TOPIC_GONE
+    message_fault = _MESSAGE_FAULT
+
+    def __init__(self, name: str, config: SnsBrokerConfig) -> None:
+        super().__init__(
+            name, config.region, config.endpoint_url, config.connect_timeout, config.ack_timeout
+        )
+        self._region = config.region
+        self._account: tuple[str, str] | None = None  # (partition, account) of the credentials
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: GetTopicAttributes of each topic, which proves the credentials
+        too; with no topic known in advance, ListTopics does (an AuthorizationError answer
+        also proves them). Nothing is published; what is wrong, one line each."""
+        await self.connect()
+        try:
+            if not destinations:
+                problem = await self._probe_call(
+                    "(any)", self._client.list_topics(), denied_is_fine=True
+                )
+                return [problem] if problem else []
+            problems = []
+            for destination in sorted(destinations):
+                try:
+                    target = await self._find(destination)
+                except PublishError as exc:
+                    problems.append(str(exc))
+                    continue
+                call = self._client.get_topic_attributes(TopicArn=target.address)
+                if problem := await self._probe_call(destination, call):
+                    problems.append(problem)
+            return problems
+        finally:
+            await self.close()
+
+    async def _probe_call(
+        self, topic: str, call: Awaitable[Any], *, denied_is_fine: bool = False
+    ) -> str | None:
+        try:
+            await call
+        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
+            if isinstance(exc, ClientError) and error_code(exc) in _TOPIC_GONE:
+                return (
+                    f"broker {self.name!r}: topic {topic!r} does not exist: every message to"
+                    " it would be retried for ever; create it"
+                )
+            denied = isinstance(exc, ClientError) and is_configuration_fault(error_code(exc))
+            if denied_is_fine and denied:
+                return None  # authenticated, just not allowed to list
+            return str(self.call_error(exc, topic))
+        return None
+
+    async def _find(self, destination: str) -> Target:
+        if match := _TOPIC_ARN.fullmatch(destination):
+            name = match.group(1)
+            return Target(name, destination, name.endswith(".fifo"))
+        if not _TOPIC_NAME.fullmatch(destination):
+            raise PermanentPublishError(
+                f"broker {self.name!r}: {destination!r} is neither a topic ARN nor a topic name "
+                "(1-256 letters, digits, '-' or '_', FIFO topics ending in '.fifo')"
+            )
+        partition, account = await self._caller()
+        arn = f"arn:{partition}:sns:{self._region}:{account}:{destination}"
+        return Target(destination, arn, destination.endswith(".fifo"))
+
+    async def _caller(self) -> tuple[str, str]:
+        """(partition, account) of the credentials, asked of STS once: a topic name's ARN."""
+        if self._account is None:
+            assert self._stack is not None
+            try:
+                sts = await self._stack.enter_async_context(
+                    self._session.client("sts", endpoint_url=self._endpoint_url)
+                )
+                identity = await sts.get_caller_identity()
+            except Exception as exc:
+                raise self.call_error(exc, "(account)") from exc
+            self._account = (identity["Arn"].split(":")[1], identity["Account"])
+        return self._account
+
+    async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
+        return await self._client.publish_batch(
+            TopicArn=target.address, PublishBatchRequestEntries=requests
+        )
