@@ -3,15 +3,18 @@
 A batch that cannot even connect fails as a whole, with the connection's error; a
 message held back after an earlier failure is reported "not sent", so that the core
 retries it after the failed one and order is kept; a client that `connect` should
-have opened is required, not assumed.
+have opened is required, not assumed; messages the broker stored after a failure are
+remembered, so that the core's re-send of the batch does not send them twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from relay.core.publishing import Outcome
+from relay.core.publishing import Message, Outcome
 from relay.errors import TransientPublishError
 
 T = TypeVar("T")
@@ -39,3 +42,31 @@ def connected(client: T | None) -> T:
     if client is None:
         raise TransientPublishError("not connected to the broker")
     return client
+
+
+class Accepted:
+    """Messages the broker stored after the first failure of a publish: the core offers them
+    again, and they are acknowledged without being sent twice (for `remember_for` seconds,
+    `remember_max` messages at the most)."""
+
+    def __init__(self, remember_for: float, remember_max: int = 20_000) -> None:
+        self._since: OrderedDict[Message, float] = OrderedDict()
+        self._remember_for = remember_for
+        self._remember_max = remember_max
+
+    def take(self, message: Message) -> bool:
+        """Whether `message` was stored before (and forget it: it is acknowledged now)."""
+        return bool(self._since) and self._since.pop(message, None) is not None
+
+    def remember(self, messages: Sequence[Message], results: Sequence[Outcome]) -> None:
+        """Remember the messages stored after the first failure; forget the oldest ones."""
+        first = next((i for i, r in enumerate(results) if r is not None), len(results))
+        now = time.monotonic()
+        for index in range(first + 1, len(results)):
+            if results[index] is None:
+                self._since[messages[index]] = now
+        while self._since:
+            message, since = next(iter(self._since.items()))
+            if len(self._since) <= self._remember_max and now - since < self._remember_for:
+                break
+            del self._since[message]
