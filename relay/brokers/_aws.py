@@ -27,10 +27,10 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 from relay.brokers._batch import (
     Accepted,
     chunks,
-    connect_or_fail,
     layers,
     not_sent,
     per_destination,
+    ready,
 )
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -343,10 +343,8 @@ class EntryBatchPublisher(ABC):
         return await probe_call(call, target, by, denied_is_fine)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(
             len(messages), f"an earlier message for its FIFO {self.kind} failed", self.name
         )

@@ -34,6 +34,14 @@ async def connect_or_fail(connect: Callable[[], Awaitable[None]], count: int) ->
     return []
 
 
+async def ready(connect: Callable[[], Awaitable[None]], count: int) -> list[Outcome] | None:
+    """None when a publish of `count` messages may go on (connected); else what it returns at
+    once: [] for an empty batch (nothing to connect for), or connect_or_fail's errors."""
+    if not count:
+        return []
+    return await connect_or_fail(connect, count) or None
+
+
 def not_sent(
     count: int, why: str = "an earlier message of the batch failed", broker: str | None = None
 ) -> list[Outcome]:

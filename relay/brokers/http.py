@@ -40,7 +40,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 
-from relay.brokers._batch import Accepted, connect_or_fail, not_sent
+from relay.brokers._batch import Accepted, not_sent, ready
 from relay.brokers._header_values import altered
 from relay.config.base import TlsConfig
 from relay.config.brokers import HttpBrokerConfig
@@ -131,10 +131,8 @@ class HttpPublisher:
         return None
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(len(messages), "an earlier message of its key failed", self.name)
         by_key: dict[str, list[int]] = {}
         for index, message in enumerate(messages):

@@ -45,7 +45,7 @@ from relay.brokers._aws import (
     open_client,
     probe_call,
 )
-from relay.brokers._batch import Accepted, chunks, connect_or_fail, not_sent, per_destination
+from relay.brokers._batch import Accepted, chunks, not_sent, per_destination, ready
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import STRUCTURED, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -143,10 +143,8 @@ class KinesisPublisher:
         return await probe_call(call, stream, by)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(
             len(messages), "an earlier message with its key failed", broker=self.name
         )

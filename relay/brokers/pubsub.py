@@ -46,7 +46,7 @@ from google.cloud.pubsub_v1.publisher import exceptions as publisher_exceptions
 from google.cloud.pubsub_v1.types import BatchSettings, PublisherOptions
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 
-from relay.brokers._batch import Accepted, connect_or_fail, not_sent
+from relay.brokers._batch import Accepted, not_sent, ready
 from relay.config.brokers import PubSubBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -215,10 +215,8 @@ class PubSubPublisher:
     # -- publishing ----------------------------------------------------------------------------
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         client = self._admin()
         self._resume_stuck(client)
         outcomes: list[Outcome] = [None] * len(messages)
