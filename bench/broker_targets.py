@@ -348,6 +348,8 @@ def fake_aws_environment() -> Iterator[None]:
 
 class Sqs:
     label = f"aioboto3 `send_message_batch` x{MAX_ENTRIES}, {CONCURRENCY} calls in flight"
+    service = "sqs"  # the raw phase's client
+    body_field = "MessageBody"  # of a batch entry
 
     def __init__(self) -> None:
         self.server: sqs_server.MotoServer | None = None
@@ -403,22 +405,23 @@ class Sqs:
         return int(response["Attributes"]["ApproximateNumberOfMessages"])
 
     async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
+        """The service's batch call as the adapter makes it (its client settings, FIFO ids,
+        MAX_ENTRIES a call, CONCURRENCY calls in flight), without the relay around it."""
         assert self.server is not None
         name = self.queue_name(f"raw{tag}")
-        url = await self._queue(name)
+        target = await self._raw_target(name)
         slots = asyncio.Semaphore(CONCURRENCY)
-        # The adapter's client settings (relay/brokers/sqs.py, connect).
-        client_config = Config(
+        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
             retries={"mode": "standard", "total_max_attempts": 2},
             max_pool_connections=CONCURRENCY,
         )
-        SqsChunk = list[list[dict[str, Any]]]
+        Chunk = list[list[dict[str, Any]]]
 
-        def prepare(messages: list[Message]) -> SqsChunk:
+        def prepare(messages: list[Message]) -> Chunk:
             entries = [
                 {
                     "Id": str(i),
-                    "MessageBody": m.body.decode(),
+                    self.body_field: m.body.decode(),
                     "MessageAttributes": message_attributes(m),
                     "MessageGroupId": group_id(m.key),
                     "MessageDeduplicationId": deduplication_id(m.id),
@@ -428,21 +431,34 @@ class Sqs:
             return [entries[i : i + MAX_ENTRIES] for i in range(0, len(entries), MAX_ENTRIES)]
 
         session = aioboto3.Session(region_name=sqs_server.REGION)
-        async with session.client("sqs", endpoint_url=self.server.url, config=client_config) as c:
+        async with session.client(
+            self.service, endpoint_url=self.server.url, config=client_config
+        ) as c:
 
             async def call(entries: list[dict[str, Any]]) -> None:
                 async with slots:
-                    response = await c.send_message_batch(QueueUrl=url, Entries=entries)
-                if response.get("Failed"):
-                    raise RuntimeError(f"SQS refused entries: {response['Failed'][:3]}")
+                    response = await self._batch_call(c, target, entries)
+                if response.get("Failed") or len(response["Successful"]) != len(entries):
+                    failed = response.get("Failed", [])[:3]
+                    raise RuntimeError(f"{self.service.upper()} refused entries: {failed}")
 
-            async def send(chunk: SqsChunk) -> None:
+            async def send(chunk: Chunk) -> None:
                 await asyncio.gather(*(call(entries) for entries in chunk))
 
-            await c.get_queue_attributes(QueueUrl=url)  # connection opened outside the timer
+            await self._warm_up(c, target)  # connection opened outside the timer
             result = await timed_publish(config, last, batch, prepare, send)
         result.stored = await self.stored(result.count, name)
         return result
+
+    async def _raw_target(self, name: str) -> str:
+        """A fresh queue for a raw phase: its URL."""
+        return await self._queue(name)
+
+    async def _batch_call(self, client: Any, url: str, entries: list[dict[str, Any]]) -> Any:
+        return await client.send_message_batch(QueueUrl=url, Entries=entries)
+
+    async def _warm_up(self, client: Any, url: str) -> None:
+        await client.get_queue_attributes(QueueUrl=url)
 
 
 # -- Google Pub/Sub: a private emulator ---------------------------------------------------------
@@ -705,6 +721,8 @@ class Sns(Sqs):
     subscribed to its topic: moto's SNS delivers into SQS inside the publish call."""
 
     label = f"aioboto3 `publish_batch` x{MAX_ENTRIES}, {CONCURRENCY} calls in flight"
+    service = "sns"
+    body_field = "Message"
 
     def __init__(self) -> None:
         super().__init__()
@@ -757,49 +775,16 @@ class Sns(Sqs):
     def destination(self) -> str | None:
         return self._topics[self.queue_name("relay")]
 
-    async def raw(self, config: RelayConfig, last: int, batch: int, tag: str) -> report.Throughput:
-        assert self.server is not None
-        name = self.queue_name(f"raw{tag}")
+    async def _raw_target(self, name: str) -> str:
+        """A fresh topic (and its queue) for a raw phase: the topic's ARN."""
         await self._queue(name)
-        arn = self._topics[name]
-        slots = asyncio.Semaphore(CONCURRENCY)
-        client_config = Config(  # the adapter's client settings (relay/brokers/_aws.py)
-            retries={"mode": "standard", "total_max_attempts": 2},
-            max_pool_connections=CONCURRENCY,
-        )
-        SnsChunk = list[list[dict[str, Any]]]
+        return self._topics[name]
 
-        def prepare(messages: list[Message]) -> SnsChunk:
-            entries = [
-                {
-                    "Id": str(i),
-                    "Message": m.body.decode(),
-                    "MessageAttributes": message_attributes(m),
-                    "MessageGroupId": group_id(m.key),
-                    "MessageDeduplicationId": deduplication_id(m.id),
-                }
-                for i, m in enumerate(messages)
-            ]
-            return [entries[i : i + MAX_ENTRIES] for i in range(0, len(entries), MAX_ENTRIES)]
+    async def _batch_call(self, client: Any, arn: str, entries: list[dict[str, Any]]) -> Any:
+        return await client.publish_batch(TopicArn=arn, PublishBatchRequestEntries=entries)
 
-        session = aioboto3.Session(region_name=sqs_server.REGION)
-        async with session.client("sns", endpoint_url=self.server.url, config=client_config) as c:
-
-            async def call(entries: list[dict[str, Any]]) -> None:
-                async with slots:
-                    response = await c.publish_batch(
-                        TopicArn=arn, PublishBatchRequestEntries=entries
-                    )
-                if response.get("Failed") or len(response["Successful"]) != len(entries):
-                    raise RuntimeError(f"SNS refused entries: {response.get('Failed', [])[:3]}")
-
-            async def send(chunk: SnsChunk) -> None:
-                await asyncio.gather(*(call(entries) for entries in chunk))
-
-            await c.get_topic_attributes(TopicArn=arn)  # connection opened outside the timer
-            result = await timed_publish(config, last, batch, prepare, send)
-        result.stored = await self.stored(result.count, name)
-        return result
+    async def _warm_up(self, client: Any, arn: str) -> None:
+        await client.get_topic_attributes(TopicArn=arn)
 
 
 # -- Kinesis: a stream per phase on the same private moto server -------------------------------

@@ -3,8 +3,10 @@
 The client (botocore settings, credentials from the standard chain, never logged), how
 botocore errors are read and classified, the CloudEvents message attributes under the
 10-attribute limit SQS and SNS share, the FIFO MessageGroupId and MessageDeduplicationId
-rules (SNS FIFO topics take SQS's), and the batch shapes: per-key layers, chunks under a
-count and a byte budget, and the memory of messages already accepted after a failure.
+rules (SNS FIFO topics take SQS's), the lines of `relay check`, and the batch flow the SQS
+and SNS batch calls share. The batch shapes and the memory of messages accepted after a
+failure are every adapter's (relay.brokers._batch); here they are kept for the FIFO dedup
+window.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import asyncio
 import contextlib
 import hashlib
 import re
-import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple
 
 import aioboto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from relay.brokers._batch import connect_or_fail, not_sent
+from relay.brokers._batch import (
+    Accepted,
+    chunks,
+    layers,
+    not_sent,
+    per_destination,
+    ready,
+)
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
@@ -32,7 +39,6 @@ MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit; SNS to SQS 
 CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
 ENTRY_RETRIES = (0.05, 0.2)  # delays of the in-adapter retries of failed entries
 REMEMBER_FOR = 300.0  # seconds an accepted message is remembered: the FIFO dedup window
-REMEMBER_MAX = 20_000
 
 # MessageGroupId and MessageDeduplicationId: 1 to 128 letters, digits and punctuation.
 _ID = re.compile(r"[!-~]{1,128}")
@@ -185,72 +191,42 @@ def deduplication_id(message_id: str) -> str:
     return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
 
 
-# -- batch shapes ------------------------------------------------------------------------------
+# -- relay check ------------------------------------------------------------------------------
 
 
-class Keyed(Protocol):
-    @property
-    def message(self) -> Message: ...
+def _never(code: str) -> bool:
+    """No error code is fine: the default of a call that is not a listing."""
+    return False
 
 
-class Sized(Protocol):
-    @property
-    def size(self) -> int: ...
+class Prober(NamedTuple):
+    """Whose calls `relay check` makes: the broker, what a target is, the codes saying it does
+    not exist, and how a failed call reads at publish."""
+
+    broker: str
+    kind: str
+    gone: Collection[str]
+    call_error: Callable[[BaseException, str], PublishError]
 
 
-K = TypeVar("K", bound=Keyed)
-S = TypeVar("S", bound=Sized)
-
-
-def layers(entries: list[K]) -> list[list[K]]:
-    """Layer n: the n-th entry of each key, in position order; at most one per group."""
-    depth: dict[str, int] = {}
-    found: list[list[K]] = []
-    for entry in entries:
-        n = depth.get(entry.message.key, 0)
-        depth[entry.message.key] = n + 1
-        if n == len(found):
-            found.append([])
-        found[n].append(entry)
-    return found
-
-
-def chunks(entries: list[S], max_entries: int, max_bytes: int) -> Iterator[list[S]]:
-    """Consecutive runs of up to `max_entries` entries and `max_bytes` (bigger ones alone)."""
-    chunk: list[S] = []
-    size = 0
-    for entry in entries:
-        if chunk and (len(chunk) == max_entries or size + entry.size > max_bytes):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(entry)
-        size += entry.size
-    if chunk:
-        yield chunk
-
-
-class Accepted:
-    """Messages the service stored after the first failure of a publish: the core offers
-    them again, and they are acknowledged without being sent twice (for REMEMBER_FOR)."""
-
-    def __init__(self) -> None:
-        self._since: OrderedDict[Message, float] = OrderedDict()
-
-    def take(self, message: Message) -> bool:
-        """Whether `message` was stored before (and forget it: it is acknowledged now)."""
-        return bool(self._since) and self._since.pop(message, None) is not None
-
-    def remember(self, messages: Sequence[Message], results: Sequence[Outcome]) -> None:
-        first = next((i for i, r in enumerate(results) if r is not None), len(results))
-        now = time.monotonic()
-        for index in range(first + 1, len(results)):
-            if results[index] is None:
-                self._since[messages[index]] = now
-        while self._since:
-            message, since = next(iter(self._since.items()))
-            if len(self._since) <= REMEMBER_MAX and now - since < REMEMBER_FOR:
-                break
-            del self._since[message]
+async def probe_call(
+    call: Awaitable[Any], target: str, by: Prober, denied_is_fine: Callable[[str], bool] = _never
+) -> str | None:
+    """`relay check`'s line about one call, None when it went through: a target that is gone
+    is named so; a code `denied_is_fine` takes (of a listing) proves the credentials."""
+    try:
+        await call
+    except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
+        code = error_code(exc) if isinstance(exc, ClientError) else None
+        if code is not None and code in by.gone:
+            return (
+                f"broker {by.broker!r}: {by.kind} {target!r} does not exist: every message to"
+                " it would be retried for ever; create it"
+            )
+        if code is not None and denied_is_fine(code):
+            return None  # authenticated, just not allowed to list
+        return str(by.call_error(exc, target))
+    return None
 
 
 # -- the batch flow of SendMessageBatch and PublishBatch -------------------------------------
@@ -327,7 +303,7 @@ class EntryBatchPublisher(ABC):
         self._stack: contextlib.AsyncExitStack | None = None
         self._slots: asyncio.Semaphore | None = None
         self._targets: dict[str, Target] = {}
-        self._accepted = Accepted()
+        self._accepted = Accepted(REMEMBER_FOR)
         self.duplicates = 0
         self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
 
@@ -359,23 +335,20 @@ class EntryBatchPublisher(ABC):
             with contextlib.suppress(Exception):
                 await stack.aclose()
 
+    async def _probe_call(
+        self, target: str, call: Awaitable[Any], denied_is_fine: Callable[[str], bool] = _never
+    ) -> str | None:
+        """probe_call in this service's words, with its error codes."""
+        by = Prober(self.name, self.kind, self.gone, self.call_error)
+        return await probe_call(call, target, by, denied_is_fine)
+
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(
             len(messages), f"an earlier message for its FIFO {self.kind} failed", self.name
         )
-        by_destination: dict[str, list[int]] = {}
-        for index, message in enumerate(messages):
-            by_destination.setdefault(message.destination, []).append(index)
-        await asyncio.gather(
-            *(
-                self._publish_to(destination, [(i, messages[i]) for i in indexes], results)
-                for destination, indexes in by_destination.items()
-            )
-        )
+        await per_destination(messages, self._publish_to, results)
         self._accepted.remember(messages, results)
         return results
 

@@ -32,7 +32,7 @@ import hmac
 import re
 import ssl
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -40,7 +40,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 
-from relay.brokers._batch import connect_or_fail, not_sent
+from relay.brokers._batch import Accepted, not_sent, ready
 from relay.brokers._header_values import altered
 from relay.config.base import TlsConfig
 from relay.config.brokers import HttpBrokerConfig
@@ -50,7 +50,6 @@ from relay.printable import printable
 
 ANSWER_BYTES = 200  # of a refused request's answer, in the parked reason
 REMEMBER_FOR = 300.0  # seconds a message delivered after a failure is remembered
-REMEMBER_MAX = 20_000
 MAX_REDIRECTS = 10  # with follow_redirects
 _TRANSIENT_4XX = {408, 425, 429}  # Request Timeout, Too Early, Too Many Requests
 _HTTP_URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -74,7 +73,7 @@ class HttpPublisher:
         self._workers = config.max_in_flight  # each sends one request at a time
         self._urls: dict[str, str | None] = {}  # a rendered URL -> why it cannot be used
         self._pieces = [p for p in _URL_FIELDS.split(config.url) if p]
-        self._delivered: OrderedDict[Message, float] = OrderedDict()
+        self._delivered = Accepted(REMEMBER_FOR)
         self.duplicates = 0
         self.last_duplicates: tuple[int, ...] = ()  # a receiver never says
 
@@ -132,10 +131,8 @@ class HttpPublisher:
         return None
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(len(messages), "an earlier message of its key failed", self.name)
         by_key: dict[str, list[int]] = {}
         for index, message in enumerate(messages):
@@ -149,7 +146,7 @@ class HttpPublisher:
                 await self._send_key(messages, keys.popleft(), results, halted)
 
         await asyncio.gather(*(worker() for _ in range(min(self._workers, len(keys)))))
-        self._remember(messages, results)
+        self._delivered.remember(messages, results)
         return results
 
     async def close(self) -> None:
@@ -170,7 +167,7 @@ class HttpPublisher:
         """The key's messages one after the other; nothing after one that failed."""
         for index in indexes:
             message = messages[index]
-            if self._delivered and self._delivered.pop(message, None) is not None:
+            if self._delivered.take(message):
                 results[index] = None  # delivered after an earlier failure: not sent again
                 self.duplicates += 1
                 continue
@@ -290,26 +287,13 @@ class HttpPublisher:
             self._urls[url] = why
         return why
 
-    # -- errors and memory ------------------------------------------------------------------
+    # -- errors ------------------------------------------------------------------------------
 
     def _transient(self, text: str) -> TransientPublishError:
         return TransientPublishError(f"broker {self.name!r}: {text}")
 
     def _permanent(self, message: Message, text: str) -> PermanentPublishError:
         return PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {text}")
-
-    def _remember(self, messages: Sequence[Message], results: list[Outcome]) -> None:
-        """Delivered messages after the first failure: the core will offer them again."""
-        first = next((i for i, r in enumerate(results) if r is not None), len(results))
-        now = time.monotonic()
-        for index in range(first + 1, len(results)):
-            if results[index] is None:
-                self._delivered[messages[index]] = now
-        while self._delivered:
-            message, since = next(iter(self._delivered.items()))
-            if len(self._delivered) <= REMEMBER_MAX and now - since < REMEMBER_FOR:
-                break
-            del self._delivered[message]
 
 
 def sign(keys: Sequence[bytes], message_id: str, timestamp: str, body: bytes) -> str:

@@ -51,7 +51,7 @@ from aiokafka.errors import (
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from relay.brokers._batch import connect_or_fail, connected, not_sent
+from relay.brokers._batch import connected, not_sent, ready
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
@@ -262,10 +262,8 @@ class KafkaPublisher:
     # -- publishing -------------------------------------------------------------------------
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         producer = connected(self._producer)
         tally = _Tally.of(len(messages))
         outcomes = tally.outcomes

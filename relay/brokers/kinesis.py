@@ -37,14 +37,15 @@ from botocore.exceptions import ClientError, NoCredentialsError
 
 from relay.brokers._aws import (
     ENTRY_RETRIES,
-    Accepted,
-    chunks,
+    REMEMBER_FOR,
+    Prober,
     client_error_text,
     error_code,
     error_text,
     open_client,
+    probe_call,
 )
-from relay.brokers._batch import connect_or_fail, not_sent
+from relay.brokers._batch import Accepted, chunks, not_sent, per_destination, ready
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import STRUCTURED, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -85,7 +86,7 @@ class KinesisPublisher:
         self._session = aioboto3.Session(region_name=config.region)
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._accepted = Accepted()
+        self._accepted = Accepted(REMEMBER_FOR)
         # A whole call, both of botocore's attempts: ack_timeout bounds only the reads, and
         # a body of megabytes can wait on its writes for ever while the network drops packets.
         self._deadline = 2 * (config.connect_timeout + config.ack_timeout) + 1.0
@@ -137,34 +138,17 @@ class KinesisPublisher:
             await self.close()
 
     async def _probe_call(self, stream: str, call: Awaitable[Any]) -> str | None:
-        try:
-            await call
-        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
-            if isinstance(exc, ClientError) and error_code(exc) in _STREAM_GONE:
-                return (
-                    f"broker {self.name!r}: stream {stream!r} does not exist: every message to"
-                    " it would be retried for ever; create it"
-                )
-            return str(self._call_error(exc, stream))
-        return None
+        """probe_call in Kinesis's words, with its error codes."""
+        by = Prober(self.name, "stream", _STREAM_GONE, self._call_error)
+        return await probe_call(call, stream, by)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         results = not_sent(
             len(messages), "an earlier message with its key failed", broker=self.name
         )
-        by_destination: dict[str, list[int]] = {}
-        for index, message in enumerate(messages):
-            by_destination.setdefault(message.destination, []).append(index)
-        await asyncio.gather(
-            *(
-                self._publish_to(destination, [(i, messages[i]) for i in indexes], results)
-                for destination, indexes in by_destination.items()
-            )
-        )
+        await per_destination(messages, self._publish_to, results)
         self._accepted.remember(messages, results)
         return results
 

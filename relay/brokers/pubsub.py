@@ -34,8 +34,6 @@ import contextlib
 import hashlib
 import re
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -48,7 +46,7 @@ from google.cloud.pubsub_v1.publisher import exceptions as publisher_exceptions
 from google.cloud.pubsub_v1.types import BatchSettings, PublisherOptions
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 
-from relay.brokers._batch import connect_or_fail, not_sent
+from relay.brokers._batch import Accepted, not_sent, ready
 from relay.config.brokers import PubSubBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -59,7 +57,6 @@ MAX_ATTRIBUTE_NAME_BYTES = 256
 MAX_ATTRIBUTE_VALUE_BYTES = 1024
 MAX_ORDERING_KEY_BYTES = 1024
 REMEMBER_FOR = 600.0  # seconds an accepted message is remembered, so not sent again
-REMEMBER_MAX = 20_000
 DEFAULT_ENDPOINT = "pubsub.googleapis.com:443"
 
 # A topic id: 3-255 characters, a letter first, not starting with `goog`.
@@ -100,7 +97,7 @@ class PubSubPublisher:
         self._channel: grpc.Channel | None = None
         self._stuck: set[tuple[str, str]] = set()  # keys paused after `publish` returned
         self._stuck_lock = threading.Lock()
-        self._accepted: OrderedDict[Message, float] = OrderedDict()
+        self._accepted = Accepted(REMEMBER_FOR)
         self._topics: dict[str, str | PublishError] = {}
         self.duplicates = 0
         self.last_duplicates: tuple[int, ...] = ()  # Pub/Sub cannot tell
@@ -218,17 +215,15 @@ class PubSubPublisher:
     # -- publishing ----------------------------------------------------------------------------
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
-        if not messages:
-            return []
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
+        if (done := await ready(self.connect, len(messages))) is not None:
+            return done
         client = self._admin()
         self._resume_stuck(client)
         outcomes: list[Outcome] = [None] * len(messages)
         pending: list[tuple[int, _Prepared, asyncio.Future[Any]]] = []
         refused_at = len(messages)
         for index, message in enumerate(messages):
-            if self._accepted and self._accepted.pop(message, None) is not None:
+            if self._accepted.take(message):
                 self.duplicates += 1  # stored before: the outbox re-sends after a failure
                 continue
             prepared = self._prepare(message)
@@ -245,7 +240,7 @@ class PubSubPublisher:
         for index in range(refused_at + 1, len(messages)):
             outcomes[index] = not_sent(1, broker=self.name)[0]
         await self._await_acks(client, pending, outcomes)
-        self._remember(messages, outcomes)
+        self._accepted.remember(messages, outcomes)
         return outcomes
 
     def _send(self, client: PublisherClient, prepared: _Prepared) -> Future[str]:
@@ -379,21 +374,6 @@ class PubSubPublisher:
                 " ordering key failed"
             )
         return TransientPublishError(text)
-
-    # -- what Pub/Sub already has --------------------------------------------------------------
-
-    def _remember(self, messages: Sequence[Message], outcomes: list[Outcome]) -> None:
-        """Messages stored after the first failure: the outbox will offer them again."""
-        first = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
-        now = time.monotonic()
-        for index in range(first + 1, len(outcomes)):
-            if outcomes[index] is None:
-                self._accepted[messages[index]] = now
-        while self._accepted:
-            message, since = next(iter(self._accepted.items()))
-            if len(self._accepted) <= REMEMBER_MAX and now - since < REMEMBER_FOR:
-                break
-            del self._accepted[message]
 
 
 def message_attributes(message: Message) -> dict[str, str]:

@@ -20,15 +20,12 @@ held to SQS's limit of 10. Credentials come from the standard AWS chain and are 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Collection
+from collections.abc import Collection
 from typing import Any
-
-from botocore.exceptions import ClientError
 
 from relay.brokers._aws import (
     EntryBatchPublisher,
     Target,
-    error_code,
     is_configuration_fault,
 )
 from relay.config import SnsBrokerConfig
@@ -81,7 +78,7 @@ class SnsPublisher(EntryBatchPublisher):
         try:
             if not destinations:
                 problem = await self._probe_call(
-                    "(any)", self._client.list_topics(), denied_is_fine=True
+                    "(any)", self._client.list_topics(), denied_is_fine=is_configuration_fault
                 )
                 return [problem] if problem else []
             problems = []
@@ -97,23 +94,6 @@ class SnsPublisher(EntryBatchPublisher):
             return problems
         finally:
             await self.close()
-
-    async def _probe_call(
-        self, topic: str, call: Awaitable[Any], *, denied_is_fine: bool = False
-    ) -> str | None:
-        try:
-            await call
-        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
-            if isinstance(exc, ClientError) and error_code(exc) in _TOPIC_GONE:
-                return (
-                    f"broker {self.name!r}: topic {topic!r} does not exist: every message to"
-                    " it would be retried for ever; create it"
-                )
-            denied = isinstance(exc, ClientError) and is_configuration_fault(error_code(exc))
-            if denied_is_fine and denied:
-                return None  # authenticated, just not allowed to list
-            return str(self.call_error(exc, topic))
-        return None
 
     async def _find(self, destination: str) -> Target:
         if match := _TOPIC_ARN.fullmatch(destination):

@@ -34,16 +34,13 @@ is the outbox's backoff, visible in `status`.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Collection
+from collections.abc import Collection
 from typing import Any
 from urllib.parse import urlsplit
-
-from botocore.exceptions import ClientError
 
 from relay.brokers._aws import (
     EntryBatchPublisher,
     Target,
-    error_code,
 )
 from relay.config import SqsBrokerConfig
 from relay.errors import PermanentPublishError
@@ -94,7 +91,7 @@ class SqsPublisher(EntryBatchPublisher):
         try:
             if not destinations:
                 problem = await self._probe_call(
-                    "(any)", self._client.list_queues(MaxResults=1), denied_is_fine=True
+                    "(any)", self._client.list_queues(MaxResults=1), denied_is_fine=_access_denied
                 )
                 return [problem] if problem else []
             problems = []
@@ -117,26 +114,6 @@ class SqsPublisher(EntryBatchPublisher):
         finally:
             await self.close()
 
-    async def _probe_call(
-        self, queue: str, call: Awaitable[Any], *, denied_is_fine: bool = False
-    ) -> str | None:
-        try:
-            await call
-        except Exception as exc:  # noqa: BLE001 - each becomes a line of the report
-            if isinstance(exc, ClientError) and error_code(exc) in _QUEUE_GONE:
-                return (
-                    f"broker {self.name!r}: queue {queue!r} does not exist: every message to"
-                    " it would be retried for ever; create it"
-                )
-            if (
-                denied_is_fine
-                and isinstance(exc, ClientError)
-                and "AccessDenied" in error_code(exc)
-            ):
-                return None  # authenticated, just not allowed to list
-            return str(self.call_error(exc, queue))
-        return None
-
     async def _find(self, destination: str) -> Target:
         if destination.startswith(("https://", "http://")):
             name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
@@ -156,3 +133,8 @@ class SqsPublisher(EntryBatchPublisher):
 
     async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
         return await self._client.send_message_batch(QueueUrl=target.address, Entries=requests)
+
+
+def _access_denied(code: str) -> bool:
+    """ListQueues refused for want of permission: the credentials were good enough to ask."""
+    return "AccessDenied" in code

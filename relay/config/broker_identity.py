@@ -11,15 +11,13 @@ from __future__ import annotations
 import re
 
 from relay.config.brokers import (
+    BrokerConfig,
     HttpBrokerConfig,
     KafkaBrokerConfig,
-    KinesisBrokerConfig,
     NatsBrokerConfig,
     PubSubBrokerConfig,
     RabbitMqBrokerConfig,
     RedisBrokerConfig,
-    SnsBrokerConfig,
-    SqsBrokerConfig,
 )
 
 _DEFAULT_PORTS = {
@@ -35,17 +33,7 @@ _DEFAULT_PORTS = {
 }
 
 
-def broker_identity(
-    config: NatsBrokerConfig
-    | KafkaBrokerConfig
-    | RabbitMqBrokerConfig
-    | SqsBrokerConfig
-    | PubSubBrokerConfig
-    | RedisBrokerConfig
-    | HttpBrokerConfig
-    | SnsBrokerConfig
-    | KinesisBrokerConfig,
-) -> str:
+def broker_identity(config: BrokerConfig) -> str:
     """`<type> <host:port>[,<host:port>...]`, the hosts sorted; a vhost or region kept."""
     if isinstance(config, NatsBrokerConfig):
         hosts = [_host(server, "nats")[0] for server in config.servers]

@@ -19,7 +19,7 @@ import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
@@ -55,6 +55,11 @@ def message(
         position=version,
     )
     return replace(sent, **changes) if changes else sent
+
+
+def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
+    """`message` for each key, version after version: k1@1 k2@1 ... k1@2 k2@2 ..."""
+    return [message(destination, k, v) for v in range(1, versions + 1) for k in keys]
 
 
 class ProxiedHarness(BrokerHarness, Protocol):

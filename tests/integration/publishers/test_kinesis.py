@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -34,15 +34,11 @@ from tests.contract.brokers import kinesis as kinesis_harness
 from tests.contract.brokers.kinesis import KinesisHarness, consumed
 from tests.contract.harness import Consumed
 from tests.integration.publishers import base
-from tests.integration.publishers.base import message
+from tests.integration.publishers.base import interleaved, message
 from tests.support.kinesis_faults import THROTTLED, KinesisFaults
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import REGION
-
-
-def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
-    return [message(destination, k, v) for v in range(1, versions + 1) for k in keys]
 
 
 @asynccontextmanager

@@ -28,7 +28,7 @@ from tests.contract.brokers import pubsub as pubsub_harness
 from tests.contract.brokers.pubsub import PubSubHarness
 from tests.contract.harness import Consumed
 from tests.integration.publishers import base
-from tests.integration.publishers.base import message
+from tests.integration.publishers.base import interleaved, message
 from tests.support.net import free_port
 from tests.support.pubsub_server import (
     PROJECT,
@@ -107,10 +107,6 @@ async def publisher(emulator: str, **options: Any) -> AsyncIterator[PubSubPublis
         yield pub
     finally:
         await pub.close()
-
-
-def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
-    return [message(destination, k, v) for v in range(1, versions + 1) for k in keys]
 
 
 async def read(emulator: str, subscription: str, expected: int) -> list[Any]:

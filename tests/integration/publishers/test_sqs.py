@@ -12,23 +12,19 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from relay.brokers._aws import CONCURRENCY
 from relay.brokers.sqs import SqsPublisher
 from relay.config import SqsBrokerConfig
-from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
 from tests.contract.brokers import sqs as sqs_harness
 from tests.contract.brokers.sqs import SqsHarness
-from tests.contract.harness import Consumed
 from tests.integration.publishers import base
-from tests.integration.publishers.base import message
-from tests.support.net import free_port
+from tests.integration.publishers.aws import AwsKit, EntryFaults, by_group
+from tests.integration.publishers.base import interleaved, message
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (
     REGION,
@@ -38,10 +34,6 @@ from tests.support.sqs_server import (
     sqs_client,
     unique_queue,
 )
-
-
-def interleaved(destination: str, keys: Iterable[str], versions: int) -> list[Message]:
-    return [message(destination, k, v) for v in range(1, versions + 1) for k in keys]
 
 
 @asynccontextmanager
@@ -56,109 +48,23 @@ async def publisher(endpoint: str, ack_timeout: float = 5.0) -> AsyncIterator[Sq
         await pub.close()
 
 
-class SqsKit(base.PublisherKit[SqsHarness]):
+class SqsKit(AwsKit[SqsHarness]):
     name = "sqs"
-    options = {"ack_timeout": 5.0, "connect_timeout": 5.0}
-    batches = (50,)
-    total_order = False  # per key: a FIFO queue's message group
     oversized = 1024 * 1024 + 2  # the relay does not even send it
-    oversize_keys = ("k", "k", "k")  # what is held back is the rest of the group
     oversize_says = "more than SQS's maximum of 1 MiB"
-    invalid_destination = "no spaces allowed"
     invalid_destination_says = "neither a queue URL nor a queue name"
-    connect_reaches_the_broker = False  # the client is made without a request
     # Deduplication: moto forgets an id once its message is deleted (SQS keeps it for 5
     # minutes), so DeduplicationTestcase sends again before it reads. `duplicates` cannot tell.
-    time_attribute = "ce_time"
-    timed_attributes = {
-        "ce_specversion": "1.0",
-        "ce_id": "book/b1@1",
-        "ce_type": "library.book-lent.v1",
-        "ce_source": "/outbox-relay/loans",
-        "ce_time": "2026-11-29T08:30:15.250000+00:00",
-        "ce_partitionkey": "b1",
-        "content-type": "application/json",
-    }
-    missing_destination_says = "does not exist"
     start = staticmethod(sqs_harness.start)
-
-    def unreachable(self) -> dict[str, Any]:
-        return {"endpoint_url": f"http://127.0.0.1:{free_port()}"}
 
     def unreachable_says(self) -> tuple[str, ...]:
         return (f"broker 'sqs': queue {self.destination!r}: ", "Could not connect")
-
-    def carried(self, consumed: Consumed) -> dict[str, str]:
-        names = consumed.raw["MessageAttributes"]
-        return {name: attribute(consumed.raw, name) or "" for name in names}
-
-    def content_type(self, consumed: Consumed) -> str:
-        return attribute(consumed.raw, "content-type") or ""
-
-    def check_native(self, consumed: Consumed, sent: Message) -> None:
-        assert json.loads(consumed.raw["Body"]) == {"book": "b1", "v": 1}
-        assert consumed.raw["Attributes"]["MessageDeduplicationId"] == "book/b1@1"
-        assert consumed.raw["Attributes"]["MessageGroupId"] == "b1"
 
 
 class TestSqsPublisher(
     base.PublisherTestcase, base.DeduplicationTestcase, base.MissingDestinationTestcase
 ):
     Kit = SqsKit
-
-
-class EntryFaults:
-    """Fail chosen entries of SendMessageBatch calls the way SQS reports it.
-
-    `plan` maps a message id to the failures of its next attempts, as (code, sender_fault):
-    such an entry is not stored and comes back under `Failed`; the others are stored.
-    `calls` records the message ids of every call, in entry order.
-    """
-
-    def __init__(self, pub: SqsPublisher, plan: dict[str, list[tuple[str, bool]]]) -> None:
-        self.plan = plan
-        self.calls: list[list[str]] = []
-        events = pub._client.meta.events  # the publisher's own client (tests only)
-        events.register("before-parameter-build.sqs.SendMessageBatch", self._before)
-        events.register("before-call.sqs.SendMessageBatch", self._short_circuit)
-        events.register("after-call.sqs.SendMessageBatch", self._after)
-
-    def sent(self, message_id: str) -> int:
-        return sum(call.count(message_id) for call in self.calls)
-
-    def _before(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-        entries = params["Entries"]
-        self.calls.append([e["MessageAttributes"]["ce_id"]["StringValue"] for e in entries])
-        kept, failed = [], []
-        for entry, message_id in zip(entries, self.calls[-1], strict=True):
-            if self.plan.get(message_id):
-                code, sender_fault = self.plan[message_id].pop(0)
-                failed.append(
-                    {"Id": entry["Id"], "SenderFault": sender_fault, "Code": code, "Message": "!"}
-                )
-            else:
-                kept.append(entry)
-        context["injected"] = failed
-        if kept:
-            params["Entries"] = kept
-        else:
-            context["nothing_to_send"] = True  # botocore refuses an empty list: answer here
-
-    def _short_circuit(self, context: dict[str, Any], **_: Any) -> Any:
-        if context.get("nothing_to_send"):
-            return SimpleNamespace(status_code=200, headers={}), {"Successful": []}
-        return None
-
-    def _after(self, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-        if context.get("injected"):
-            parsed.setdefault("Failed", []).extend(context["injected"])
-
-
-def by_group(received: list[dict[str, Any]]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = defaultdict(list)
-    for m in received:
-        groups[m["Attributes"]["MessageGroupId"]].append(attribute(m, "ce_id") or "")
-    return dict(groups)
 
 
 async def test_failed_entries_alone_are_retried_and_no_group_is_reordered(
