@@ -55,6 +55,11 @@ def stream_from(server: EmbeddedPostgres, port: int) -> None:
     source = ["-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
     server._run("pg_basebackup", "-R", "-X", "stream", "--checkpoint=fast", *source)
     server.pgdata.chmod(0o700)  # as initdb leaves it: the server refuses anything looser
+    # The source's socket lock files come along (the socket directory is the data directory):
+    # one naming this server's port, from when the source was copied from it, stops the start
+    # when its PID has been reused ("lock file ... already exists").
+    for stale in server.pgdata.glob(".s.PGSQL.*"):
+        stale.unlink()
     log = server.pgdata / "server.log"
     log.unlink(missing_ok=True)  # the primary's, copied over
     try:
