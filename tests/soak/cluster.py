@@ -27,6 +27,7 @@ from tests.support.postgres import EVENTS_SQL, address, with_address, with_datab
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.replication import PRIMARY_SETTINGS, promote, stream_from
+from tests.support.scenario import eventually
 
 DATABASE = "soak"
 OUTBOX = "soak"
@@ -162,14 +163,18 @@ class Database:
         started = time.monotonic()
         async with self.connection() as conn:
             written = await conn.fetchval("SELECT pg_current_wal_lsn()")
-            while time.monotonic() - started < timeout:
+
+            async def replayed_all() -> bool:
                 replayed = await conn.fetchval(
                     "SELECT max(replay_lsn) FROM pg_stat_replication WHERE state = 'streaming'"
                 )
-                if replayed is not None and replayed >= written:
-                    return time.monotonic() - started
-                await asyncio.sleep(0.05)
-        raise RuntimeError(f"the standby did not catch up within {timeout:.0f}s")
+                return replayed is not None and bool(replayed >= written)
+
+            try:
+                await eventually(replayed_all, timeout)
+            except AssertionError:
+                raise RuntimeError(f"the standby did not catch up within {timeout:.0f}s") from None
+        return time.monotonic() - started
 
     def _follow(self, server: EmbeddedPostgres) -> None:
         """`server` streams from the primary through a fresh link."""

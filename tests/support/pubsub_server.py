@@ -26,7 +26,7 @@ from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
-from tests.support.net import free_port, port_open
+from tests.support.net import free_port, wait_for_port
 
 DEFAULT_EMULATOR = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator"
 EMULATOR = Path(os.environ.get("RELAY_TEST_PUBSUB_EMULATOR", DEFAULT_EMULATOR))
@@ -66,15 +66,14 @@ class PubSubEmulator:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # the script starts java: kill the whole group
             )
-        deadline = time.monotonic() + timeout
-        while not port_open("127.0.0.1", self.port):
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"Pub/Sub emulator did not start on port {self.port}:\n"
-                    + self.log_path.read_text(errors="replace")[-3000:]
-                )
-            time.sleep(0.2)
+        try:
+            wait_for_port("127.0.0.1", self.port, timeout, self._process)
+        except (RuntimeError, TimeoutError) as exc:
+            self.kill()
+            raise RuntimeError(
+                f"Pub/Sub emulator did not start on port {self.port} ({exc}):\n"
+                + self.log_path.read_text(errors="replace")[-3000:]
+            ) from exc
         return self
 
     def kill(self) -> None:

@@ -17,7 +17,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.support.net import free_port
+from tests.support.net import free_port, wait_for_port
 
 MACHINE_URL = "redis://127.0.0.1:6379/0"
 FORCE_EMBEDDED = os.environ.get("RELAY_TEST_EMBEDDED") == "1"
@@ -80,15 +79,15 @@ class RedisServer:
         self._process = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout
-        port = self.port
-        while not _listening(port):
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                log = self.directory / f"redis-{self.port}.log"
-                text = log.read_text(errors="replace") if log.exists() else ""
-                raise RuntimeError(f"redis-server did not start on port {port}:\n{text}")
-            time.sleep(0.02)
+        try:
+            wait_for_port("127.0.0.1", self.port, timeout, self._process)
+        except (RuntimeError, TimeoutError) as exc:
+            self.kill()
+            log = self.directory / f"redis-{self.port}.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            raise RuntimeError(
+                f"redis-server did not start on port {self.port} ({exc}):\n{text}"
+            ) from exc
         return self
 
     def kill(self) -> None:
@@ -101,14 +100,6 @@ class RedisServer:
     def restart(self) -> RedisServer:
         self.kill()
         return self.start()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 RedisFactory = Callable[..., RedisServer]

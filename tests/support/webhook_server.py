@@ -28,6 +28,8 @@ from pathlib import Path
 from aiohttp import web
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from tests.support.scenario import eventually
+
 SECRET = "whsec_" + base64.b64encode(b"outbox-relay-test-signing-key-1").decode()
 OLD_SECRET = "whsec_" + base64.b64encode(b"outbox-relay-test-signing-key-0").decode()
 
@@ -143,19 +145,19 @@ class WebhookServer:
     async def wait_delivered(self, expected: int, timeout: float = 30.0) -> list[Request]:  # noqa: ASYNC109
         """Every delivered request, once `expected` distinct messages (ids) have come: a
         re-sent one (its answer lost in an outage) does not stand for one still missing."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            delivered = self.delivered()
-            if len({r.id for r in delivered}) >= expected:
-                return delivered
-            if loop.time() > deadline:
-                distinct = len({r.id for r in delivered})
-                raise AssertionError(
-                    f"{distinct} of {expected} webhooks delivered within {timeout}s"
-                    f" ({len(self.requests)} requests)"
-                )
-            await asyncio.sleep(0.02)
+
+        def all_arrived() -> bool:
+            return len({r.id for r in self.delivered()}) >= expected
+
+        try:
+            await eventually(all_arrived, timeout, interval=0.02)
+        except AssertionError:
+            distinct = len({r.id for r in self.delivered()})
+            raise AssertionError(
+                f"{distinct} of {expected} webhooks delivered within {timeout}s"
+                f" ({len(self.requests)} requests)"
+            ) from None
+        return self.delivered()
 
     def hold(self) -> None:
         """Stall: every request waits, unanswered, until `release`."""
