@@ -27,6 +27,20 @@ import pytest
 from tests.support.net import free_port
 
 REGION = "us-east-1"
+
+
+def moto_broker(kind: str, proxy: Any) -> dict[str, Any]:
+    """The config of an AWS broker (`sqs`, `sns`, `kinesis`) reaching moto through `proxy`,
+    with the short timeouts the contract suite's outages need."""
+    return {
+        "type": kind,
+        "region": REGION,
+        "endpoint_url": f"http://{proxy.host}:{proxy.port}",
+        "connect_timeout": "1s",
+        "ack_timeout": "1s",
+    }
+
+
 FAKE_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

@@ -22,7 +22,7 @@ from cloudevents.core.formats.json import JSONFormat
 
 from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
-from tests.support.sqs_server import REGION
+from tests.support.sqs_server import REGION, moto_broker
 
 ACCOUNT = "123456789012"  # moto's
 
@@ -111,13 +111,7 @@ class KinesisHarness:
         self._stack: contextlib.AsyncExitStack | None = None
 
     def broker_config(self) -> dict[str, Any]:
-        return {
-            "type": "kinesis",
-            "region": REGION,
-            "endpoint_url": f"http://{self.proxy.host}:{self.proxy.port}",
-            "connect_timeout": "1s",
-            "ack_timeout": "1s",
-        }
+        return moto_broker("kinesis", self.proxy)
 
     def destination(self) -> str:
         return self.stream

@@ -21,7 +21,14 @@ from cloudevents.core.formats.json import JSONFormat
 
 from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
-from tests.support.sqs_server import REGION, attribute, create_queue, receive_all, sqs_client
+from tests.support.sqs_server import (
+    REGION,
+    attribute,
+    create_queue,
+    moto_broker,
+    receive_all,
+    sqs_client,
+)
 
 
 def unique_topic(prefix: str = "test", fifo: bool = True) -> str:
@@ -79,13 +86,7 @@ class SnsHarness:
         self.sqs: Any = None
 
     def broker_config(self) -> dict[str, Any]:
-        return {
-            "type": "sns",
-            "region": REGION,
-            "endpoint_url": f"http://{self.proxy.host}:{self.proxy.port}",
-            "connect_timeout": "1s",
-            "ack_timeout": "1s",
-        }
+        return moto_broker("sns", self.proxy)
 
     def destination(self) -> str:
         return self.topic_arn

@@ -18,9 +18,9 @@ from cloudevents.core.formats.json import JSONFormat
 from tests.contract.harness import Consumed, network_outage
 from tests.support.proxy import TcpProxy
 from tests.support.sqs_server import (
-    REGION,
     attribute,
     create_queue,
+    moto_broker,
     receive_all,
     sqs_client,
     unique_queue,
@@ -41,13 +41,7 @@ class SqsHarness:
         self._sqs: Any = None
 
     def broker_config(self) -> dict[str, Any]:
-        return {
-            "type": "sqs",
-            "region": REGION,
-            "endpoint_url": f"http://{self.proxy.host}:{self.proxy.port}",
-            "connect_timeout": "1s",
-            "ack_timeout": "1s",
-        }
+        return moto_broker("sqs", self.proxy)
 
     def destination(self) -> str:
         return self.queue
