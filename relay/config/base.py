@@ -95,9 +95,12 @@ Identifier = Annotated[str, Field(pattern=_IDENT)]
 
 
 def _kinds(annotation: Any) -> set[Any]:
-    """The plain types a field's annotation admits, through `X | None` and nested unions."""
+    """The plain types a field's annotation admits, through `X | None`, nested unions and
+    `Annotated[...]` (an optional constrained number is `Annotated[int, ...] | None`)."""
     if get_origin(annotation) in (Union, types.UnionType):
         return set().union(*(_kinds(arg) for arg in get_args(annotation)))
+    if get_origin(annotation) is Annotated:
+        return _kinds(get_args(annotation)[0])
     return {annotation}
 
 
@@ -297,6 +300,7 @@ def check_postgres_url(url: str) -> None:
     _check_libpq_only(query)
     if "sslmode" in query and query["sslmode"][-1] not in SSLMODES:
         raise UrlError(f"sslmode must be one of {', '.join(SSLMODES)}")
+    _check_negotiation(query)
     for ports in query.get("port", []):
         for port in ports.split(","):
             _check_port(port)
@@ -311,8 +315,10 @@ def check_postgres_url(url: str) -> None:
 
 _KEEPALIVES = "set lease.keepalives instead (the relay sets TCP keepalives itself)"
 _NOT_READ = "not supported by the relay's driver (asyncpg): leave it out"
-# libpq's connection parameters that asyncpg does not read. It passes every query key it
-# does not know to the server as a setting, and the server refuses these at every connect.
+# libpq's connection parameters (PostgreSQL 18's whole list) that asyncpg does not read. It
+# passes every query key it does not know to the server as a setting, and the server refuses
+# these at every connect. (`application_name` and `client_encoding` are server settings too,
+# and work that way.)
 LIBPQ_ONLY = {
     "connect_timeout": "set database.connect_timeout instead",
     "keepalives": _KEEPALIVES,
@@ -330,16 +336,40 @@ LIBPQ_ONLY = {
             "gssdelegation",
             "gssencmode",
             "load_balance_hosts",
+            "max_protocol_version",
+            "min_protocol_version",
+            "oauth_client_id",
+            "oauth_client_secret",
+            "oauth_issuer",
+            "oauth_scope",
             "replication",
             "require_auth",
             "requirepeer",
             "requiressl",
+            "scram_client_key",
+            "scram_server_key",
             "sslcertmode",
             "sslcompression",
+            "sslcrldir",
+            "sslkeylogfile",
             "sslsni",
         )
     },
 }
+
+
+def _check_negotiation(query: dict[str, list[str]]) -> None:
+    """libpq's rule, which the driver applies only when it connects: TLS from the first byte
+    (`sslnegotiation=direct`) needs an sslmode that requires TLS."""
+    negotiation = query.get("sslnegotiation", ["postgres"])[-1]
+    if negotiation not in ("postgres", "direct"):
+        raise UrlError("sslnegotiation must be postgres or direct")
+    mode = query.get("sslmode", ["prefer"])[-1]
+    if negotiation == "direct" and mode not in ("require", "verify-ca", "verify-full"):
+        raise UrlError(
+            "sslnegotiation=direct needs sslmode=require, verify-ca or verify-full (TLS from the"
+            " first byte cannot fall back to plain text)"
+        )
 
 
 def _check_libpq_only(query: dict[str, list[str]]) -> None:

@@ -198,6 +198,9 @@ def test_a_primary_listed_by_its_socket_directory_is_seen_in_a_split_brain(
         ("keepalives=1", "lease.keepalives"),
         ("gssencmode=disable", "not supported"),
         ("channel_binding=prefer", "not supported"),
+        ("min_protocol_version=3.2", "not supported"),  # a second attack: these passed too
+        ("oauth_client_id=x", "not supported"),
+        ("sslnegotiation=direct", "sslmode=require"),  # the driver refused it at connect
     ],
 )
 def test_a_libpq_parameter_the_driver_does_not_know_is_a_config_error(  # noqa: PLR0917

@@ -184,6 +184,7 @@ def test_an_override_that_is_not_json_is_named_not_a_traceback(
         ("source:\n", "poll_interval"),
         ("http:\n", "port"),
         ("lease:\n  keepalives:\n", "count"),
+        ("lease:\n", "max_per_replica"),  # an optional number: it passed as 1
     ],
 )
 def test_true_or_false_is_no_number(tmp_path: Path, section: str, key: str) -> None:
