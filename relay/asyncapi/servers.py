@@ -7,20 +7,10 @@ only which kind of credential a broker wants, never its value.
 
 from __future__ import annotations
 
+from functools import singledispatch
 from typing import Any
 
-from relay.config import (
-    BrokerConfig,
-    HttpBrokerConfig,
-    KafkaBrokerConfig,
-    KinesisBrokerConfig,
-    NatsBrokerConfig,
-    PubSubBrokerConfig,
-    RabbitMqBrokerConfig,
-    RedisBrokerConfig,
-    SnsBrokerConfig,
-    SqsBrokerConfig,
-)
+from relay.config import brokers as cfg
 from relay.config.broker_identity import host_of
 
 Object = dict[str, Any]
@@ -28,7 +18,7 @@ Object = dict[str, Any]
 _SASL = {"PLAIN": "plain", "SCRAM-SHA-256": "scramSha256", "SCRAM-SHA-512": "scramSha512"}
 
 
-def servers(brokers: dict[str, BrokerConfig]) -> tuple[Object, Object]:
+def servers(brokers: dict[str, cfg.BrokerConfig]) -> tuple[Object, Object]:
     """(servers, security schemes), one server per configured broker, named as in the config."""
     found: Object = {}
     schemes: Object = {}
@@ -45,20 +35,10 @@ def servers(brokers: dict[str, BrokerConfig]) -> tuple[Object, Object]:
     return found, schemes
 
 
-def _server(broker: BrokerConfig) -> tuple[Object, Object]:
-    if isinstance(broker, NatsBrokerConfig):
-        return _nats(broker)
-    if isinstance(broker, KafkaBrokerConfig):
-        return _kafka(broker)
-    if isinstance(broker, RabbitMqBrokerConfig):
-        return _rabbitmq(broker)
-    if isinstance(broker, PubSubBrokerConfig):
-        return _pubsub(broker)
-    if isinstance(broker, RedisBrokerConfig):
-        return _redis(broker)
-    if isinstance(broker, HttpBrokerConfig):
-        return _http(broker)
-    return _aws(broker)
+@singledispatch
+def _server(broker: cfg.BrokerConfig) -> tuple[Object, Object]:
+    """(server, security schemes) of one broker; each kind registers its own below."""
+    raise TypeError(f"no AsyncAPI server for a {type(broker).__name__}")
 
 
 def _listing(kind: str, hosts: list[str]) -> Object:
@@ -75,7 +55,8 @@ def _mutual_tls(tls: Any) -> Object:
     return {}
 
 
-def _nats(broker: NatsBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _nats(broker: cfg.NatsBrokerConfig) -> tuple[Object, Object]:
     server = _listing("Servers", [host_of(url)[0] for url in broker.servers])
     server["protocol"] = "nats"
     server["title"] = "NATS JetStream" if broker.jetstream else "NATS"
@@ -94,7 +75,8 @@ def _nats(broker: NatsBrokerConfig) -> tuple[Object, Object]:
     return server, {**needs, **_mutual_tls(broker.tls)}
 
 
-def _kafka(broker: KafkaBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _kafka(broker: cfg.KafkaBrokerConfig) -> tuple[Object, Object]:
     server = _listing("Bootstrap servers", [host_of(h)[0] for h in broker.bootstrap_servers])
     secure = broker.security_protocol in ("SSL", "SASL_SSL")
     server["protocol"] = "kafka-secure" if secure else "kafka"
@@ -105,7 +87,8 @@ def _kafka(broker: KafkaBrokerConfig) -> tuple[Object, Object]:
     return server, {**needs, **_mutual_tls(broker.tls)}
 
 
-def _rabbitmq(broker: RabbitMqBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _rabbitmq(broker: cfg.RabbitMqBrokerConfig) -> tuple[Object, Object]:
     url = broker.url.get_secret_value()  # only the scheme, host and path are read
     host, path = host_of(url)
     server: Object = {
@@ -119,7 +102,8 @@ def _rabbitmq(broker: RabbitMqBrokerConfig) -> tuple[Object, Object]:
     return server, {"user-password": {"type": "userPassword"}, **_mutual_tls(broker.tls)}
 
 
-def _redis(broker: RedisBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _redis(broker: cfg.RedisBrokerConfig) -> tuple[Object, Object]:
     url = broker.url.get_secret_value().strip()  # only the scheme, host and path are read
     host, path = host_of(url)
     server: Object = {
@@ -138,7 +122,10 @@ def _redis(broker: RedisBrokerConfig) -> tuple[Object, Object]:
 _AWS_TITLES = {"sqs": "Amazon SQS", "sns": "Amazon SNS", "kinesis": "Amazon Kinesis Data Streams"}
 
 
-def _aws(broker: SqsBrokerConfig | SnsBrokerConfig | KinesisBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _aws(
+    broker: cfg.SqsBrokerConfig | cfg.SnsBrokerConfig | cfg.KinesisBrokerConfig,
+) -> tuple[Object, Object]:
     if broker.endpoint_url is not None:
         host = host_of(broker.endpoint_url)[0]
     else:
@@ -156,7 +143,8 @@ def _aws(broker: SqsBrokerConfig | SnsBrokerConfig | KinesisBrokerConfig) -> tup
     return server, {"aws-sigv4": sigv4}
 
 
-def _pubsub(broker: PubSubBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _pubsub(broker: cfg.PubSubBrokerConfig) -> tuple[Object, Object]:
     host = broker.emulator_host or broker.endpoint or "pubsub.googleapis.com:443"
     server: Object = {
         "host": host,
@@ -183,7 +171,8 @@ def _pubsub(broker: PubSubBrokerConfig) -> tuple[Object, Object]:
     return server, {"google-oauth2": oauth}
 
 
-def _http(broker: HttpBrokerConfig) -> tuple[Object, Object]:
+@_server.register
+def _http(broker: cfg.HttpBrokerConfig) -> tuple[Object, Object]:
     """The receiver's host, or a variable when each destination names its own."""
     server: Object = {"title": "Webhooks", "summary": "A POST per message (Standard Webhooks)."}
     if broker.url.startswith("{"):

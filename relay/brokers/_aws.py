@@ -58,6 +58,9 @@ THROTTLED = {
     "KMSThrottling",
     "ProvisionedThroughputExceededException",
 }
+# A call refused because of one of its messages, as SQS and SNS both word it: sending it
+# again cannot help. Each service adds its own codes.
+MESSAGE_FAULT = frozenset({"InvalidParameterValue", "BatchRequestTooLong"})
 SERVER_FAULT = {
     "InternalError",
     "InternalFailure",

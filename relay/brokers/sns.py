@@ -24,6 +24,7 @@ from collections.abc import Collection
 from typing import Any
 
 from relay.brokers._aws import (
+    MESSAGE_FAULT,
     EntryBatchPublisher,
     Target,
     is_configuration_fault,
@@ -40,16 +41,7 @@ _TOPIC_ARN = re.compile(r"arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:([A-Za-z0-9_.-
 
 # Error codes, as botocore reports them.
 _TOPIC_GONE = frozenset({"NotFound", "NotFoundException", "ResourceNotFound"})
-# The message itself is at fault: sending it again cannot help.
-_MESSAGE_FAULT = frozenset(
-    {
-        "InvalidParameter",
-        "InvalidParameterValue",
-        "ParameterValueInvalid",
-        "BatchRequestTooLong",
-        "ValidationError",
-    }
-)
+_MESSAGE_FAULT = MESSAGE_FAULT | {"InvalidParameter", "ParameterValueInvalid", "ValidationError"}
 
 
 class SnsPublisher(EntryBatchPublisher):

@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from relay.brokers._aws import (
+    MESSAGE_FAULT,
     EntryBatchPublisher,
     Target,
 )
@@ -53,17 +54,12 @@ _QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,80}|[A-Za-z0-9_-]{1,75}\.fifo")
 
 # Error codes, as botocore reports them (the `AWS.SimpleQueueService.` prefix removed).
 _QUEUE_GONE = frozenset({"QueueDoesNotExist", "NonExistentQueue", "QueueDeletedRecently"})
-# The message itself is at fault: sending it again cannot help.
-_MESSAGE_FAULT = frozenset(
-    {
-        "InvalidParameterValue",
-        "InvalidMessageContents",
-        "MessageTooLong",
-        "BatchRequestTooLong",
-        "InvalidAttributeName",
-        "InvalidAttributeValue",
-    }
-)
+_MESSAGE_FAULT = MESSAGE_FAULT | {
+    "InvalidMessageContents",
+    "MessageTooLong",
+    "InvalidAttributeName",
+    "InvalidAttributeValue",
+}
 
 
 class SqsPublisher(EntryBatchPublisher):

@@ -137,6 +137,16 @@ def header_text(value: str) -> str:
 HeaderText = Annotated[str, AfterValidator(header_text)]
 
 
+def _existing_file(path: str) -> str:
+    if not Path(path).is_file():
+        raise ValueError(f"no such file: {path}")
+    return path
+
+
+# A file the relay reads at start-up: a missing one is a config error, not a failed connect.
+ExistingFile = Annotated[str, AfterValidator(_existing_file)]
+
+
 class EncryptedKeyError(ValueError):
     """The key file is encrypted and no `key_password` was given."""
 

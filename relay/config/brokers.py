@@ -10,7 +10,6 @@ import base64
 import binascii
 import importlib.util
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -27,6 +26,7 @@ from pydantic import (
 from relay.config.base import (
     AmqpUrl,
     ByteSize,
+    ExistingFile,
     Model,
     PositiveDuration,
     RedisUrl,
@@ -82,7 +82,7 @@ class NatsBrokerConfig(TlsCapable):
     user: str | None = Field(None, description="User name; with `password`.")
     password: SecretStr | None = Field(None, description="Write it as ${VAR}.")
     token: SecretStr | None = Field(None, description="An auth token instead of a user.")
-    creds_file: str | None = Field(None, description="A .creds file (NKey and JWT).")
+    creds_file: ExistingFile | None = Field(None, description="A .creds file (NKey and JWT).")
     connect_timeout: PositiveDuration = Field(2.0, description="Per connection attempt.")
     ack_timeout: PositiveDuration = Field(5.0, description="How long a batch waits for PubAcks.")
 
@@ -103,13 +103,6 @@ class NatsBrokerConfig(TlsCapable):
         if len({scheme in ("ws", "wss") for scheme in map(_scheme, servers)}) > 1:
             raise ValueError("websocket (ws://, wss://) and other URLs cannot be mixed")
         return servers
-
-    @field_validator("creds_file")
-    @classmethod
-    def _creds_file_exists(cls, path: str | None) -> str | None:
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"no such file: {path}")
-        return path
 
     @model_validator(mode="after")
     def _stream_needs_jetstream(self) -> NatsBrokerConfig:
@@ -223,23 +216,31 @@ class RabbitMqBrokerConfig(TlsCapable):
         return self
 
 
-class SqsBrokerConfig(Model):
-    """Credentials come from the standard AWS chain (environment, profile, role)."""
+def _http_endpoint(url: str) -> str:
+    if not (_HTTP.match(url) and urlsplit(url).hostname):
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return url
 
-    type: Literal["sqs"]
+
+class AwsConfig(Model):
+    """What SQS, SNS and Kinesis share: credentials come from the standard AWS chain
+    (environment, profile, role)."""
+
     # botocore's own rule for region names; it refuses others when the client is made.
     region: Annotated[str, Field(pattern=r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")]
-    endpoint_url: str | None = None
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_is_http(cls, url: str | None) -> str | None:
-        if url is not None and not (_HTTP.match(url) and urlsplit(url).hostname):
-            raise ValueError("must be an http:// or https:// URL with a host")
-        return url
-
+    endpoint_url: Annotated[str, AfterValidator(_http_endpoint)] | None = Field(
+        None, description="Another endpoint of the service (a VPC endpoint, LocalStack, moto)."
+    )
     connect_timeout: PositiveDuration = 5.0
-    ack_timeout: PositiveDuration = 30.0
+    ack_timeout: PositiveDuration = Field(
+        30.0, description="Read timeout of one call: seconds, or 10ms, 30s, 2m."
+    )
+
+
+class SqsBrokerConfig(AwsConfig):
+    """Amazon SQS queues."""
+
+    type: Literal["sqs"]
 
 
 class PubSubBrokerConfig(Model):
@@ -257,7 +258,7 @@ class PubSubBrokerConfig(Model):
     endpoint: str | None = Field(
         None, description="host:port of another API endpoint, e.g. a regional one."
     )
-    credentials_file: str | None = Field(
+    credentials_file: ExistingFile | None = Field(
         None, description="A service account key file; without it, Application Default Credentials."
     )
     max_messages: Annotated[int, Field(ge=1, le=1000)] = Field(
@@ -282,13 +283,6 @@ class PubSubBrokerConfig(Model):
             if not host or "/" in address or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError("must be host:port, without a scheme, for example 127.0.0.1:8085")
         return address
-
-    @field_validator("credentials_file")
-    @classmethod
-    def _credentials_file_exists(cls, path: str | None) -> str | None:
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"no such file: {path}")
-        return path
 
     @model_validator(mode="after")
     def _emulator_alone(self) -> PubSubBrokerConfig:
@@ -426,39 +420,16 @@ class HttpBrokerConfig(TlsCapable):
         return headers
 
 
-def _http_endpoint(url: str) -> str:
-    if not (_HTTP.match(url) and urlsplit(url).hostname):
-        raise ValueError("must be an http:// or https:// URL with a host")
-    return url
-
-
-# As SqsBrokerConfig's: botocore's rule for region names, and an endpoint that is a URL.
-AwsRegion = Annotated[str, Field(pattern=r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")]
-AwsEndpoint = Annotated[str, AfterValidator(_http_endpoint)]
-
-
-class SnsBrokerConfig(Model):
-    """Amazon SNS topics; credentials come from the standard AWS chain, as for SQS."""
+class SnsBrokerConfig(AwsConfig):
+    """Amazon SNS topics."""
 
     type: Literal["sns"]
-    region: AwsRegion
-    endpoint_url: AwsEndpoint | None = Field(
-        None, description="Another SNS endpoint (a VPC endpoint, LocalStack, moto)."
-    )
-    connect_timeout: PositiveDuration = 5.0
-    ack_timeout: PositiveDuration = Field(30.0, description="Read timeout of one SNS call.")
 
 
-class KinesisBrokerConfig(Model):
-    """Amazon Kinesis Data Streams; credentials come from the standard AWS chain."""
+class KinesisBrokerConfig(AwsConfig):
+    """Amazon Kinesis Data Streams."""
 
     type: Literal["kinesis"]
-    region: AwsRegion
-    endpoint_url: AwsEndpoint | None = Field(
-        None, description="Another Kinesis endpoint (a VPC endpoint, LocalStack, moto)."
-    )
-    connect_timeout: PositiveDuration = 5.0
-    ack_timeout: PositiveDuration = Field(30.0, description="Read timeout of one Kinesis call.")
 
 
 BrokerConfig = Annotated[
