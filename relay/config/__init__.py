@@ -21,7 +21,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 from pydantic_settings.exceptions import SettingsError
 
 from relay.config.base import (
@@ -56,7 +61,7 @@ from relay.config.rules import (
     duplicate_ids,
     rules_of,
 )
-from relay.config.yaml_file import YamlDocument, load_yaml
+from relay.config.yaml_file import Overrides, YamlDocument, load_yaml
 from relay.errors import ConfigError
 
 __all__ = [
@@ -484,9 +489,15 @@ def load_config(path: str | Path | None = None) -> RelayConfig:
     try:
         return RelayConfig(**doc.data)
     except ValidationError as exc:
-        raise ConfigError(doc.describe(exc)) from None
+        raise ConfigError(doc.describe(exc, _overrides())) from None
     except SettingsError as exc:
         raise ConfigError(_override_error(exc, doc)) from None
+
+
+def _overrides() -> Overrides:
+    """The RELAY_* variables' values as the settings read them, and their names."""
+    names = sorted(name for name in os.environ if name.upper().startswith("RELAY_"))
+    return Overrides(EnvSettingsSource(RelayConfig)(), names)
 
 
 def _override_error(exc: SettingsError, doc: YamlDocument) -> str:

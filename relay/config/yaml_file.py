@@ -68,9 +68,29 @@ class YamlDocument:
         line = self.line_of(loc)
         return f"{self.path}:{line}" if line else str(self.path)
 
-    def describe(self, exc: ValidationError) -> str:
-        """The models' errors about this file, each pointing at its key's line."""
-        return _described(exc, self)
+    def describe(self, exc: ValidationError, overrides: Overrides | None = None) -> str:
+        """The models' errors, each pointing at its key's line, or at the RELAY_* variable
+        that set the key."""
+        return _described(exc, self, overrides or Overrides({}, ()))
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the RELAY_* environment variables set: their values as pydantic reads them
+    (nested), and the variables' names, so that an error can name the one at fault."""
+
+    data: dict[str, Any]
+    names: Sequence[str]
+
+    def variable(self, loc: Sequence[str | int]) -> str | None:
+        """The variable that set the value at `loc`: the one naming the longest part of it."""
+        wanted = [str(part).lower() for part in loc]
+        best: tuple[int, str] | None = None
+        for name in self.names:
+            parts = name[len("RELAY_") :].lower().split("__")
+            if parts == wanted[: len(parts)] and (best is None or len(parts) > best[0]):
+                best = (len(parts), name)
+        return best[1] if best else None
 
 
 def load_yaml(path: Path, environ: Mapping[str, str] | None = None) -> YamlDocument:
@@ -267,11 +287,12 @@ def _render(
 # -- where a validation error points ----------------------------------------------------
 
 
-def _described(exc: ValidationError, doc: YamlDocument) -> str:
+def _described(exc: ValidationError, doc: YamlDocument, overrides: Overrides) -> str:
     """A ValidationError as `file:line: dotted.key: message` lines, one a problem."""
     lines = []
+    merged = _merged(doc.data, overrides.data)
     for error in exc.errors(include_url=False):
-        loc = _clean_loc(error["loc"], doc)
+        loc = _clean_loc(error["loc"], merged)
         msg = error["msg"].removeprefix("Value error, ")
         loc, msg = _point_at_field(loc, msg, doc)
         if error["type"] == "extra_forbidden":
@@ -284,7 +305,9 @@ def _described(exc: ValidationError, doc: YamlDocument) -> str:
         elif error["type"] == "missing":
             msg = "required key is missing"
         key = ".".join(str(p) for p in loc)
-        lines.append(f"{doc.where(loc)}: {key}: {msg}" if key else f"{doc.path}: {msg}")
+        variable = overrides.variable(loc)
+        where = f"environment variable {variable}" if variable else doc.where(loc)
+        lines.append(f"{where}: {key}: {msg}" if key else f"{doc.path}: {msg}")
     count = len(lines)
     head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "
     return head + "\n  ".join(lines)
@@ -343,10 +366,20 @@ def _child(node: Any, part: str | int) -> Any:
     return _ABSENT
 
 
-def _clean_loc(loc: tuple[str | int, ...], doc: YamlDocument) -> tuple[str | int, ...]:
-    """Drop pydantic's internal steps (union tags, `[key]`) that are not in the file."""
+def _merged(file: Any, overrides: Any) -> Any:
+    """The config pydantic saw: the file's keys, with the environment's over them."""
+    if not isinstance(file, dict) or not isinstance(overrides, dict):
+        return overrides
+    out = dict(file)
+    for key, value in overrides.items():
+        out[key] = _merged(file[key], value) if key in file else value
+    return out
+
+
+def _clean_loc(loc: tuple[str | int, ...], data: Any) -> tuple[str | int, ...]:
+    """Drop pydantic's internal steps (union tags, `[key]`) that are not in the config."""
     out: list[str | int] = []
-    node: Any = doc.data
+    node: Any = data
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
         child = _child(node, part)

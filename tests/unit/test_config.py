@@ -623,3 +623,44 @@ def test_kafka_bootstrap_servers_without_a_server_is_refused(
     message = error_of(tmp_path, kafka_config(servers))
     assert "relay.yaml:6:" in message
     assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        (
+            {"RELAY_LEASE__CHECK_INTERVAL": "abc"},
+            "environment variable RELAY_LEASE__CHECK_INTERVAL: lease.check_interval: 'abc' is not",
+        ),
+        (
+            {"RELAY_HTTP__PORT": "99999"},
+            "environment variable RELAY_HTTP__PORT: http.port: Input should be less than",
+        ),
+        (  # a key the file has too: the override is what is wrong, not the file's line
+            {"RELAY_BROKERS__NATS__SERVERS": '["bad://x"]'},
+            "environment variable RELAY_BROKERS__NATS__SERVERS: brokers.nats.servers: bad://",
+        ),
+        (  # a whole section as JSON
+            {"RELAY_LEASE": '{"check_interval": "abc"}'},
+            "environment variable RELAY_LEASE: lease.check_interval: 'abc' is not",
+        ),
+    ],
+)
+def test_a_bad_override_names_its_variable_and_whole_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], expected: str
+) -> None:
+    """Not the file's line: the file may not have the key at all, or have it right."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    message = error_of(tmp_path, GOOD)
+    assert expected in message
+    assert str(tmp_path) not in message.splitlines()[1]
+
+
+def test_a_bad_override_of_a_secret_does_not_show_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RELAY_DATABASE__URL", "mysql://relay:hunter2@db/app")
+    message = error_of(tmp_path, GOOD)
+    assert "environment variable RELAY_DATABASE__URL: database.url:" in message
+    assert "hunter2" not in message
