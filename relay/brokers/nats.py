@@ -46,7 +46,7 @@ from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.brokers._header_values import altered
 from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
-from relay.core.publishing import Message, Outcome, cloudevent_attributes
+from relay.core.publishing import ATTRIBUTES, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
 log = structlog.get_logger("relay.brokers.nats")
@@ -78,6 +78,7 @@ class NatsPublisher:
         self._replies: _Replies | None = None
         self.duplicates = 0
         self.last_duplicates: list[int] = []
+        self._max_payload: int | None = None  # the server's, once a connection learnt it
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -86,6 +87,7 @@ class NatsPublisher:
         c = self._config
         nc = await self._open()
         self._nc, self._js = nc, nc.jetstream(timeout=c.ack_timeout)
+        self._max_payload = nc.max_payload
         if not c.jetstream:
             log.warning(
                 "core NATS has no acknowledgements: a message nobody is subscribed to is lost",
@@ -147,6 +149,7 @@ class NatsPublisher:
         subject. Creates nothing and publishes nothing; what is wrong, one line each."""
         c = self._config
         nc = await self._open()
+        self._max_payload = nc.max_payload
         try:
             if not c.jetstream:
                 return []
@@ -232,35 +235,38 @@ class NatsPublisher:
         # Only what comes before the first message that cannot be sent as written is sent,
         # so order is kept; that one is refused for good, the rest retried after it.
         self.last_duplicates = []
+        if failed := await connect_or_fail(self.connect, len(messages)):
+            return failed
+        limit = connected(self._nc).max_payload  # the server's, as it said when we connected
         headers: list[dict[str, str]] = []
         refused: PermanentPublishError | None = None
         for message in messages:
-            subject = message.destination
-            if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
-                refused = PermanentPublishError(f"broker {self.name!r}: {_invalid(subject)}")
-                break
-            # What comes from the event; the rest is the config's, checked at load.
-            if problem := altered(
-                ("Nats-Msg-Id", message.id),
-                ("ce-partitionkey", message.key),
-                ("ce-traceparent", message.traceparent),
-                ("ce-tracestate", message.tracestate),
-                ("ce-dataschema", message.dataschema),
-            ):
-                refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
-                break
-            headers.append(message_headers(message))
+            problem = _unsendable(message)
+            if problem is None:
+                carried = message_headers(message)
+                if (problem := _oversized(message, carried, limit)) is None:
+                    headers.append(carried)
+                    continue
+            refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
+            break
         sendable = len(headers)
         outcomes = await self._send(messages[:sendable], headers) if sendable else []
         if refused is not None:
             outcomes += [refused, *not_sent(len(messages) - sendable - 1)]
         return outcomes
 
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`).
+        Its size is judged once the server's max_payload is known: after `probe` or
+        `connect`."""
+        problem = _unsendable(message)
+        if problem is None and self._max_payload is not None:
+            problem = _oversized(message, message_headers(message), self._max_payload)
+        return None if problem is None else f"broker {self.name!r}: {problem}"
+
     async def _send(
         self, messages: Sequence[Message], headers: Sequence[dict[str, str]]
     ) -> list[Outcome]:
-        if failed := await connect_or_fail(self.connect, len(messages)):
-            return failed
         if not self._config.jetstream:
             return await self._publish_core(messages, headers)
         nc, replies = connected(self._nc), connected(self._replies)
@@ -464,6 +470,49 @@ class _TlsOnlyClient(Client):
 
 class _NoTlsError(nats.errors.Error):
     """A nats-py error, so that connect() fails the way it does for any refused server."""
+
+
+def _unsendable(message: Message) -> str | None:
+    """Why the message's subject or headers cannot go out as written; None when they can."""
+    subject = message.destination
+    if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
+        return _invalid(subject)
+    # What comes from the event; the rest is the config's, checked at load.
+    return altered(
+        ("Nats-Msg-Id", message.id),
+        ("ce-partitionkey", message.key),
+        ("ce-traceparent", message.traceparent),
+        ("ce-tracestate", message.tracestate),
+        ("ce-dataschema", message.dataschema),
+    )
+
+
+# The header block's first line and its end, as nats-py writes it: `NATS/1.0\r\n...\r\n`;
+# then per header its name, `: ` and `\r\n`. The names are the binding's, so that a bound
+# on all of them together is known in advance.
+_HEADER_BLOCK = 12
+_NAMES = _HEADER_BLOCK + sum(
+    len(name) + 4 for name in ("Nats-Msg-Id", "content-type", *(f"ce-{a}" for a in ATTRIBUTES))
+)
+
+
+def _oversized(message: Message, headers: dict[str, str], limit: int) -> str | None:
+    """The server counts the body and the header block against max_payload and closes the
+    connection on a message over it, while nats-py compares only the body: a message that
+    fits alone but not with its headers would fail as a lost connection on every retry.
+
+    A bound first (a character is at most 4 bytes in UTF-8), exact only near the limit.
+    """
+    if len(message.body) + _NAMES + 4 * sum(map(len, headers.values())) <= limit:
+        return None
+    size = len(message.body) + _HEADER_BLOCK
+    size += sum(len(name) + 4 + len(value.encode()) for name, value in headers.items())
+    if size <= limit:
+        return None
+    return (
+        f"message {message.id!r} is {size:,} bytes with its headers, larger than the server's"
+        f" max_payload ({limit:,})"
+    )
 
 
 def _invalid(subject: str) -> str:

@@ -45,7 +45,7 @@ class Message:
     tracestate: str | None = None
 
 
-_ATTRIBUTES = (
+ATTRIBUTES = (  # the CloudEvents context attributes a message may carry, in order
     "specversion",
     "id",
     "type",
@@ -81,7 +81,7 @@ def cloudevent_attributes(
         return dict([first]) if first else {}
     names = _PREFIXED.get(prefix)
     if names is None:
-        names = _PREFIXED[prefix] = tuple(prefix + name for name in _ATTRIBUTES)
+        names = _PREFIXED[prefix] = tuple(prefix + name for name in ATTRIBUTES)
     spec, id_, type_, source, key, time, dataschema, traceparent, tracestate = names
     if first is None:
         attributes = {spec: "1.0", id_: message.id, type_: message.type, source: message.source}

@@ -42,3 +42,31 @@ def test_header_values_from_the_config_are_checked_at_load(
     with pytest.raises(ConfigError, match="goes in a message header") as info:
         load_config(path)
     assert ("cloudevents_source" if key == "source" else ".type:") in str(info.value)
+
+
+def test_the_nats_size_check_counts_the_header_block_as_the_server_does() -> None:
+    """Exactly at the limit is sent; a byte over is refused, with ids of 4-byte characters."""
+    from datetime import UTC, datetime
+
+    from relay.brokers.nats import _oversized, message_headers
+    from relay.core.publishing import Message
+
+    for aggregate in ("book-1", "\U0001f4da" * 300):
+        message = Message(
+            id=f"book/{aggregate}@1",
+            type="library.book-lent.v1",
+            destination="library.loans",
+            key=aggregate,
+            body=b"x" * 5000,
+            source="/outbox-relay/loans",
+            time=datetime.now(UTC),
+            position=1,
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        headers = message_headers(message)
+        block = b"NATS/1.0\r\n"  # as nats-py writes it
+        block += b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in headers.items())
+        size = len(block + b"\r\n") + len(message.body)
+        assert _oversized(message, headers, size) is None
+        refused = _oversized(message, headers, size - 1)
+        assert refused is not None and f"{size:,} bytes" in refused

@@ -509,3 +509,43 @@ async def test_an_id_template_that_is_not_unique_is_warned_about(
         assert [m.headers["Nats-Msg-Id"] for m in received] == ["book/b1"]
     finally:
         await delete_stream(nats_url, subject)
+
+
+@pytest.mark.parametrize("jetstream", [True, False])
+async def test_a_body_under_max_payload_that_headers_push_over_is_refused_alone(
+    nats_url: str, jetstream: bool
+) -> None:
+    """nats-py compares only the body with max_payload; the server counts the headers too, and
+    closes the connection on a message over it. Sent, such a message would fail as a lost
+    connection on every retry, for ever; it is refused before anything is sent instead."""
+    subject = unique_name("payload")
+    stream = unique_name("PAYLOAD")
+    if jetstream:
+        await create_stream(nats_url, stream, [f"{subject}.>"])
+    pub = NatsPublisher(
+        "nats",
+        NatsBrokerConfig(type="nats", servers=[nats_url], jetstream=jetstream, ack_timeout=2.0),
+    )
+    try:
+        await pub.connect()
+        limit = connected_max_payload(pub)
+        long_id = "i" * 500
+        near = base.message(f"{subject}.ok", long_id, 1, b"x" * (limit - 100), position=2)
+        batch = [message(f"{subject}.ok", 1), near, message(f"{subject}.ok", 3)]
+        first, refused, later = await pub.publish(batch)
+        assert first is None
+        assert isinstance(refused, PermanentPublishError)
+        assert "max_payload" in str(refused)
+        assert isinstance(later, TransientPublishError)
+        assert pub.refusal(near) == str(refused)  # what `relay check --last` shows
+        assert await pub.publish([batch[2]]) == [None]  # the connection is still good
+    finally:
+        await pub.close()
+        if jetstream:
+            await delete_stream(nats_url, stream)
+
+
+def connected_max_payload(pub: NatsPublisher) -> int:
+    nc = pub._nc
+    assert nc is not None
+    return int(nc.max_payload)
