@@ -11,7 +11,7 @@ from collections.abc import Collection
 from typing import Any, Protocol, cast
 
 from relay.config import BrokerConfig
-from relay.core.publishing import Publisher
+from relay.core.publishing import Message, Publisher
 from relay.errors import ConfigError, PublishError
 
 _ADAPTERS: dict[str, tuple[str, str, str]] = {
@@ -50,11 +50,22 @@ class Probing(Protocol):
         """What is wrong, one line each; raises PublishError when it cannot connect."""
         ...
 
+    def refusal(self, message: Message) -> str | None:
+        """Why `publish` would refuse this message for good, in the words it would park it
+        with, known without sending it: names, header values, sizes the adapter knows
+        (some only once `probe` has asked the server). None when it would send it; the
+        broker may still refuse it (a limit only the server knows)."""
+        ...
 
-async def probe_broker(name: str, config: BrokerConfig, destinations: Collection[str]) -> list[str]:
-    """Connect to broker `name`, log in and look for `destinations`; publishes nothing."""
+
+def create_prober(name: str, config: BrokerConfig) -> Probing:
+    """The publisher for broker `name`, as `relay check` uses it; connects nothing."""
+    return cast(Probing, create_publisher(name, config))
+
+
+async def probe_broker(publisher: Probing, destinations: Collection[str]) -> list[str]:
+    """Connect, log in and look for `destinations`; publishes nothing."""
     try:
-        publisher = cast(Probing, create_publisher(name, config))
         return await publisher.probe(destinations)
     except (ConfigError, PublishError) as exc:
         return [str(exc)]

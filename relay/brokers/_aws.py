@@ -310,6 +310,19 @@ class EntryBatchPublisher(ABC):
         self.duplicates = 0
         self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
 
+    def name_problem(self, destination: str) -> str | None:
+        """Why `destination` cannot name a target of this service; None when it can."""
+        return None
+
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`).
+        A queue's own MaximumMessageSize only the service knows."""
+        destination = message.destination
+        if (problem := self.name_problem(destination)) is not None:
+            return f"broker {self.name!r}: {problem}"
+        entry = self._entry(0, message, destination.rstrip("/").endswith(".fifo"))
+        return None if entry.error is None else str(entry.error)
+
     @abstractmethod
     async def _find(self, destination: str) -> Target:
         """The target a destination names; raises PublishError."""

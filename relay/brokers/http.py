@@ -176,19 +176,27 @@ class HttpPublisher:
             if outcome is not None:
                 return
 
-    async def _post(self, message: Message, halted: list[PublishError]) -> Outcome:
-        url = self._url(message)
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`)."""
+        problem = self._unsendable(message, self._url(message))
+        return None if problem is None else str(self._permanent(message, problem))
+
+    def _unsendable(self, message: Message, url: str) -> str | None:
+        """Why the message cannot be sent as written: its URL, its size, its id."""
         if (why := self._unusable(url)) is not None:
-            return self._permanent(message, why)
+            return why
         if len(message.body) > self._config.max_body_bytes:
-            return self._permanent(
-                message,
+            return (
                 f"the body is {len(message.body):,} bytes, more than max_body_bytes"
-                f" ({self._config.max_body_bytes:,})",
+                f" ({self._config.max_body_bytes:,})"
             )
         # The id comes from the event; the type, source and content type are the config's,
         # checked at load, and every ce- value is percent-encoded.
-        if problem := altered(("webhook-id", message.id)):
+        return altered(("webhook-id", message.id))
+
+    async def _post(self, message: Message, halted: list[PublishError]) -> Outcome:
+        url = self._url(message)
+        if (problem := self._unsendable(message, url)) is not None:
             return self._permanent(message, problem)
         session = self._session
         if session is None:

@@ -62,6 +62,20 @@ log = structlog.get_logger("relay.brokers.kafka")
 # Kafka's own rule for topic names (kafka.common.internals.Topic).
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 
+
+def _bad_topic(topic: str) -> InvalidTopicError | None:
+    """The broker's rule for topic names, checked before anything goes out."""
+    if _TOPIC.match(topic) and topic not in (".", ".."):
+        return None
+    return InvalidTopicError(f"{topic!r} is not a valid Kafka topic name")
+
+
+def _too_large(size: int, limit: int) -> MessageSizeTooLargeError:
+    return MessageSizeTooLargeError(
+        f"the message is {size} bytes, above max_request_size ({limit})"
+    )
+
+
 # The record, or the record batch holding it, exceeds a size limit of the broker or topic.
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
@@ -373,16 +387,12 @@ class KafkaPublisher:
         for i, message in enumerate(messages):
             topic = message.destination
             in_topic = partitions.get(topic)
-            if in_topic is None and (not _TOPIC.match(topic) or topic in (".", "..")):
-                exc = InvalidTopicError(f"{topic!r} is not a valid Kafka topic name")
-                return waves, (i, self._classify(exc, 1))
+            if in_topic is None and (bad := _bad_topic(topic)) is not None:
+                return waves, (i, self._classify(bad, 1))
             key, body, headers = message.key.encode(), message.body, message_headers(message)
             size = estimate(key, body, headers)
             if size > limit:
-                exc = MessageSizeTooLargeError(
-                    f"the message is {size} bytes, above max_request_size ({limit})"
-                )
-                return waves, (i, self._classify(exc, 1))
+                return waves, (i, self._classify(_too_large(size, limit), 1))
             if in_topic is None:
                 self._stage = f"waiting for the metadata of topic {topic!r}"
                 try:
@@ -452,6 +462,19 @@ class KafkaPublisher:
         if discard is not None:
             raise _Discard(self._fenced(discard)) from discard
         return ok
+
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`):
+        its topic name, or its size against max_request_size. A topic's own
+        max.message.bytes only the broker knows."""
+        exc: KafkaError | None = _bad_topic(message.destination)
+        if exc is None:
+            key, headers = message.key.encode(), message_headers(message)
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, message.body, headers)
+            if size <= (limit := self._config.max_request_size):
+                return None
+            exc = _too_large(size, limit)
+        return str(self._classify(exc, 1))
 
     def _classify(self, exc: BaseException, records: int) -> PublishError:
         text = f"broker {self.name!r}: {_text(exc)}"

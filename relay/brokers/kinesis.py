@@ -154,6 +154,15 @@ class KinesisPublisher:
 
     # -- one stream ----------------------------------------------------------------------------
 
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`)."""
+        try:
+            self._stream(message.destination)
+        except PermanentPublishError as exc:
+            return str(exc)
+        record = self._record(0, message)
+        return str(record) if isinstance(record, PermanentPublishError) else None
+
     def _stream(self, destination: str) -> _Stream:
         if match := _STREAM_ARN.fullmatch(destination):
             return _Stream(match.group(1), {"StreamARN": destination})

@@ -306,6 +306,11 @@ class PubSubPublisher:
 
     # -- messages to Pub/Sub messages ----------------------------------------------------------
 
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`)."""
+        prepared = self._prepare(message)
+        return str(prepared) if isinstance(prepared, PublishError) else None
+
     def _prepare(self, message: Message) -> _Prepared | PublishError:
         topic = self._topic(message.destination)
         if isinstance(topic, PublishError):

@@ -284,6 +284,12 @@ class RabbitMqPublisher:
         count = declared.message_count
         return None if count is None else int(count)
 
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`).
+        The server's max_message_size is not known until a message goes over it."""
+        refused = self._refuse(message)
+        return None if refused is None else str(refused)
+
     def _refuse(self, message: Message) -> PermanentPublishError | None:
         """Why this message can never be sent (checked before anything is sent)."""
         for what, value in (

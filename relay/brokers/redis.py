@@ -275,6 +275,11 @@ class RedisPublisher:
             )
         return _Entry(index, message, b"".join(parts), len(parts), size)
 
+    def refusal(self, message: Message) -> str | None:
+        """What `publish` would refuse this message for, without sending it (`relay check`)."""
+        entry = self._entry(0, message)
+        return str(entry) if isinstance(entry, PermanentPublishError) else None
+
     def refused(self, stream: str) -> str | None:
         """Why `stream` can never be a destination here; None when it can."""
         if not stream:

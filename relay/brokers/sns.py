@@ -87,15 +87,20 @@ class SnsPublisher(EntryBatchPublisher):
         finally:
             await self.close()
 
+    def name_problem(self, destination: str) -> str | None:
+        if _TOPIC_ARN.fullmatch(destination) or _TOPIC_NAME.fullmatch(destination):
+            return None
+        return (
+            f"{destination!r} is neither a topic ARN nor a topic name (1-256 letters, digits,"
+            " '-' or '_', FIFO topics ending in '.fifo')"
+        )
+
     async def _find(self, destination: str) -> Target:
         if match := _TOPIC_ARN.fullmatch(destination):
             name = match.group(1)
             return Target(name, destination, name.endswith(".fifo"))
-        if not _TOPIC_NAME.fullmatch(destination):
-            raise PermanentPublishError(
-                f"broker {self.name!r}: {destination!r} is neither a topic ARN nor a topic name "
-                "(1-256 letters, digits, '-' or '_', FIFO topics ending in '.fifo')"
-            )
+        if problem := self.name_problem(destination):
+            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
         partition, account = await self._caller()
         arn = f"arn:{partition}:sns:{self._region}:{account}:{destination}"
         return Target(destination, arn, destination.endswith(".fifo"))

@@ -110,6 +110,14 @@ class SqsPublisher(EntryBatchPublisher):
         finally:
             await self.close()
 
+    def name_problem(self, destination: str) -> str | None:
+        if destination.startswith(("https://", "http://")) or _QUEUE_NAME.fullmatch(destination):
+            return None
+        return (
+            f"{destination!r} is neither a queue URL nor a queue name (1-80 letters, digits,"
+            " '-' or '_', FIFO queues ending in '.fifo')"
+        )
+
     async def _find(self, destination: str) -> Target:
         if destination.startswith(("https://", "http://")):
             name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
@@ -121,10 +129,7 @@ class SqsPublisher(EntryBatchPublisher):
                 raise self.call_error(exc, destination) from exc
             queue = Target(destination, response["QueueUrl"], destination.endswith(".fifo"))
         else:
-            raise PermanentPublishError(
-                f"broker {self.name!r}: {destination!r} is neither a queue URL nor a queue name "
-                "(1-80 letters, digits, '-' or '_', FIFO queues ending in '.fifo')"
-            )
+            raise PermanentPublishError(f"broker {self.name!r}: {self.name_problem(destination)}")
         return queue
 
     async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:

@@ -17,9 +17,10 @@ from typing import Any
 
 import asyncpg
 
-from relay.brokers import create_publisher, probe_broker
+from relay.brokers import Probing, create_prober, probe_broker
 from relay.config import RelayConfig
 from relay.core.event import Event
+from relay.core.publishing import Message
 from relay.errors import (
     ConfigError,
     DatabaseError,
@@ -47,12 +48,16 @@ class Report:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The rows that would be sent, with their message and broker: judged by the broker's
+    # own rules once it has been probed (some rules need what the server said).
+    to_send: list[tuple[dict[str, Any], Message, str]] = field(default_factory=list)
 
 
 async def run_check(config: RelayConfig, last: int, *, offline: bool = False) -> Report:
     """The database and (unless `offline`) the brokers, side by side."""
     report = Report(warnings=config.warnings())
-    brokers = None if offline else asyncio.gather(*_probes(config))
+    publishers = _publishers(config, report)
+    brokers = None if offline else asyncio.gather(*_probes(config, publishers))
     try:
         await _database(config, last, report)
     except BaseException:
@@ -61,15 +66,25 @@ async def run_check(config: RelayConfig, last: int, *, offline: bool = False) ->
             await asyncio.gather(brokers, return_exceptions=True)
         raise
     if brokers is None:
-        report.problems += _adapters(config)
         report.notes.append("brokers not checked (--offline)")
-        return report
-    for name, problems in zip(config.brokers, await brokers, strict=True):
-        report.problems += problems
-        if not problems:
-            report.notes.append(f"broker {name!r}: connected and authenticated")
-    report.notes += _run_time_destinations(config)
+    else:
+        for name, problems in zip(publishers, await brokers, strict=True):
+            report.problems += problems
+            if not problems:
+                report.notes.append(f"broker {name!r}: connected and authenticated")
+        report.notes += _run_time_destinations(config)
+    _judge_by_broker(report, publishers)
     return report
+
+
+def _judge_by_broker(report: Report, publishers: dict[str, Probing]) -> None:
+    """A message the broker's adapter would refuse before sending is shown as parked, with
+    the words `relay run` would park it with."""
+    for row, message, broker in report.to_send:
+        publisher = publishers.get(broker)
+        if publisher is not None and (why := publisher.refusal(message)) is not None:
+            row["parked"] = "rejected"
+            row["error"] = why
 
 
 async def _database(config: RelayConfig, last: int, report: Report) -> None:
@@ -94,8 +109,13 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
     except DatabaseError as exc:
         report.problems.append(str(exc))
         return
-    mappers = [Mapper(name, outbox) for name, outbox in config.outboxes.items()]
-    report.rows = [row for event in events for mapper in mappers for row in _preview(event, mapper)]
+    mappers = [(Mapper(name, outbox), outbox.broker) for name, outbox in config.outboxes.items()]
+    for event in events:
+        for mapper, broker in mappers:
+            for row, message in _preview(event, mapper):
+                report.rows.append(row)
+                if message is not None:
+                    report.to_send.append((row, message, broker))
 
 
 async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report: Report) -> None:
@@ -125,21 +145,22 @@ async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report
             report.warnings.append(mismatch(name, record, outbox.partitions))
 
 
-def _adapters(config: RelayConfig) -> list[str]:
-    """What stops an adapter from being built at all (its client library missing)."""
-    problems = []
+def _publishers(config: RelayConfig, report: Report) -> dict[str, Probing]:
+    """Every configured broker's adapter; one that cannot be built at all (its client
+    library missing) is a problem instead."""
+    publishers = {}
     for name, broker in config.brokers.items():
         try:
-            create_publisher(name, broker)
+            publishers[name] = create_prober(name, broker)
         except ConfigError as exc:
-            problems.append(str(exc))
-    return problems
+            report.problems.append(str(exc))
+    return publishers
 
 
-def _probes(config: RelayConfig) -> Iterator[Any]:
-    """One probe per configured broker, with the destinations known in advance."""
-    for name, broker in config.brokers.items():
-        yield probe_broker(name, broker, sorted(set(_fixed_destinations(config, name))))
+def _probes(config: RelayConfig, publishers: dict[str, Probing]) -> Iterator[Any]:
+    """One probe per broker, with the destinations known in advance."""
+    for name, publisher in publishers.items():
+        yield probe_broker(publisher, sorted(set(_fixed_destinations(config, name))))
 
 
 def _fixed_destinations(config: RelayConfig, broker: str) -> Iterator[str]:
@@ -168,7 +189,10 @@ def static_text(template: str) -> str | None:
     return None if placeholders else text
 
 
-def _preview(event: Event, mapper: Mapper) -> list[dict[str, Any]]:
+Preview = tuple[dict[str, Any], Message | None]  # a row, and the message it would send
+
+
+def _preview(event: Event, mapper: Mapper) -> list[Preview]:
     """One row per rule of the event's type (one row when the outbox skips the event)."""
     head: dict[str, Any] = {
         "position": event.position,
@@ -177,13 +201,11 @@ def _preview(event: Event, mapper: Mapper) -> list[dict[str, Any]]:
     }
     rules = mapper.rules_for(event)
     if not rules:
-        return [{**head, "skipped": "type not mapped or aggregate filtered out"}]
+        return [({**head, "skipped": "type not mapped or aggregate filtered out"}, None)]
     return [_preview_rule(event, mapper, rule, dict(head)) for rule in rules]
 
 
-def _preview_rule(
-    event: Event, mapper: Mapper, rule: CompiledRule, row: dict[str, Any]
-) -> dict[str, Any]:
+def _preview_rule(event: Event, mapper: Mapper, rule: CompiledRule, row: dict[str, Any]) -> Preview:
     if rule.name:
         row["rule"] = rule.name
     try:
@@ -193,10 +215,10 @@ def _preview_rule(
         row["error"] = exc.problem if isinstance(exc, MalformedEventError) else str(exc)
         if isinstance(exc, SchemaViolation):
             row["violations"] = exc.violations
-        return row
+        return row, None
     if message is None:
         row["skipped"] = f"its condition is false: when: {rule.when_text}"
-        return row
+        return row, None
     row.update(
         id=message.id,
         type=message.type,
@@ -204,7 +226,7 @@ def _preview_rule(
         key=message.key,
         body=message.body.decode(),
     )
-    return row
+    return row, message
 
 
 async def _server_warnings(conn: asyncpg.Connection, config: RelayConfig) -> list[str]:

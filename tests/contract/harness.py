@@ -54,6 +54,10 @@ class BrokerHarness(Protocol):
     def oversized(self) -> int:
         """A body size in bytes that this broker rejects for good."""
 
+    # Whether the adapter knows that size is too large before sending (its own limit, or
+    # one the server states when it is probed); else only the server's answer tells.
+    limit_known_before_sending: bool
+
     async def close(self) -> None: ...
 
 

@@ -11,6 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from relay.cli.check import run_check
+from relay.config import RelayConfig
 from tests.contract.harness import BrokerHarness, Consumed
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.scenario import eventually, load_and_migrate, running, status
@@ -63,6 +65,13 @@ def loans(books: int, versions: int, first_version: int = 1) -> list[NewEvent]:
         for v in range(first_version, first_version + versions)
         for b in range(books)
     ]
+
+
+async def refused_in_preview(config: RelayConfig, last: int) -> set[str]:
+    """The ids of the messages `relay check --last` shows the broker's adapter refusing."""
+    report = await run_check(config, last)
+    assert not report.problems, report.problems
+    return {row["id"] for row in report.rows if row.get("parked") == "rejected"}
 
 
 def check_per_key_order(messages: list[Consumed]) -> None:
@@ -151,6 +160,10 @@ async def test_permanent_rejection_is_parked_and_the_rest_flows(
     assert row["reason"] == "rejected"
     assert row["message_id"] == "book/big@1"
     assert row["attempts"] == 3
+    # `relay check --last` foretells it where the limit is known before sending; it never
+    # shows as refused a message that went through.
+    foretold = await refused_in_preview(config, len(events))
+    assert foretold == ({"book/big@1"} if broker.limit_known_before_sending else set())
 
 
 # Aggregate ids a user may choose that a client library could rewrite on the way (nats-py
@@ -178,5 +191,7 @@ async def test_an_id_arrives_as_written_or_is_parked_never_altered(
     assert set(ids) <= written, f"ids altered on the way: {set(ids) - written}"
     assert set(ids) | parked == written, "an event neither arrived nor was parked"
     assert "book/alice smith@1" in ids  # never dropped as the duplicate of another id
+    # What `relay check --last` shows as refused is exactly what the relay parked.
+    assert await refused_in_preview(config, len(events)) == parked
     for message in received:
         assert broker.cloudevent(message).get_id() == message.id

@@ -21,7 +21,7 @@ from tests.contract.brokers.kinesis import unique_stream as unique_kinesis_strea
 from tests.contract.brokers.sns import sns_client, subscribed_queue
 from tests.contract.brokers.sns import unique_topic as unique_sns_topic
 from tests.support import postgres, pubsub_server
-from tests.support.db import connect
+from tests.support.db import append_many, connect
 from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
 from tests.support.kafka_server import TansuServer, consume, create_topic, unique_topic
@@ -727,3 +727,38 @@ async def test_a_configured_stream_is_created_at_start_not_by_check(
         " message to it would be retried for ever; create a stream for it (or configure"
         " brokers.<name>.stream)",
     ]
+
+
+async def test_last_shows_what_the_broker_adapter_would_park(
+    migrated: str, tmp_path: Path, nats_url: str
+) -> None:
+    """An id NATS's client would rewrite, and a payload that fits max_payload only without
+    its headers, are shown as parked with the words `relay run` parks them with; the
+    server's max_payload is learnt by the probe."""
+    async with nats_connect(nats_url) as nc:
+        limit = nc.max_payload
+    events = [
+        ("book", "plain", 1, "BookLent", {"loanId": "L1"}),
+        ("book", "\talice", 1, "BookLent", {"loanId": "L2"}),
+        ("book", "big-" + "i" * 400, 1, "BookLent", {"loanId": "x" * (limit - 300)}),
+    ]
+    async with connect(migrated) as conn:
+        await append_many(conn, events)
+    stream = unique_name("CHECK")
+    subject = stream.lower()
+    await create_stream(nats_url, stream, [f"{subject}.>"])
+    try:
+        config = config_dict(migrated, nats_url, subject)
+        path = save(tmp_path, config, f"{uuid.uuid4().hex}.yaml")
+        result = await asyncio.to_thread(run_cli, ["check", "--config", str(path), "--last", "3"])
+    finally:
+        await delete_stream(nats_url, stream)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    plain = next(line for line in lines if "book/plain@1" in line)
+    assert "->" in plain
+    tab = next(line for line in lines if "#" in line and "alice" in line)
+    assert "would be parked (rejected): broker 'nats': header Nats-Msg-Id holds a tab" in tab
+    big = next(line for line in lines if "book/big-" in line and line.startswith("#"))
+    assert "would be parked (rejected)" in big
+    assert f"larger than the server's max_payload ({limit:,})" in big

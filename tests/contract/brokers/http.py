@@ -24,6 +24,8 @@ MAX_BODY = 256 * 1024  # the receiver's own limit: it answers 413 above it
 
 class HttpHarness:
     kind = "http"
+    # the receiver's own limit on bodies, below the relay's max_body_bytes, only it applies
+    limit_known_before_sending = False
 
     def __init__(self, server: WebhookServer) -> None:
         self.server = server

@@ -22,6 +22,7 @@ PARTITIONS = 3
 
 class KafkaHarness:
     kind = "kafka"
+    limit_known_before_sending = True
 
     def __init__(self, server: TansuServer) -> None:
         assert server.proxy is not None, "the broker must advertise its proxy"

@@ -98,6 +98,7 @@ class StreamReader:
 
 class KinesisHarness:
     kind = "kinesis"
+    limit_known_before_sending = True
 
     def __init__(self, endpoint: str, shards: int = 2) -> None:
         host, port = endpoint.removeprefix("http://").split(":")

@@ -16,6 +16,7 @@ from tests.support.proxy import TcpProxy
 
 class NatsHarness:
     kind = "nats"
+    limit_known_before_sending = True
 
     def __init__(self, nats_url: str) -> None:
         host, port = nats_url.removeprefix("nats://").split(":")

@@ -29,6 +29,7 @@ from tests.support.pubsub_server import (
 
 class PubSubHarness:
     kind = "pubsub"
+    limit_known_before_sending = True
 
     def __init__(self, emulator: str) -> None:
         host, port = emulator.split(":")

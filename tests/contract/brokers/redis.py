@@ -21,6 +21,7 @@ from tests.support.redis_server import Entry, delete_stream, read_stream, unique
 
 class RedisHarness:
     kind = "redis"
+    limit_known_before_sending = True
 
     def __init__(self, url: str) -> None:
         host, _, port = url.removeprefix("redis://").partition("/")[0].rpartition(":")

@@ -72,6 +72,7 @@ def consumed(message: dict[str, Any]) -> Consumed:
 
 class SnsHarness:
     kind = "sns"
+    limit_known_before_sending = True
 
     def __init__(self, endpoint: str, fifo: bool = True) -> None:
         host, port = endpoint.removeprefix("http://").split(":")
