@@ -313,9 +313,11 @@ class LeaseConfig(Model):
 
 
 class HttpConfig(Model):
-    """/metrics, /healthz and /readyz."""
+    """/metrics, /healthz, /readyz and the status page."""
 
     enabled: bool = True
+    # The read-only status page (`/`, `/status.json`): the whole fleet, from Postgres.
+    status_page: bool = True
     host: str = "0.0.0.0"
     port: Annotated[int, Field(ge=0, le=65535)] = 9464
     database_probe_interval: PositiveDuration = 5.0

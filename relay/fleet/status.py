@@ -10,12 +10,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import asyncpg
+
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.fleet.identity import identity
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
-from relay.postgres.membership import live_members
+from relay.postgres.membership import Member, live_members
 from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import Partitions, mismatch
 from relay.postgres.source import EventSource
@@ -56,56 +58,64 @@ TABLE_COLUMNS = [
 
 async def status(config: RelayConfig) -> list[OutboxStatus]:
     """One row per configured outbox."""
+    async with Database(config.database, identity()).one_shot("status") as conn:
+        return (await read(conn, config))[0]
+
+
+async def read(
+    conn: asyncpg.Connection, config: RelayConfig
+) -> tuple[list[OutboxStatus], list[Member]]:
+    """The rows of `relay status`, and the live replicas they were read with (the status
+    page shows both from one read)."""
     source = EventSource(config.source)  # the whole table: its head and checks
     store = Store(config.database.schema_)
-    async with Database(config.database, identity()).one_shot("status") as conn:
-        await ensure_migrated(conn, config.database.schema_)
-        await source.check(conn)
-        head = await source.head(conn)
-        rows = {r.outbox: r for r in await store.checkpoints(conn)}
-        standbys = await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
-            " AND datname = current_database()"
-        )
-        members = await live_members(
-            conn, config.database.schema_, config.lease.namespace, config.lease.takeover_after
-        )
-        partitions = Partitions(config.database.schema_)
-        out = []
-        for name, outbox in config.outboxes.items():
-            record = await partitions.read(conn, name)
-            count = outbox.partitions if record is None else record.partitions
-            waiting = [
-                mismatch(name, record, m.outboxes[name], m.identity)
-                for m in members
-                if record is not None and name in m.outboxes and m.outboxes[name] != count
-            ]
-            for lane in lanes_of(name, count):
-                row = rows.get(lane.name)
-                # Never relayed: the lag is what the first holder will have to publish.
-                since = row.position if row else (0 if outbox.start == "beginning" else head)
-                holder = await holder_identity(conn, lock_key(config.lease.namespace, lane.name))
-                lane_source = EventSource(config.source, lane)
-                out.append(
-                    OutboxStatus(
-                        name=lane.name,
-                        partition=lane.index,
-                        state=_state(row, holder, standbys),
-                        holder=holder,
-                        epoch=row.epoch if row else None,
-                        checkpoint=row.position if row else None,
-                        head=head,
-                        lag_events=max(head - since, 0),
-                        lag_seconds=round(await lane_source.pending_age(conn, since), 3),
-                        parked=row.parked if row else 0,
-                        last_error=_last_error(row),
-                        blocking_transaction=_blocking(row),
-                        partitions=count,
-                        configured_partitions=outbox.partitions,
-                        waiting_replicas=waiting,
-                    )
+    await ensure_migrated(conn, config.database.schema_)
+    await source.check(conn)
+    head = await source.head(conn)
+    rows = {r.outbox: r for r in await store.checkpoints(conn)}
+    standbys = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'relay:%:lease'"
+        " AND datname = current_database()"
+    )
+    members = await live_members(
+        conn, config.database.schema_, config.lease.namespace, config.lease.takeover_after
+    )
+    partitions = Partitions(config.database.schema_)
+    out = []
+    for name, outbox in config.outboxes.items():
+        record = await partitions.read(conn, name)
+        count = outbox.partitions if record is None else record.partitions
+        waiting = [
+            mismatch(name, record, m.outboxes[name], m.identity)
+            for m in members
+            if record is not None and name in m.outboxes and m.outboxes[name] != count
+        ]
+        for lane in lanes_of(name, count):
+            row = rows.get(lane.name)
+            # Never relayed: the lag is what the first holder will have to publish.
+            since = row.position if row else (0 if outbox.start == "beginning" else head)
+            holder = await holder_identity(conn, lock_key(config.lease.namespace, lane.name))
+            lane_source = EventSource(config.source, lane)
+            out.append(
+                OutboxStatus(
+                    name=lane.name,
+                    partition=lane.index,
+                    state=_state(row, holder, standbys),
+                    holder=holder,
+                    epoch=row.epoch if row else None,
+                    checkpoint=row.position if row else None,
+                    head=head,
+                    lag_events=max(head - since, 0),
+                    lag_seconds=round(await lane_source.pending_age(conn, since), 3),
+                    parked=row.parked if row else 0,
+                    last_error=_last_error(row),
+                    blocking_transaction=_blocking(row),
+                    partitions=count,
+                    configured_partitions=outbox.partitions,
+                    waiting_replicas=waiting,
                 )
-        return out
+            )
+    return out, members
 
 
 def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:

@@ -34,6 +34,7 @@ class Member:
     outboxes: Mapping[str, int]  # outbox -> the partition count its config gives it
     room: int | None  # more lanes it may take, of any outbox; None: no cap
     connected: bool = True  # the session that wrote its row is still there
+    version: str | None = None  # its release (None: one before replicas said it)
 
 
 def change_coming(
@@ -56,7 +57,13 @@ def change_coming(
 
 
 def _member(row: asyncpg.Record) -> Member:
-    return Member(row["identity"], json.loads(row["outboxes"]), row["room"], row["connected"])
+    return Member(
+        row["identity"],
+        json.loads(row["outboxes"]),
+        row["room"],
+        row["connected"],
+        row["version"],
+    )
 
 
 async def live_members(
@@ -76,17 +83,20 @@ class Membership:
         identity: str,
         outboxes: Mapping[str, int],
         room: Callable[[], int | None] = lambda: None,
+        *,
+        version: str | None = None,
     ) -> None:
         self.queries = MembershipQueries(schema)
         self.namespace = namespace
         self.identity = identity
         self.outboxes = dict(outboxes)
         self.room = room
+        self.version = version
         self.left = False  # once leaving, a late pass must not say it is alive again
 
     @property
     def me(self) -> Member:
-        return Member(self.identity, self.outboxes, self.room())
+        return Member(self.identity, self.outboxes, self.room(), version=self.version)
 
     async def beat(self, conn: asyncpg.Connection, stale_after: float) -> list[Member]:
         """Say this replica is alive (on its lease session); return the fresh rows, its own
@@ -96,7 +106,7 @@ class Membership:
             rows = await conn.fetch(self.queries.members, *args)
         else:
             outboxes = json.dumps(self.outboxes)
-            rows = await conn.fetch(self.queries.beat, *args, outboxes, self.room())
+            rows = await conn.fetch(self.queries.beat, *args, outboxes, self.room(), self.version)
         return [self.me, *(_member(r) for r in rows)]
 
     async def leave(self, conn: asyncpg.Connection) -> None:

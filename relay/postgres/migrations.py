@@ -159,6 +159,10 @@ STEPS: tuple[str, ...] = (
     CREATE TRIGGER requested_by BEFORE INSERT OR UPDATE OF requested_by
       ON {schema}.commands FOR EACH ROW EXECUTE FUNCTION {schema}.command_requested_by();
     """,
+    # Each replica's release in its heartbeat, for the status page (NULL: a release before it).
+    """
+    ALTER TABLE {schema}.replicas ADD COLUMN version text;
+    """,
 )
 
 LATEST = len(STEPS)

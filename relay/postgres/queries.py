@@ -284,6 +284,23 @@ def fenced(checkpoints: str, assignments: str, where: str = "") -> str:
     )
 
 
+# A parked message's free texts, cut short for a page (event data may be any size).
+_CUT_PARKED = frozenset(
+    (
+        "event_type",
+        "aggregate_type",
+        "aggregate_id",
+        "message_id",
+        "message_type",
+        "destination",
+        "message_key",
+        "rule",
+        "reason",
+        "error",
+    )
+)
+
+
 class StoreQueries:
     """The checkpoints' and the parked messages' statements (Store)."""
 
@@ -382,6 +399,18 @@ class StoreQueries:
             f"SELECT {parked_columns} FROM {parked} WHERE {chosen} ORDER BY position, id"
         )
         self.parked_attempts: Final = f"SELECT id, attempts FROM {parked} WHERE {chosen}"
+        # The $2 last parked of the lanes $1 (text[]), newest first, by the primary key (no
+        # sort of every parked row); without bodies, each text cut to $3 characters and an
+        # ellipsis.
+        cut = ", ".join(
+            f"left({c}, $3) || CASE WHEN length({c}) > $3 THEN '…' ELSE '' END AS {c}"
+            if c in _CUT_PARKED
+            else ("NULL::bytea AS body" if c == "body" else c)
+            for c in parked_columns.split(", ")
+        )
+        self.newest_parked: Final = (
+            f"SELECT {cut} FROM {parked} WHERE outbox = ANY($1::text[]) ORDER BY id DESC LIMIT $2"
+        )
         # $1 id.
         self.parked_by_id: Final = f"SELECT {parked_columns} FROM {parked} WHERE id = $1"
         # The ids $1 (int8[]) that the lanes $2 (text[]) parked.
@@ -544,20 +573,20 @@ class MembershipQueries:
         # Rows of namespace $1 but identity $2, silent for less than $3 seconds, and whether
         # the session that wrote each is still there.
         self.members: Final = (
-            f"SELECT r.identity, r.outboxes::text AS outboxes, r.room,"
+            f"SELECT r.identity, r.outboxes::text AS outboxes, r.room, r.version,"
             " EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid"
             " AND a.datname = current_database()) AS connected"
             f" FROM {table} r WHERE r.namespace = $1 AND r.identity <> $2"
             " AND r.seen_at > now() - make_interval(secs => $3)"
         )
-        # `members`, after writing $2's own row ($4 outboxes as JSON, $5 room) and deleting
-        # rows a day old.
+        # `members`, after writing $2's own row ($4 outboxes as JSON, $5 room, $6 its release)
+        # and deleting rows a day old.
         self.beat: Final = (
             f"WITH me AS (INSERT INTO {table} (identity, namespace, pid, seen_at, outboxes,"
-            " room) VALUES ($2, $1, pg_backend_pid(), now(), $4::jsonb, $5)"
+            " room, version) VALUES ($2, $1, pg_backend_pid(), now(), $4::jsonb, $5, $6)"
             " ON CONFLICT (identity) DO UPDATE SET namespace = excluded.namespace,"
             " pid = excluded.pid, seen_at = now(), outboxes = excluded.outboxes,"
-            " room = excluded.room),"
+            " room = excluded.room, version = excluded.version),"
             f" gone AS (DELETE FROM {table} WHERE seen_at < now() - interval '1 day')"
             f" {self.members}"
         )

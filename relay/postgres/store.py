@@ -276,6 +276,14 @@ class Store:
         rows = await conn.fetch(self.queries.parked_attempts, lanes, ids)
         return {r["id"]: r["attempts"] for r in rows}
 
+    async def newest_parked(
+        self, conn: asyncpg.Connection, lanes: list[str], limit: int, cut: int
+    ) -> list[ParkedMessage]:
+        """The `limit` last parked of these lanes, newest first, without bodies, each text cut
+        to `cut` characters and `…` (`relay parked show` shows it whole)."""
+        rows = await conn.fetch(self.queries.newest_parked, lanes, limit, cut)
+        return [ParkedMessage(**dict(r)) for r in rows]
+
     async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> ParkedMessage | None:
         row = await conn.fetchrow(self.queries.parked_by_id, id_)
         return ParkedMessage(**dict(row)) if row else None

@@ -1,6 +1,7 @@
-"""The HTTP endpoints: /metrics, /healthz (liveness) and /readyz (readiness).
+"""The HTTP endpoints: /metrics, /healthz (liveness), /readyz (readiness), and the status
+page (`/`, `/status.json`; runtime/status_page.py) unless `http.status_page` is off.
 
-A deliberately tiny HTTP/1.1 server on asyncio streams: three GET routes do
+A deliberately tiny HTTP/1.1 server on asyncio streams: a few GET routes do
 not justify a web framework dependency.
 
 - /healthz answers 200 while the event loop turns and every relay task is
@@ -29,9 +30,19 @@ import structlog
 
 from relay.core.metrics import Metrics
 from relay.errors import RelayError
+from relay.runtime.status_page import StatusPage
 
 log = structlog.get_logger("relay.runtime.http")
 _WARN_EVERY = 60.0  # seconds between two warnings that the connection cap was reached
+# Every answer: a page served here may load only from here (no CDN: clusters often have no
+# internet), run no inline script, be framed by nobody; no answer is cached or sniffed.
+_HEADERS = (
+    "Content-Security-Policy: default-src 'self'; base-uri 'none'; form-action 'none';"
+    " frame-ancestors 'none'\r\n"
+    "X-Content-Type-Options: nosniff\r\n"
+    "Referrer-Policy: no-referrer\r\n"
+    "Cache-Control: no-store\r\n"
+)
 
 
 @dataclass
@@ -45,7 +56,8 @@ class Health:
 
 @dataclass(eq=False)
 class HttpServer:
-    """/metrics, /healthz and /readyz on one port, with a bound on open connections."""
+    """/metrics, /healthz, /readyz and the status page on one port, with a bound on open
+    connections."""
 
     host: str
     port: int
@@ -54,6 +66,7 @@ class HttpServer:
     _: KW_ONLY
     request_timeout: float = 5.0
     max_connections: int = 64
+    status_page: StatusPage | None = None  # None: `http.status_page: false`
     _server: asyncio.Server | None = field(default=None, init=False)
     _open: dict[asyncio.StreamWriter, None] = field(default_factory=dict, init=False)  # by age
     _warned_full: float = field(default=-_WARN_EVERY, init=False)
@@ -86,9 +99,9 @@ class HttpServer:
             async with asyncio.timeout(self.request_timeout):
                 request = await reader.readuntil(b"\r\n\r\n")
             method, path = _request_line(request)
-            status, content_type, body = self._route(method, path)
+            status, content_type, body = await self._route(method, path)
             writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{_HEADERS}"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + (body if method != "HEAD" else b"")
             )
@@ -125,7 +138,7 @@ class HttpServer:
                 request_timeout=self.request_timeout,
             )
 
-    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+    async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
         path = path.split("?", 1)[0]
@@ -137,6 +150,11 @@ class HttpServer:
         if path == "/readyz":
             ok = self.health.database_ok()
             return _json(ok, {"ready": ok, "database": ok, "outboxes": self.health.states()})
+        if self.status_page is not None:
+            if path == "/status.json":
+                return "200 OK", "application/json", await self.status_page.status_json()
+            if (found := self.status_page.file(path)) is not None:
+                return "200 OK", *found
         return "404 Not Found", "text/plain", b"not found\n"
 
 

@@ -30,6 +30,7 @@ from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless
 from relay.errors import DatabaseError
 from relay.fleet.identity import identity
+from relay.fleet.snapshot import snapshot
 from relay.postgres.command_queue import COMMAND_CHANNEL
 from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable, too_old
 from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseConnection
@@ -41,6 +42,7 @@ from relay.runtime.context import OutboxContext
 from relay.runtime.heap import start_up_heap_frozen
 from relay.runtime.http import Health, HttpServer
 from relay.runtime.replica import OutboxReplica
+from relay.runtime.status_page import StatusCache, StatusPage
 
 log = structlog.get_logger("relay.runner")
 
@@ -59,6 +61,7 @@ class Relay:
         self._budget = LeaseBudget(self.config.lease.max_per_replica)
         self._tasks: list[asyncio.Task[None]] = []
         self._db_seen = float("-inf")
+        self._page: StatusPage | None = None
 
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
@@ -72,7 +75,7 @@ class Relay:
         )
         for warning in self.config.warnings():
             log.warning("a costly setting", detail=warning)
-        http = self._http()
+        http = self._http(db)
         if http is not None:
             await http.start()  # before the database: liveness must answer during an outage
         try:
@@ -93,6 +96,7 @@ class Relay:
             self.identity,
             {name: outbox.partitions for name, outbox in config.outboxes.items()},
             self._budget.free,
+            version=__version__,
         )
         replicas = [self._replica(db, name, session, membership) for name in config.outboxes]
         contexts = [ctx for replica in replicas for ctx in replica.lanes]
@@ -103,6 +107,8 @@ class Relay:
             asyncio.create_task(self._listen(db, replicas), name="listener"),
             asyncio.create_task(self._probe(db), name="database-probe"),
         ]
+        if self._page is not None:
+            helpers.append(asyncio.create_task(self._page.sample(self.stop), name="lag-sampler"))
         self._tasks += helpers
         try:
             with start_up_heap_frozen():
@@ -139,10 +145,13 @@ class Relay:
             stop=self.stop,
         )
 
-    def _http(self) -> HttpServer | None:
+    def _http(self, db: Database) -> HttpServer | None:
         c = self.config.http
         if not c.enabled:
             return None
+        if c.status_page:
+            read = StatusCache(lambda: snapshot(db, self.config), timeout=c.request_timeout)
+            self._page = StatusPage(read, self.identity)
         port = self.http_port if self.http_port is not None else c.port
         health = Health(
             tasks_alive=lambda: all(not t.done() for t in self._tasks),
@@ -156,6 +165,7 @@ class Relay:
             health,
             request_timeout=c.request_timeout,
             max_connections=c.max_connections,
+            status_page=self._page,
         )
 
     async def _probe(self, db: Database) -> None:

@@ -1,0 +1,209 @@
+// The status page: fetches /status.json every few seconds and draws it. Every value is set
+// as text (textContent, setAttribute of numbers): event data and errors never become markup.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const WIDTH = 320;
+const HEIGHT = 80;
+const TREND_OVER = 60; // seconds: the lag now against the lag this long ago
+
+function cell(row, field, value, kind) {
+  const td = document.createElement("td");
+  td.dataset.field = field;
+  td.className = kind || "text";
+  td.textContent = value === null || value === undefined ? "" : String(value);
+  row.appendChild(td);
+  return td;
+}
+
+function fill(tableId, rows, columns, empty) {
+  const body = document.querySelector(`#${tableId} tbody`);
+  const out = [];
+  for (const item of rows) {
+    const tr = document.createElement("tr");
+    for (const [field, value, kind] of columns(item)) {
+      cell(tr, field, value, kind);
+    }
+    out.push(tr);
+  }
+  if (out.length === 0) {
+    const tr = document.createElement("tr");
+    tr.className = "empty";
+    const td = cell(tr, "empty", empty);
+    td.colSpan = document.querySelectorAll(`#${tableId} thead th`).length;
+    out.push(tr);
+  }
+  body.replaceChildren(...out);
+  return out;
+}
+
+function outboxOf(lane) {
+  return lane.split("/")[0];
+}
+
+function trend(samples) {
+  if (!samples || samples.length < 2) {
+    return "";
+  }
+  const last = samples[samples.length - 1];
+  let then = samples[0];
+  for (const s of samples) {
+    if (s.at <= last.at - TREND_OVER) {
+      then = s;
+    }
+  }
+  if (last.lag_events < then.lag_events) {
+    return "falling";
+  }
+  if (last.lag_events > then.lag_events) {
+    return "rising";
+  }
+  return "steady";
+}
+
+function drawLanes(data) {
+  const rows = fill("lanes", data.lanes, (l) => [
+    ["name", l.name],
+    ["state", l.state],
+    ["holder", l.holder],
+    ["epoch", l.epoch, "num"],
+    ["checkpoint", l.checkpoint, "num"],
+    ["head", l.head, "num"],
+    ["lag_events", l.lag_events, "num"],
+    ["lag_seconds", l.lag_seconds, "num"],
+    ["trend", trend(data.history[outboxOf(l.name)])],
+    ["parked", l.parked, "num"],
+    ["last_error", l.last_error],
+  ], "No outbox configured.");
+  data.lanes.forEach((l, i) => {
+    rows[i].dataset.lane = l.name;
+    rows[i].querySelector('[data-field="state"]').classList.add(
+      "state-" + l.state.replace(/[^a-z]+/g, "-"));
+  });
+}
+
+function drawBlocking(data) {
+  const waiting = data.lanes.filter((l) => l.blocking_transaction);
+  const rows = fill("blocking", waiting, (l) => {
+    const b = l.blocking_transaction;
+    return [
+      ["name", l.name],
+      ["pid", b.pid, "num"],
+      ["application_name", b.application_name],
+      ["state", b.state],
+      ["age_seconds", b.age_seconds, "num"],
+      ["gid", b.gid ? `prepared transaction ${b.gid} (owner ${b.owner})` : ""],
+    ];
+  }, "No lane is waiting on a transaction.");
+  waiting.forEach((l, i) => { rows[i].dataset.lane = l.name; });
+}
+
+function drawParked(data) {
+  document.getElementById("parked-total").textContent = `(${data.parked_total}; the 20 newest)`;
+  const rows = fill("parked", data.parked, (p) => [
+    ["id", p.id, "num"],
+    ["outbox", p.outbox],
+    ["position", p.position, "num"],
+    ["event", `${p.aggregate_type}/${p.aggregate_id}@${p.version}`],
+    ["event_type", p.event_type],
+    ["rule", p.rule],
+    ["reason", p.reason],
+    ["attempts", p.attempts, "num"],
+    ["parked_at", p.parked_at],
+    ["error", p.error],
+  ], "Nothing is parked.");
+  data.parked.forEach((p, i) => { rows[i].dataset.parked = String(p.id); });
+}
+
+function drawReplicas(data) {
+  const rows = fill("replicas", data.replicas, (r) => [
+    ["identity", r.identity],
+    ["version", r.version === null ? "not recorded (an older release)" : r.version],
+    ["connected", r.connected ? "connected" : "gone: reconnecting, or dead"],
+    ["holds", r.holds.join(", ")],
+  ], "No replica is alive.");
+  data.replicas.forEach((r, i) => { rows[i].dataset.replica = r.identity; });
+}
+
+function chart(outbox, samples) {
+  const figure = document.createElement("figure");
+  figure.dataset.outbox = outbox;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", "chart");
+  svg.setAttribute("viewBox", `0 0 ${WIDTH} ${HEIGHT}`);
+  const base = document.createElementNS(SVG, "line");
+  base.setAttribute("x1", "0");
+  base.setAttribute("x2", String(WIDTH));
+  base.setAttribute("y1", String(HEIGHT - 1));
+  base.setAttribute("y2", String(HEIGHT - 1));
+  svg.appendChild(base);
+  const last = samples[samples.length - 1];
+  const top = Math.max(1, ...samples.map((s) => s.lag_events));
+  const span = 900;
+  const points = samples.map((s) => {
+    const x = WIDTH - ((last.at - s.at) / span) * WIDTH;
+    const y = HEIGHT - 1 - (s.lag_events / top) * (HEIGHT - 4);
+    return `${x.toFixed(1)},${y.toFixed(1)}`;
+  });
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute("points", points.join(" "));
+  svg.appendChild(line);
+  const caption = document.createElement("figcaption");
+  caption.textContent = `${outbox}: ${last.lag_events} events (${last.lag_seconds}s) now,` +
+    ` at most ${top} in the last ${Math.round((last.at - samples[0].at) / 60)} min` +
+    (trend(samples) ? `, ${trend(samples)}` : "");
+  figure.append(caption, svg);
+  return figure;
+}
+
+function drawCharts(data) {
+  const figures = Object.entries(data.history).map(([outbox, samples]) => chart(outbox, samples));
+  if (figures.length === 0) {
+    const p = document.createElement("p");
+    p.textContent = "No sample yet: this replica samples the lag every few seconds.";
+    figures.push(p);
+  }
+  document.getElementById("charts").replaceChildren(...figures);
+}
+
+function drawMeta(data) {
+  const when = data.taken_at ? new Date(data.taken_at) : null;
+  const age = when ? Math.max(0, Math.round((Date.now() - when.getTime()) / 1000)) : null;
+  const meta = document.getElementById("meta");
+  meta.textContent = (when
+    ? `Data from ${when.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC")}` +
+      ` (database clock, ${age}s ago)`
+    : "No data yet") + `; served by ${data.served_by}, relay ${data.version}.`;
+  meta.dataset.takenAt = data.taken_at || "";
+}
+
+function showError(text) {
+  const box = document.getElementById("error");
+  box.textContent = text || "";
+  box.hidden = !text;
+}
+
+async function refresh() {
+  let wait = 2;
+  try {
+    const answer = await fetch("/status.json", { cache: "no-store" });
+    if (!answer.ok) {
+      throw new Error(`HTTP ${answer.status}`);
+    }
+    const data = await answer.json();
+    wait = data.refresh_seconds;
+    drawMeta(data);
+    drawLanes(data);
+    drawCharts(data);
+    drawBlocking(data);
+    drawParked(data);
+    drawReplicas(data);
+    showError(data.error ? `The last read of the fleet failed: ${data.error}` +
+      (data.taken_at ? " (the tables show the last good read)" : "") : "");
+  } catch (err) {
+    showError(`This replica did not answer: ${err.message} (the tables show the last answer)`);
+  }
+  setTimeout(refresh, wait * 1000);
+}
+
+refresh();
