@@ -14,7 +14,7 @@ needs (`pip install -e '.[demo]'`), the others everything the tests use (`.[test
 output in .venv/pip.log. They install again only when pyproject.toml or requirements.lock
 changes, or when a command needs more than is there. The tests start an embedded Postgres and NATS
 themselves when none is running on the machine. `test` also fetches promtool, and Debian's
-rabbitmq-server, redis-server, nodejs, buildah and mmdebstrap where it can (see
+rabbitmq-server, redis-server, nodejs, chromium, buildah and mmdebstrap where it can (see
 ensure_rabbitmq); otherwise it says what to install. `image` builds the Dockerfile without a
 Docker engine: buildah, on a Debian base made by mmdebstrap and kept between runs.
 """
@@ -56,6 +56,16 @@ INSTALL_RABBITMQ = ["apt-get", "install", "-y", "--no-install-recommends", "rabb
 # Node.js runs the official AsyncAPI parser in the contract tests (Debian 12 ships Node 18).
 INSTALL_NODE = ["apt-get", "install", "-y", "--no-install-recommends", "nodejs", "npm"]
 INSTALL_REDIS = ["apt-get", "install", "-y", "--no-install-recommends", "redis-server"]
+# The status page's tests read it in a real headless Chromium, driven by Debian's chromedriver.
+BROWSER = ("chromium", "chromedriver")
+INSTALL_CHROMIUM = [
+    "apt-get",
+    "install",
+    "-y",
+    "--no-install-recommends",
+    "chromium",
+    "chromium-driver",
+]
 # The image (`image`): built by buildah on a base that mmdebstrap makes from Debian's packages,
 # since no Docker engine runs here and the official python image cannot be pulled.
 IMAGE_TOOLS = ("buildah", "mmdebstrap")
@@ -116,6 +126,7 @@ def main(argv: list[str]) -> int:
         ensure_pubsub_emulator()
         ensure_node()
         ensure_redis()
+        ensure_chromium()
         ensure_image_tools()
         test(argv[1:])
         # Arguments pick tests for one run; the matrix belongs to the whole suite.
@@ -389,6 +400,32 @@ def redis_plan(*, found: bool, port_taken: bool, root: bool, apt: bool) -> str |
         "redis-server is not on PATH, so the Redis tests that start a private server (outages,"
         " maxmemory, ACL users, TLS) will fail. To get it: `apt-get install redis-server`"
         + (" as root (`python3 dev.py test` run as root does it)" if apt else "")
+    )
+
+
+def ensure_chromium() -> None:
+    """The status page's browser tests run Debian's chromium through its chromedriver."""
+    plan = chromium_plan(
+        found=all(shutil.which(name) for name in BROWSER),
+        root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        apt=shutil.which("apt-get") is not None,
+    )
+    if plan == "install":
+        apt_install(INSTALL_CHROMIUM, "for the status page's browser tests")
+    elif plan is not None:
+        print(f"dev.py: {plan}", file=sys.stderr)
+
+
+def chromium_plan(*, found: bool, root: bool, apt: bool) -> str | None:
+    """None (nothing to do), "install", or what to tell the user."""
+    if found:
+        return None
+    if root and apt:
+        return "install"
+    return (
+        "chromium and chromedriver are not both on PATH, so the status page's browser tests"
+        " fail. To get them: `apt-get install chromium chromium-driver` as root (`python3"
+        " dev.py test` run as root does it)"
     )
 
 

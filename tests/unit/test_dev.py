@@ -101,6 +101,15 @@ def test_buildah_and_mmdebstrap_are_installed_where_apt_runs_as_root() -> None:
     assert dev.INSTALL_IMAGE_TOOLS[-2:] == ["buildah", "mmdebstrap"]
 
 
+def test_chromium_is_installed_where_apt_runs_as_root() -> None:
+    assert dev.chromium_plan(found=True, root=True, apt=True) is None
+    assert dev.chromium_plan(found=False, root=True, apt=True) == "install"
+    for root, apt in ((False, True), (True, False), (False, False)):
+        advice = dev.chromium_plan(found=False, root=root, apt=apt)
+        assert advice is not None and "apt-get install chromium chromium-driver" in advice
+    assert dev.INSTALL_CHROMIUM[-2:] == ["chromium", "chromium-driver"]
+
+
 def test_the_base_is_named_after_the_command_that_makes_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
