@@ -350,28 +350,48 @@ def apt_install(command: list[str], why: str) -> None:
 
 def ensure_node() -> None:
     """The AsyncAPI tests run the official parser on Node.js (they npm-install it themselves)."""
-    plan = node_plan(
-        found=shutil.which("node") is not None and shutil.which("npm") is not None,
-        root=hasattr(os, "geteuid") and os.geteuid() == 0,
-        apt=shutil.which("apt-get") is not None,
-    )
+    found = shutil.which("node") is not None and shutil.which("npm") is not None
+    follow(node_plan(found=found, **root_with_apt()), INSTALL_NODE, "for the AsyncAPI tests")
+
+
+def follow(plan: str | None, command: list[str], why: str) -> bool:
+    """Carry out a plan of `apt_plan`: install, or say what to install. Whether the tools are
+    there (or being installed) afterwards."""
     if plan == "install":
-        apt_install(INSTALL_NODE, "for the AsyncAPI tests")
+        apt_install(command, why)
     elif plan is not None:
         print(f"dev.py: {plan}", file=sys.stderr)
+        return False
+    return True
+
+
+def root_with_apt() -> dict[str, bool]:
+    """`apt_plan`'s arguments about this machine: whether dev.py may run apt-get."""
+    return {
+        "root": hasattr(os, "geteuid") and os.geteuid() == 0,
+        "apt": shutil.which("apt-get") is not None,
+    }
 
 
 def node_plan(*, found: bool, root: bool, apt: bool) -> str | None:
     """None (nothing to do), "install", or what to tell the user."""
+    return apt_plan(
+        found=found,
+        root=root,
+        apt=apt,
+        missing="Node.js and npm are not on PATH, so the AsyncAPI contract tests will fail. To"
+        " get them: `apt-get install nodejs npm` as root (`python3 dev.py test` run as root"
+        " does it), or Node.js 18 or later from https://nodejs.org/",
+    )
+
+
+def apt_plan(*, found: bool, root: bool, apt: bool, missing: str) -> str | None:
+    """None (nothing to do), "install" (root with apt-get), or `missing`, to tell the user."""
     if found:
         return None
     if root and apt:
         return "install"
-    return (
-        "Node.js and npm are not on PATH, so the AsyncAPI contract tests will fail. To get "
-        "them: `apt-get install nodejs npm` as root (`python3 dev.py test` run as root does "
-        "it), or Node.js 18 or later from https://nodejs.org/"
-    )
+    return missing
 
 
 def ensure_redis() -> None:
@@ -405,55 +425,39 @@ def redis_plan(*, found: bool, port_taken: bool, root: bool, apt: bool) -> str |
 
 def ensure_chromium() -> None:
     """The status page's browser tests run Debian's chromium through its chromedriver."""
-    plan = chromium_plan(
-        found=all(shutil.which(name) for name in BROWSER),
-        root=hasattr(os, "geteuid") and os.geteuid() == 0,
-        apt=shutil.which("apt-get") is not None,
-    )
-    if plan == "install":
-        apt_install(INSTALL_CHROMIUM, "for the status page's browser tests")
-    elif plan is not None:
-        print(f"dev.py: {plan}", file=sys.stderr)
+    plan = chromium_plan(found=all(shutil.which(name) for name in BROWSER), **root_with_apt())
+    follow(plan, INSTALL_CHROMIUM, "for the status page's browser tests")
 
 
 def chromium_plan(*, found: bool, root: bool, apt: bool) -> str | None:
     """None (nothing to do), "install", or what to tell the user."""
-    if found:
-        return None
-    if root and apt:
-        return "install"
-    return (
-        "chromium and chromedriver are not both on PATH, so the status page's browser tests"
-        " fail. To get them: `apt-get install chromium chromium-driver` as root (`python3"
-        " dev.py test` run as root does it)"
+    return apt_plan(
+        found=found,
+        root=root,
+        apt=apt,
+        missing="chromium and chromedriver are not both on PATH, so the status page's browser"
+        " tests fail. To get them: `apt-get install chromium chromium-driver` as root"
+        " (`python3 dev.py test` run as root does it)",
     )
 
 
 def ensure_image_tools() -> bool:
     """buildah and mmdebstrap build the image (`image`, and the image test that calls it)."""
-    plan = image_tools_plan(
-        found=all(shutil.which(name) for name in IMAGE_TOOLS),
-        root=hasattr(os, "geteuid") and os.geteuid() == 0,
-        apt=shutil.which("apt-get") is not None,
+    found = all(shutil.which(name) for name in IMAGE_TOOLS)
+    return follow(
+        image_tools_plan(found=found, **root_with_apt()), INSTALL_IMAGE_TOOLS, "for the image"
     )
-    if plan == "install":
-        apt_install(INSTALL_IMAGE_TOOLS, "for the image")
-    elif plan is not None:
-        print(f"dev.py: {plan}", file=sys.stderr)
-        return False
-    return True
 
 
 def image_tools_plan(*, found: bool, root: bool, apt: bool) -> str | None:
     """None (nothing to do), "install", or what to tell the user."""
-    if found:
-        return None
-    if root and apt:
-        return "install"
-    return (
-        "buildah and mmdebstrap are not both on PATH, so the image cannot be built and its "
-        "test fails. To get them: `apt-get install buildah mmdebstrap` as root (`python3 "
-        "dev.py test` or `python3 dev.py image` run as root does it); buildah must run as root"
+    return apt_plan(
+        found=found,
+        root=root,
+        apt=apt,
+        missing="buildah and mmdebstrap are not both on PATH, so the image cannot be built and"
+        " its test fails. To get them: `apt-get install buildah mmdebstrap` as root (`python3"
+        " dev.py test` or `python3 dev.py image` run as root does it); buildah must run as root",
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from relay.config import RelayConfig
 from relay.fleet import status
+from relay.fleet.parked import summary
 from relay.fleet.status import OutboxStatus
 from relay.postgres.database import Database
 from relay.postgres.membership import Member
@@ -81,18 +82,5 @@ def _redacted(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parked(p: ParkedMessage) -> dict[str, Any]:
-    return {
-        "id": p.id,
-        "outbox": p.outbox,
-        "position": p.position,
-        "event_type": p.event_type,
-        "aggregate_type": p.aggregate_type,
-        "aggregate_id": p.aggregate_id,
-        "version": p.version,
-        "message_id": p.message_id,
-        "rule": p.rule,
-        "reason": p.reason,
-        "error": redact(p.error),
-        "attempts": p.attempts,
-        "parked_at": p.parked_at.isoformat(),
-    }
+    """`relay parked list --json`'s columns, the error redacted."""
+    return {**summary(p), "parked_at": p.parked_at.isoformat(), "error": redact(p.error)}

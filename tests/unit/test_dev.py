@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,31 +84,24 @@ def test_dev_py_names_a_missing_pubsub_emulator_where_the_fixture_looks(
     assert capsys.readouterr().err == ""
 
 
-def test_node_is_installed_only_where_it_is_missing_and_apt_runs_as_root() -> None:
-    assert dev.node_plan(found=True, root=True, apt=True) is None
-    assert dev.node_plan(found=False, root=True, apt=True) == "install"
+@pytest.mark.parametrize(
+    ("plan", "advice", "command"),
+    [
+        (dev.node_plan, "apt-get install nodejs npm", dev.INSTALL_NODE),
+        (dev.image_tools_plan, "apt-get install buildah mmdebstrap", dev.INSTALL_IMAGE_TOOLS),
+        (dev.chromium_plan, "apt-get install chromium chromium-driver", dev.INSTALL_CHROMIUM),
+    ],
+)
+def test_tools_are_installed_only_where_missing_and_apt_runs_as_root(
+    plan: Callable[..., str | None], advice: str, command: list[str]
+) -> None:
+    assert plan(found=True, root=True, apt=True) is None
+    assert plan(found=False, root=True, apt=True) == "install"
     for root, apt in ((False, True), (True, False), (False, False)):
-        advice = dev.node_plan(found=False, root=root, apt=apt)
-        assert advice is not None and "apt-get install nodejs npm" in advice
-    assert dev.INSTALL_NODE[:2] == ["apt-get", "install"] and "nodejs" in dev.INSTALL_NODE
-
-
-def test_buildah_and_mmdebstrap_are_installed_where_apt_runs_as_root() -> None:
-    assert dev.image_tools_plan(found=True, root=True, apt=True) is None
-    assert dev.image_tools_plan(found=False, root=True, apt=True) == "install"
-    for root, apt in ((False, True), (True, False), (False, False)):
-        advice = dev.image_tools_plan(found=False, root=root, apt=apt)
-        assert advice is not None and "apt-get install buildah mmdebstrap" in advice
-    assert dev.INSTALL_IMAGE_TOOLS[-2:] == ["buildah", "mmdebstrap"]
-
-
-def test_chromium_is_installed_where_apt_runs_as_root() -> None:
-    assert dev.chromium_plan(found=True, root=True, apt=True) is None
-    assert dev.chromium_plan(found=False, root=True, apt=True) == "install"
-    for root, apt in ((False, True), (True, False), (False, False)):
-        advice = dev.chromium_plan(found=False, root=root, apt=apt)
-        assert advice is not None and "apt-get install chromium chromium-driver" in advice
-    assert dev.INSTALL_CHROMIUM[-2:] == ["chromium", "chromium-driver"]
+        said = plan(found=False, root=root, apt=apt)
+        assert said is not None and advice in said
+    packages = advice.removeprefix("apt-get install ").split()
+    assert command[:2] == ["apt-get", "install"] and command[-len(packages) :] == packages
 
 
 def test_the_base_is_named_after_the_command_that_makes_it(

@@ -104,7 +104,7 @@ function drawParked(data) {
     ["id", p.id, "num"],
     ["outbox", p.outbox],
     ["position", p.position, "num"],
-    ["event", `${p.aggregate_type}/${p.aggregate_id}@${p.version}`],
+    ["event", p.event],
     ["event_type", p.event_type],
     ["rule", p.rule],
     ["reason", p.reason],

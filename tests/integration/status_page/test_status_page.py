@@ -9,7 +9,9 @@ taken by the other replica); and event data that looks like markup stays text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,23 @@ def assert_only_local(driver: webdriver.Chrome, port: int) -> None:
     assert console_errors(driver) == []
 
 
+@contextlib.asynccontextmanager
+async def library(
+    events_table: str, nats_url: str, tmp_path: Path, **http: Any
+) -> AsyncIterator[Path]:
+    """A migrated config relaying the library (and its fines) to a stream of its own."""
+    stream = unique_name("status-page")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    data = config_dict(events_table, nats_url, stream, messages=FINES)
+    data["http"].update(http)
+    path = save(tmp_path, data, f"relay-{stream}.yaml")
+    assert run_cli(["migrate", "--config", str(path)]).returncode == 0
+    try:
+        yield path
+    finally:
+        await delete_stream(nats_url, stream)
+
+
 async def start(relay_process: Any, path: Path, count: int) -> list[tuple[RelayProcess, int]]:
     replicas = [relay_process(["run", "--config", str(path)]) for _ in range(count)]
     return [(r, await http_port(r)) for r in replicas]
@@ -106,11 +125,7 @@ async def start(relay_process: Any, path: Path, count: int) -> list[tuple[RelayP
 async def test_the_page_follows_the_fleet_as_relay_status_sees_it(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = unique_name("status-page")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    path = save(tmp_path, config_dict(events_table, nats_url, stream, messages=FINES))
-    assert run_cli(["migrate", "--config", str(path)]).returncode == 0
-    try:
+    async with library(events_table, nats_url, tmp_path) as path:
         async with connect(events_table) as conn:
             await append_many(conn, loans(20))
         replicas = await start(relay_process, path, 2)
@@ -190,75 +205,70 @@ async def test_the_page_follows_the_fleet_as_relay_status_sees_it(
             assert_only_local(driver, port)
             SCREENSHOT.parent.mkdir(exist_ok=True)
             driver.save_screenshot(str(SCREENSHOT))
-    finally:
-        await delete_stream(nats_url, stream)
 
 
 async def test_hostile_strings_are_shown_as_text(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = unique_name("status-page")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    path = save(tmp_path, config_dict(events_table, nats_url, stream, messages=FINES))
-    assert run_cli(["migrate", "--config", str(path)]).returncode == 0
-    blocker = await asyncpg.connect(events_table, server_settings={"application_name": SCRIPT})
-    try:
-        async with connect(events_table) as conn:
-            first = await append(conn, HOSTILE_TYPE, HOSTILE_ID, 1, "FineCharged", {"amount": "x"})
-            second = await append(conn, "book", LONG_ID, 1, "FineCharged", {"amount": "y"})
-        ((_, port),) = await start(relay_process, path, 1)
-        # Both parked before the open transaction below holds the barrier (and the lane).
-        await eventually(lambda: status_json(path)[0]["parked"] == 2, timeout=30)
-        tx = blocker.transaction()
-        await tx.start()
-        await append(blocker, "book", "held", 1, "BookLent", {"loanId": "l"})
-        with chromium() as driver:
-            driver.get(f"http://127.0.0.1:{port}/")
-            await eventually(lambda: bool(parked_row(driver, second)), timeout=30)
-            hostile = parked_row(driver, first)
-            assert hostile["event"] == f"{HOSTILE_TYPE}/{HOSTILE_ID}@1"
-            assert HOSTILE_ID in hostile["error"]
-            # Cut short (`relay parked show` has it whole), and said so.
-            assert parked_row(driver, second)["event"] == f"book/{LONG_ID[:2000]}…@1"
+    async with library(events_table, nats_url, tmp_path) as path:
+        blocker = await asyncpg.connect(events_table, server_settings={"application_name": SCRIPT})
+        try:
+            async with connect(events_table) as conn:
+                first = await append(
+                    conn, HOSTILE_TYPE, HOSTILE_ID, 1, "FineCharged", {"amount": "x"}
+                )
+                second = await append(conn, "book", LONG_ID, 1, "FineCharged", {"amount": "y"})
+            ((_, port),) = await start(relay_process, path, 1)
+            # Both parked before the open transaction below holds the barrier (and the lane).
+            await eventually(lambda: status_json(path)[0]["parked"] == 2, timeout=30)
+            tx = blocker.transaction()
+            await tx.start()
+            await append(blocker, "book", "held", 1, "BookLent", {"loanId": "l"})
+            with chromium() as driver:
+                driver.get(f"http://127.0.0.1:{port}/")
+                await eventually(lambda: bool(parked_row(driver, second)), timeout=30)
+                hostile = parked_row(driver, first)
+                assert hostile["event"] == f"{HOSTILE_TYPE}/{HOSTILE_ID}@1"
+                assert HOSTILE_ID in hostile["error"]
+                # Cut short (`relay parked show` has it whole), and said so.
+                assert parked_row(driver, second)["event"] == f"book/{LONG_ID[:2000]}…@1"
 
-            def blocking_shown() -> bool:
-                rows = table(driver, "blocking", "data-lane")
-                return [r["application_name"] for r in rows.values()] == [SCRIPT]
+                def blocking_shown() -> bool:
+                    rows = table(driver, "blocking", "data-lane")
+                    return [r["application_name"] for r in rows.values()] == [SCRIPT]
 
-            await eventually(blocking_shown, timeout=30)
-            # Shown, never run or parsed: no injected element, no script ran, and the long
-            # word wraps instead of widening the page.
-            assert driver.execute_script("return window.pwned") is None
-            assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
-            width = driver.execute_script(
-                "return [document.documentElement.scrollWidth, window.innerWidth]"
-            )
-            assert width[0] <= width[1], f"the page is wider than the window: {width}"
-            assert_only_local(driver, port)
-        await tx.rollback()
+                await eventually(blocking_shown, timeout=30)
+                # Shown, never run or parsed: no injected element, no script ran, and the long
+                # word wraps instead of widening the page.
+                assert driver.execute_script("return window.pwned") is None
+                assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
+                width = driver.execute_script(
+                    "return [document.documentElement.scrollWidth, window.innerWidth]"
+                )
+                assert width[0] <= width[1], f"the page is wider than the window: {width}"
+                assert_only_local(driver, port)
+            await tx.rollback()
 
-        # /status.json says the same under its documented schema.
-        code, text = await get(port, "/status.json")
-        assert code == 200
-        body = json.loads(text)
-        jsonschema.validate(body, json.loads(page_file("status.schema.json")))
-        assert {p["aggregate_id"] for p in body["parked"]} == {HOSTILE_ID, f"{LONG_ID[:2000]}…"}
-    finally:
-        await blocker.close()
-        await delete_stream(nats_url, stream)
+            # /status.json says the same under its documented schema.
+            code, text = await get(port, "/status.json")
+            assert code == 200
+            body = json.loads(text)
+            jsonschema.validate(body, json.loads(page_file("status.schema.json")))
+            assert {p["event"] for p in body["parked"]} == {
+                f"{HOSTILE_TYPE}/{HOSTILE_ID}@1",
+                f"book/{LONG_ID[:2000]}…@1",
+            }
+        finally:
+            await blocker.close()
 
 
 async def test_viewers_share_one_read_and_the_page_can_be_turned_off(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    stream = unique_name("status-page")
-    await create_stream(nats_url, stream, [f"{stream}.>"])
-    data = config_dict(events_table, nats_url, stream)
-    on = save(tmp_path, data)
-    data["http"]["status_page"] = False
-    off = save(tmp_path, data, "off.yaml")
-    assert run_cli(["migrate", "--config", str(on)]).returncode == 0
-    try:
+    async with (
+        library(events_table, nats_url, tmp_path) as on,
+        library(events_table, nats_url, tmp_path, status_page=False) as off,
+    ):
         ((_, port),) = await start(relay_process, on, 1)
         await eventually(lambda: status_json(on)[0]["holder"] is not None, timeout=30)
         # Twenty viewers at once: one read of the fleet answers them all.
@@ -272,5 +282,3 @@ async def test_viewers_share_one_read_and_the_page_can_be_turned_off(
         for route in ("/", "/status.json", "/status.js"):
             assert (await get(port_off, route))[0] == 404, route
         assert (await get(port_off, "/metrics"))[0] == 200
-    finally:
-        await delete_stream(nats_url, stream)
