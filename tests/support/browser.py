@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def chromium() -> Iterator[webdriver.Chrome]:
 def requested_urls(driver: webdriver.Chrome) -> list[str]:
     """Every URL the browser asked for since the last call (DevTools Network events)."""
     urls = []
-    for entry in driver.get_log("performance"):
+    for entry in _log(driver, "performance"):
         message: dict[str, Any] = json.loads(entry["message"])["message"]
         if message.get("method") == "Network.requestWillBeSent":
             urls.append(message["params"]["request"]["url"])
@@ -77,4 +77,10 @@ def requested_urls(driver: webdriver.Chrome) -> list[str]:
 
 def console_errors(driver: webdriver.Chrome) -> list[str]:
     """The console's errors since the last call (script errors, failed loads, CSP refusals)."""
-    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    return [e["message"] for e in _log(driver, "browser") if e["level"] == "SEVERE"]
+
+
+def _log(driver: webdriver.Chrome, kind: str) -> list[dict[str, Any]]:
+    """One of the browser's logs since the last read (selenium leaves `get_log` untyped)."""
+    read: Callable[[str], list[dict[str, Any]]] = driver.get_log
+    return read(kind)
