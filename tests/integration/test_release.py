@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from relay.runtime.status_page import FILES
 from tests.support.db import append, connect
 from tests.support.delivery import wait_for_count
 from tests.support.jetstream import create_stream, fetch_all
@@ -50,7 +51,9 @@ SDIST_TOP = {
     "relay",
     "outbox_relay.egg-info",
 }
-SDIST_NEEDS = {"pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "relay/py.typed"}
+# The status page's files: package data, not modules (runtime/status_page.py serves them).
+PAGE = {f"relay/runtime/page/{name}" for name, _ in FILES.values()}
+SDIST_NEEDS = {"pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "relay/py.typed", *PAGE}
 # A line of the build's output that says something is wrong or about to break. pip's own
 # notes about this machine's extra package index are not the build's business.
 BUILD_WARNING = re.compile(r"warning|deprecat|!!", re.I)
@@ -158,6 +161,7 @@ def test_the_wheel_carries_the_typed_package_and_its_license_only(release: Relea
         names = wheel.namelist()
         metadata = wheel.read(f"{DIST}.dist-info/METADATA").decode()
     assert "relay/py.typed" in names
+    assert set(names) >= PAGE, f"the status page's files are missing: {PAGE - set(names)}"
     assert "relay/cli/main.py" in names and "relay/postgres/migrations.py" in names
     assert f"{DIST}.dist-info/licenses/LICENSE" in names
     strays = [n for n in names if not n.startswith(("relay/", f"{DIST}.dist-info/"))]
