@@ -1,5 +1,7 @@
 // The status page: fetches /status.json every few seconds and draws it. Every value is set
 // as text (textContent, setAttribute of numbers): event data and errors never become markup.
+// A cell is "num", "word" (the relay's own words and config names: not broken) or "text"
+// (event data and errors, of any length: broken anywhere rather than widen the page).
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -63,15 +65,15 @@ function trend(samples) {
 
 function drawLanes(data) {
   const rows = fill("lanes", data.lanes, (l) => [
-    ["name", l.name],
-    ["state", l.state],
+    ["name", l.name, "word"],
+    ["state", l.state, "word"],
     ["holder", l.holder],
     ["epoch", l.epoch, "num"],
     ["checkpoint", l.checkpoint, "num"],
     ["head", l.head, "num"],
     ["lag_events", l.lag_events, "num"],
     ["lag_seconds", l.lag_seconds, "num"],
-    ["trend", trend(data.history[outboxOf(l.name)])],
+    ["trend", trend(data.history[outboxOf(l.name)]), "word"],
     ["parked", l.parked, "num"],
     ["last_error", l.last_error],
   ], "No outbox configured.");
@@ -87,10 +89,10 @@ function drawBlocking(data) {
   const rows = fill("blocking", waiting, (l) => {
     const b = l.blocking_transaction;
     return [
-      ["name", l.name],
+      ["name", l.name, "word"],
       ["pid", b.pid, "num"],
       ["application_name", b.application_name],
-      ["state", b.state],
+      ["state", b.state, "word"],
       ["age_seconds", b.age_seconds, "num"],
       ["gid", b.gid ? `prepared transaction ${b.gid} (owner ${b.owner})` : ""],
     ];
@@ -102,14 +104,14 @@ function drawParked(data) {
   document.getElementById("parked-total").textContent = `(${data.parked_total}; the 20 newest)`;
   const rows = fill("parked", data.parked, (p) => [
     ["id", p.id, "num"],
-    ["outbox", p.outbox],
+    ["outbox", p.outbox, "word"],
     ["position", p.position, "num"],
     ["event", p.event],
     ["event_type", p.event_type],
-    ["rule", p.rule],
-    ["reason", p.reason],
+    ["rule", p.rule, "word"],
+    ["reason", p.reason, "word"],
     ["attempts", p.attempts, "num"],
-    ["parked_at", p.parked_at],
+    ["parked_at", p.parked_at, "word"],
     ["error", p.error],
   ], "Nothing is parked.");
   data.parked.forEach((p, i) => { rows[i].dataset.parked = String(p.id); });
@@ -118,7 +120,7 @@ function drawParked(data) {
 function drawReplicas(data) {
   const rows = fill("replicas", data.replicas, (r) => [
     ["identity", r.identity],
-    ["version", r.version === null ? "not recorded (an older release)" : r.version],
+    ["version", r.version === null ? "not recorded (an older release)" : r.version, "word"],
     ["connected", r.connected ? "connected" : "gone: reconnecting, or dead"],
     ["holds", r.holds.join(", ")],
   ], "No replica is alive.");
@@ -148,6 +150,12 @@ function chart(outbox, samples) {
   const line = document.createElementNS(SVG, "polyline");
   line.setAttribute("points", points.join(" "));
   svg.appendChild(line);
+  const [x, y] = points[points.length - 1].split(",");
+  const now = document.createElementNS(SVG, "circle"); // the latest sample, seen even alone
+  now.setAttribute("cx", x);
+  now.setAttribute("cy", y);
+  now.setAttribute("r", "2.5");
+  svg.appendChild(now);
   const caption = document.createElement("figcaption");
   caption.textContent = `${outbox}: ${last.lag_events} events (${last.lag_seconds}s) now,` +
     ` at most ${top} in the last ${Math.round((last.at - samples[0].at) / 60)} min` +
