@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,12 @@ from selenium.webdriver.common.by import By
 
 from relay import __version__
 from relay.runtime.status_page import page_file
+from tests.support import postgres
 from tests.support.browser import chromium, console_errors, requested_urls
 from tests.support.db import append, append_many, connect
 from tests.support.http import get, http_port
 from tests.support.jetstream import create_stream, delete_stream, unique_name
+from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import LIBRARY_MESSAGES, config_dict, eventually, loans, save
 
@@ -101,13 +103,11 @@ def assert_only_local(driver: webdriver.Chrome, port: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def library(
-    events_table: str, nats_url: str, tmp_path: Path, **http: Any
-) -> AsyncIterator[Path]:
+async def library(dsn: str, nats_url: str, tmp_path: Path, **http: Any) -> AsyncIterator[Path]:
     """A migrated config relaying the library (and its fines) to a stream of its own."""
     stream = unique_name("status-page")
     await create_stream(nats_url, stream, [f"{stream}.>"])
-    data = config_dict(events_table, nats_url, stream, messages=FINES)
+    data = config_dict(dsn, nats_url, stream, messages=FINES)
     data["http"].update(http)
     path = save(tmp_path, data, f"relay-{stream}.yaml")
     assert run_cli(["migrate", "--config", str(path)]).returncode == 0
@@ -282,3 +282,38 @@ async def test_viewers_share_one_read_and_the_page_can_be_turned_off(
         for route in ("/", "/status.json", "/status.js"):
             assert (await get(port_off, route))[0] == 404, route
         assert (await get(port_off, "/metrics"))[0] == 200
+
+
+async def test_a_database_outage_keeps_the_last_good_read_and_says_why(
+    events_table: str,
+    nats_url: str,
+    tmp_path: Path,
+    relay_process: Any,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    pg = tcp_proxy(*postgres.address(events_table))
+    dsn = postgres.with_address(events_table, pg.host, pg.port)
+    async with library(dsn, nats_url, tmp_path) as path:
+        ((_, port),) = await start(relay_process, path, 1)
+        await eventually(lambda: status_json(path)[0]["holder"] is not None, timeout=30)
+        with chromium() as driver:
+            driver.get(f"http://127.0.0.1:{port}/")
+            await eventually(lambda: bool(lane_cells(driver, "loans").get("holder")))
+            good = json.loads((await get(port, "/status.json"))[1])
+            pg.close()  # the database is gone, for the replica and its page
+
+            def banner() -> str:
+                text: str = driver.execute_script(
+                    "const e = document.getElementById('error');"
+                    " return e.hidden ? '' : e.textContent"
+                )
+                return text
+
+            await eventually(lambda: "database" in banner(), timeout=30)
+            assert banner().startswith("The last read of the fleet failed: ")
+            assert "the tables show the last good read" in banner()
+            assert lane_cells(driver, "loans")["state"]  # still there, as last read
+            body = json.loads((await get(port, "/status.json"))[1])
+            assert body["error"] and body["lanes"] and body["taken_at"] >= good["taken_at"]
+            assert "Data from" in driver.find_element(By.ID, "meta").text
+            assert_only_local(driver, port)
