@@ -20,8 +20,17 @@ class Backoff:
     rng: random.Random = field(default_factory=random.Random)
 
     def delay(self, attempt: int) -> float:
-        """The pause after failed attempt number `attempt` (1-based)."""
+        """The pause after failed attempt number `attempt` (1-based).
+
+        The count survives restarts and takeovers, so an outage of a weekend reaches
+        thousands of attempts: past the one that reaches `max`, the growth is not computed
+        (a float's power overflows near 2 ** 1024, which would stop the relay).
+        """
         c = self.config
-        base = min(c.max, c.initial * c.multiplier ** max(attempt - 1, 0))
+        try:
+            grown = c.initial * c.multiplier ** max(attempt - 1, 0)
+        except OverflowError:
+            grown = c.max
+        base = min(c.max, grown)
         spread = base * c.jitter
         return max(0.0, min(c.max, base + self.rng.uniform(-spread, spread)))

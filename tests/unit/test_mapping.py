@@ -160,6 +160,15 @@ def test_backoff_grows_caps_and_jitters() -> None:
     assert [plain.delay(n) for n in (1, 2, 3)] == pytest.approx([0.1, 0.2, 0.4])
 
 
+@pytest.mark.parametrize(("multiplier", "attempt"), [(2.0, 1025), (2.0, 10**9), (10.0, 400)])
+def test_backoff_stays_at_max_however_long_the_outage(multiplier: float, attempt: int) -> None:
+    """The attempt count is kept across restarts and takeovers, and an outage of a weekend
+    passes a thousand attempts: the delay is `max`, never an overflow that stops the relay."""
+    config = RetryConfig(initial=0.1, multiplier=multiplier, max=30.0, jitter=0.2)
+    backoff = Backoff(config, random.Random(1))
+    assert 24.0 <= backoff.delay(attempt) <= 30.0
+
+
 @pytest.mark.parametrize(
     ("text", "hidden"),
     [
