@@ -34,7 +34,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from http import HTTPStatus
 from urllib.parse import quote, urlsplit
@@ -66,14 +66,10 @@ class HttpPublisher:
     def __init__(self, name: str, config: HttpBrokerConfig) -> None:
         self.name = name
         self._config = config
-        # Each key's HMAC state, its padded key hashed once here and copied per request.
-        self._keys = [
-            hmac.new(
-                base64.b64decode(key.get_secret_value().removeprefix("whsec_")),
-                digestmod=hashlib.sha256,
-            )
+        self._keys = prepared(
+            base64.b64decode(key.get_secret_value().removeprefix("whsec_"))
             for key in config.signing_keys
-        ]
+        )
         self._session: aiohttp.ClientSession | None = None
         self._workers = config.max_in_flight  # each sends one request at a time
         self._urls: dict[str, str | None] = {}  # a rendered URL -> why it cannot be used
@@ -301,10 +297,15 @@ class HttpPublisher:
         return PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {text}")
 
 
+def prepared(keys: Iterable[bytes]) -> list[hmac.HMAC]:
+    """Each key's HMAC-SHA256 state before any data, for `sign`: its padded key hashed once."""
+    return [hmac.new(key, digestmod=hashlib.sha256) for key in keys]
+
+
 def sign(keys: Sequence[hmac.HMAC], message_id: str, timestamp: str, body: bytes) -> str:
-    """`v1,<signature>` per key, space separated (Standard Webhooks). Each key comes as its
-    HMAC-SHA256 state before any data: a copy of it per request skips hashing the padded key
-    again (1.5 instead of 4.9 µs a request on the bench machine)."""
+    """`v1,<signature>` per key, space separated (Standard Webhooks). Each key comes
+    `prepared`: a copy of its state per request skips hashing the padded key again (1.5
+    instead of 4.9 µs a request on the bench machine)."""
     signed = b"".join((message_id.encode(), b".", timestamp.encode(), b".", body))
     signatures = []
     for key in keys:
