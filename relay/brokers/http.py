@@ -43,7 +43,6 @@ import aiohttp
 
 from relay.brokers._batch import Accepted, not_sent, ready
 from relay.brokers._header_values import altered
-from relay.config.base import TlsConfig
 from relay.config.brokers import HttpBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -92,9 +91,14 @@ class HttpPublisher:
             auto_decompress=False,
         )
 
-    def _tls(self) -> ssl.SSLContext:
-        """Verified against `tls.ca_file`, else the system's CAs; used for https:// only."""
-        return (self._config.tls or TlsConfig()).context()
+    def _tls(self) -> ssl.SSLContext | bool:
+        """Verified against `tls.ca_file`, else the system's CAs; used for https:// only.
+
+        Without a `tls` section, True: aiohttp's own verified context (the system's CAs and
+        the host name checked, as `TlsConfig().context()` would), made when aiohttp is
+        imported, where a context of the relay's own read the trust store again at every
+        start (25 ms of CPU, on the event loop)."""
+        return True if self._config.tls is None else self._config.tls.context()
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: open a connection (TCP, and TLS with the certificate verified) to
