@@ -11,9 +11,10 @@ start-up objects, once, never per event.
 
 Only the young generations are collected before the freeze. Start-up's garbage is young
 (the config read, the contexts built), and a full collection walked every module's objects
-once more, 50 ms in a bare `relay run` and 80 to 110 ms in the benchmark's process, on the
-way to every drain; after the young collection a full one found nothing more to free. What
-garbage the old generation still held would be frozen with the rest: start-up objects again.
+once more, 20 to 50 ms in a fresh relay process (by the broker clients it imports) and 80
+to 110 ms in the benchmark's, on the way to every drain. After the young collection (about
+1 ms) a full one found nothing more to free. What garbage the old generation still held
+would be frozen with the rest: start-up objects again.
 
 The young generation's threshold is raised for the same reason: a batch is a few thousand
 short-lived containers (rows, events, payloads, messages) that die by reference counting,
