@@ -45,7 +45,8 @@ from relay.postgres.migrations import migrate_database
 from relay.postgres.source import EventSource
 from relay.runtime.runner import Relay
 
-POLL = 0.05  # checkpoint polling period during the backlog run
+POLL = 0.05  # the checkpoint table and VmRSS read during the backlog run
+WATCH = 0.005  # the relay's own stored checkpoint looked at during the backlog run
 
 Prepared = TypeVar("Prepared")
 
@@ -188,35 +189,55 @@ async def drain(
     last: int,
     timeout: float | None,  # noqa: ASYNC109 - a deadline for the whole drain
 ) -> Drain:
-    """Run the relay until its checkpoint reaches `last`, polling it every POLL seconds.
+    """Run the relay until its checkpoint reaches `last`, looking every WATCH seconds.
+
+    The end is when the relay's own record of its stored checkpoint (`OutboxState.checkpoint`,
+    set once the fenced write has returned) reaches `last`, looked at every WATCH (5 ms, a
+    read of an attribute in this process), then confirmed in `relay.checkpoints`. Polling the
+    table every POLL (50 ms) alone added 25 ms on average to every drain, a twentieth of a
+    0.5 s one. The table, VmRSS and the stop checks are still read every POLL.
 
     The CPU clock is this process's (user + system), read where the wall clock is read: the
     relay runs in this process, Postgres and the broker do not, so it is the relay's CPU, its
-    start-up included. This loop runs here too; it takes well under 1% of it (one small query
-    and one read of /proc/self/status per 50 ms). The VmRSS sampler is another process.
+    start-up included. This loop runs here too, and counts against the relay: a wake-up per
+    5 ms costs about 1% of a core (one per 2 ms, as first written, 2.5 to 3.5%), plus one
+    small query and one read of /proc/self/status per 50 ms. The VmRSS sampler is another
+    process.
     """
     result = Drain()
     started, cpu_started = time.perf_counter(), time.process_time()
     async with running(config) as relay:
         tick = started
         while True:
-            position = await checkpoint(conn)
-            now, cpu, rss = time.perf_counter(), time.process_time(), vmrss_kib()
-            result.seconds, result.cpu_seconds = now - started, cpu - cpu_started
-            result.peak_kib = max(result.peak_kib, rss)
-            for pct in PROGRESS:
-                if pct not in result.marks and position * 100 >= last * pct:
-                    result.marks[pct] = rss
-            if position >= last:
+            now, cpu = time.perf_counter(), time.process_time()
+            state = relay.states.get(OUTBOX)
+            if state is not None and (state.checkpoint or 0) >= last:
+                result.seconds, result.cpu_seconds = now - started, cpu - cpu_started
+                if await checkpoint(conn) < last:
+                    raise RuntimeError("the relay said its checkpoint was stored; it is not")
+                rss = vmrss_kib()
+                result.peak_kib = max(result.peak_kib, rss)
+                for pct in PROGRESS:
+                    result.marks.setdefault(pct, rss)
                 return result
-            if relay.states.get(OUTBOX) and relay.states[OUTBOX].role == "stopped":
-                raise RuntimeError("the relay stopped before draining the backlog")
-            if timeout is not None and now - started > timeout:
-                raise RuntimeError(
-                    f"the relay reached position {position} of {last} in {timeout:g}s"
-                )
-            tick += POLL
-            await asyncio.sleep(max(0.0, tick - time.perf_counter()))
+            if now >= tick:
+                position = await checkpoint(conn)
+                now, cpu, rss = time.perf_counter(), time.process_time(), vmrss_kib()
+                result.seconds, result.cpu_seconds = now - started, cpu - cpu_started
+                result.peak_kib = max(result.peak_kib, rss)
+                for pct in PROGRESS:
+                    if pct not in result.marks and position * 100 >= last * pct:
+                        result.marks[pct] = rss
+                if position >= last:
+                    return result
+                if state is not None and state.role == "stopped":
+                    raise RuntimeError("the relay stopped before draining the backlog")
+                if timeout is not None and now - started > timeout:
+                    raise RuntimeError(
+                        f"the relay reached position {position} of {last} in {timeout:g}s"
+                    )
+                tick += POLL
+            await asyncio.sleep(WATCH)
 
 
 async def relay_backlog(

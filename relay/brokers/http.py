@@ -28,12 +28,13 @@ import asyncio
 import base64
 import contextlib
 import email.utils
+import hashlib
 import hmac
 import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from http import HTTPStatus
 from urllib.parse import quote, urlsplit
@@ -42,7 +43,6 @@ import aiohttp
 
 from relay.brokers._batch import Accepted, not_sent, ready
 from relay.brokers._header_values import altered
-from relay.config.base import TlsConfig
 from relay.config.brokers import HttpBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -65,10 +65,10 @@ class HttpPublisher:
     def __init__(self, name: str, config: HttpBrokerConfig) -> None:
         self.name = name
         self._config = config
-        self._keys = [
+        self._keys = prepared(
             base64.b64decode(key.get_secret_value().removeprefix("whsec_"))
             for key in config.signing_keys
-        ]
+        )
         self._session: aiohttp.ClientSession | None = None
         self._workers = config.max_in_flight  # each sends one request at a time
         self._urls: dict[str, str | None] = {}  # a rendered URL -> why it cannot be used
@@ -91,9 +91,14 @@ class HttpPublisher:
             auto_decompress=False,
         )
 
-    def _tls(self) -> ssl.SSLContext:
-        """Verified against `tls.ca_file`, else the system's CAs; used for https:// only."""
-        return (self._config.tls or TlsConfig()).context()
+    def _tls(self) -> ssl.SSLContext | bool:
+        """Verified against `tls.ca_file`, else the system's CAs; used for https:// only.
+
+        Without a `tls` section, True: aiohttp's own verified context (the system's CAs and
+        the host name checked, as `TlsConfig().context()` would), made when aiohttp is
+        imported, where a context of the relay's own read the trust store again at every
+        start (25 ms of CPU, on the event loop)."""
+        return True if self._config.tls is None else self._config.tls.context()
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: open a connection (TCP, and TLS with the certificate verified) to
@@ -304,12 +309,22 @@ class HttpPublisher:
         return PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {text}")
 
 
-def sign(keys: Sequence[bytes], message_id: str, timestamp: str, body: bytes) -> str:
-    """`v1,<signature>` per key, space separated (Standard Webhooks)."""
+def prepared(keys: Iterable[bytes]) -> list[hmac.HMAC]:
+    """Each key's HMAC-SHA256 state before any data, for `sign`: its padded key hashed once."""
+    return [hmac.new(key, digestmod=hashlib.sha256) for key in keys]
+
+
+def sign(keys: Sequence[hmac.HMAC], message_id: str, timestamp: str, body: bytes) -> str:
+    """`v1,<signature>` per key, space separated (Standard Webhooks). Each key comes
+    `prepared`: a copy of its state per request skips hashing the padded key again (1.5
+    instead of 4.9 µs a request on the bench machine)."""
     signed = b"".join((message_id.encode(), b".", timestamp.encode(), b".", body))
-    return " ".join(
-        "v1," + base64.b64encode(hmac.digest(key, signed, "sha256")).decode() for key in keys
-    )
+    signatures = []
+    for key in keys:
+        mac = key.copy()
+        mac.update(signed)
+        signatures.append("v1," + base64.b64encode(mac.digest()).decode())
+    return " ".join(signatures)
 
 
 def retry_after(value: str | None, cap: float) -> float | None:

@@ -14,7 +14,7 @@ import pytest
 from pydantic import TypeAdapter
 from standardwebhooks.webhooks import Webhook
 
-from relay.brokers.http import retry_after, sign
+from relay.brokers.http import prepared, retry_after, sign
 from relay.config import BrokerConfig, HttpBrokerConfig, load_config
 from relay.errors import ConfigError
 from tests.support.config import write_config
@@ -104,7 +104,7 @@ def test_a_signature_per_key_each_accepted_by_the_receivers_library() -> None:
     keys = [base64.b64decode(s.removeprefix("whsec_")) for s in (SECRET, other)]
     timestamp = str(int(datetime.now(UTC).timestamp()))
     body = b'{"book": "b1"}'
-    header = sign(keys, "book/b1@1", timestamp, body)
+    header = sign(prepared(keys), "book/b1@1", timestamp, body)
     assert header.count("v1,") == 2
     headers = {
         "webhook-id": "book/b1@1",
