@@ -170,11 +170,12 @@ class StatusPage:
             "version": __version__,
             "refresh_seconds": REFRESH,
             "error": cached.error,
+            # Unknown before the first good read: null, not an empty fleet.
             "taken_at": None,
-            "lanes": [],
-            "parked_total": 0,
-            "parked": [],
-            "replicas": [],
+            "lanes": None,
+            "parked_total": None,
+            "parked": None,
+            "replicas": None,
         }
         if cached.snapshot is not None:
             body.update(cached.snapshot.as_json())

@@ -202,7 +202,10 @@ async def test_status_json_before_any_good_read_says_why() -> None:
     page = StatusPage(StatusCache(reads, timeout=5, clock=clock), "relay:a:1")
     body = json.loads(await page.status_json())
     jsonschema.validate(body, json.loads(page_file("status.schema.json")))
-    assert (body["taken_at"], body["lanes"], body["error"]) == (None, [], "connection refused")
+    assert (body["taken_at"], body["error"]) == (None, "connection refused")
+    # Unknown, not an empty fleet: a script must not read "nothing parked, no replica".
+    unknown = [body[k] for k in ("lanes", "parked_total", "parked", "replicas")]
+    assert unknown == [None, None, None, None]
 
 
 def test_the_lanes_of_status_json_are_relay_status_rows() -> None:

@@ -8,6 +8,8 @@ const SVG = "http://www.w3.org/2000/svg";
 const WIDTH = 320;
 const HEIGHT = 80;
 const TREND_OVER = 60; // seconds: the lag now against the lag this long ago
+// Before the first good read of the fleet the tables are null: unknown, not empty.
+const NO_DATA = "No data yet: this replica has not read the fleet from the database.";
 
 function cell(row, field, value, kind) {
   const td = document.createElement("td");
@@ -21,7 +23,7 @@ function cell(row, field, value, kind) {
 function fill(tableId, rows, columns, empty) {
   const body = document.querySelector(`#${tableId} tbody`);
   const out = [];
-  for (const item of rows) {
+  for (const item of rows || []) {
     const tr = document.createElement("tr");
     for (const [field, value, kind] of columns(item)) {
       cell(tr, field, value, kind);
@@ -31,7 +33,7 @@ function fill(tableId, rows, columns, empty) {
   if (out.length === 0) {
     const tr = document.createElement("tr");
     tr.className = "empty";
-    const td = cell(tr, "empty", empty);
+    const td = cell(tr, "empty", rows === null ? NO_DATA : empty);
     td.colSpan = document.querySelectorAll(`#${tableId} thead th`).length;
     out.push(tr);
   }
@@ -77,7 +79,7 @@ function drawLanes(data) {
     ["parked", l.parked, "num"],
     ["last_error", l.last_error],
   ], "No outbox configured.");
-  data.lanes.forEach((l, i) => {
+  (data.lanes || []).forEach((l, i) => {
     rows[i].dataset.lane = l.name;
     rows[i].querySelector('[data-field="state"]').classList.add(
       "state-" + l.state.replace(/[^a-z]+/g, "-"));
@@ -85,7 +87,7 @@ function drawLanes(data) {
 }
 
 function drawBlocking(data) {
-  const waiting = data.lanes.filter((l) => l.blocking_transaction);
+  const waiting = data.lanes === null ? null : data.lanes.filter((l) => l.blocking_transaction);
   const rows = fill("blocking", waiting, (l) => {
     const b = l.blocking_transaction;
     return [
@@ -97,11 +99,12 @@ function drawBlocking(data) {
       ["gid", b.gid ? `prepared transaction ${b.gid} (owner ${b.owner})` : ""],
     ];
   }, "No lane is waiting on a transaction.");
-  waiting.forEach((l, i) => { rows[i].dataset.lane = l.name; });
+  (waiting || []).forEach((l, i) => { rows[i].dataset.lane = l.name; });
 }
 
 function drawParked(data) {
-  document.getElementById("parked-total").textContent = `(${data.parked_total}; the 20 newest)`;
+  document.getElementById("parked-total").textContent = data.parked_total === null
+    ? "(not read yet)" : `(${data.parked_total}; the 20 newest)`;
   const rows = fill("parked", data.parked, (p) => [
     ["id", p.id, "num"],
     ["outbox", p.outbox, "word"],
@@ -114,7 +117,7 @@ function drawParked(data) {
     ["parked_at", p.parked_at, "word"],
     ["error", p.error],
   ], "Nothing is parked.");
-  data.parked.forEach((p, i) => { rows[i].dataset.parked = String(p.id); });
+  (data.parked || []).forEach((p, i) => { rows[i].dataset.parked = String(p.id); });
 }
 
 function drawReplicas(data) {
@@ -124,7 +127,7 @@ function drawReplicas(data) {
     ["connected", r.connected ? "connected" : "gone: reconnecting, or dead"],
     ["holds", r.holds.join(", ")],
   ], "No replica is alive.");
-  data.replicas.forEach((r, i) => { rows[i].dataset.replica = r.identity; });
+  (data.replicas || []).forEach((r, i) => { rows[i].dataset.replica = r.identity; });
 }
 
 function chart(outbox, samples) {
