@@ -50,11 +50,14 @@ function trend(samples) {
     return "";
   }
   const last = samples[samples.length - 1];
-  let then = samples[0];
+  let then = null;
   for (const s of samples) {
     if (s.at <= last.at - TREND_OVER) {
       then = s;
     }
+  }
+  if (then === null) {
+    return ""; // not a minute of samples yet: no trend to tell
   }
   if (last.lag_events < then.lag_events) {
     return "falling";
@@ -177,15 +180,27 @@ function drawCharts(data) {
   document.getElementById("charts").replaceChildren(...figures);
 }
 
+// The line under the title: the data's age grows by the second, also when no answer comes
+// (the replica that served the page is gone), so it never passes for current.
+let shown = null;
+
 function drawMeta(data) {
-  const when = data.taken_at ? new Date(data.taken_at) : null;
+  shown = { takenAt: data.taken_at, servedBy: data.served_by, version: data.version };
+  tickMeta();
+}
+
+function tickMeta() {
+  if (shown === null) {
+    return;
+  }
+  const when = shown.takenAt ? new Date(shown.takenAt) : null;
   const age = when ? Math.max(0, Math.round((Date.now() - when.getTime()) / 1000)) : null;
   const meta = document.getElementById("meta");
   meta.textContent = (when
     ? `Data from ${when.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC")}` +
       ` (database clock, ${age}s ago)`
-    : "No data yet") + `; served by ${data.served_by}, relay ${data.version}.`;
-  meta.dataset.takenAt = data.taken_at || "";
+    : "No data yet") + `; served by ${shown.servedBy}, relay ${shown.version}.`;
+  meta.dataset.takenAt = shown.takenAt || "";
 }
 
 function showError(text) {
@@ -218,3 +233,4 @@ async function refresh() {
 }
 
 refresh();
+setInterval(tickMeta, 1000);

@@ -4,7 +4,9 @@ written against (`status-page`, 04c3079)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 # eight and a half hours of a broker outage: a weekend without the webhook's endpoint.
 ATTEMPTS = 1100
 DIED = "task died, stopping the relay"
+STALE = 8  # seconds: four refresh periods of the page
 
 
 def attempts(process: RelayProcess) -> int:
@@ -158,3 +161,45 @@ async def test_before_the_first_good_read_the_page_claims_nothing_about_the_flee
             if claim in shown
         ]
         assert claims == [], f"with no read of the fleet yet, the page claims {claims}:\n{shown}"
+
+
+async def test_the_age_of_the_data_keeps_growing_when_the_replica_is_gone(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """`kubectl port-forward` to one pod, and that pod dies: the page is left with its last
+    answer. The line under the title says how old the data is ("database clock, Ns ago");
+    during a database outage that age grows, as it should. When the replica that served the
+    page is gone, it stays frozen at what it was at the last answer ("0s ago") however long
+    ago that was, on the line the operator reads to judge whether the tables are current."""
+    stream = unique_name("attack-age")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    try:
+        path = save(tmp_path, config_dict(events_table, nats_url, stream))
+        assert run_cli(["migrate", "--config", str(path)]).returncode == 0
+        replica = relay_process(["run", "--config", str(path)])
+        port = await http_port(replica)
+        with chromium() as driver:
+            driver.get(f"http://127.0.0.1:{port}/")
+
+            def age() -> int | None:
+                """The age the page gives its data, in seconds."""
+                found = re.search(r"(\d+)s ago", driver.find_element(By.ID, "meta").text)
+                return int(found.group(1)) if found else None
+
+            await eventually(lambda: age() is not None, timeout=30)
+            replica.kill()
+            replica.wait()
+            loop = asyncio.get_running_loop()
+            killed_at = loop.time()
+            await eventually(
+                lambda: not driver.find_element(By.ID, "error").get_attribute("hidden")
+            )
+            # Wait until the data is clearly older than any age the page could have shown.
+            await eventually(lambda: loop.time() - killed_at > STALE, timeout=STALE + 5)
+            shown = age()
+            assert shown is None or shown >= STALE, (
+                f"{loop.time() - killed_at:.0f}s after the replica died the page still says"
+                f" its data is {shown}s old: {driver.find_element(By.ID, 'meta').text}"
+            )
+    finally:
+        await delete_stream(nats_url, stream)
