@@ -298,10 +298,15 @@ async def test_the_server_killed_mid_drain_loses_and_reorders_nothing(
     messages = [message(stream, f"k{n % 5}", n) for n in range(1, 3001)]
     async with base_publisher(server.url, ack_timeout=1.0, connect_timeout=1.0) as pub:
         done, failures = 0, 0
+        killed = asyncio.Event()
 
         async def drain() -> None:
             nonlocal done, failures
             while done < len(messages):
+                if done >= 500 and not killed.is_set():
+                    # The kill lands mid-drain whatever the machine's pace: a fast Redis
+                    # took the other 2,500 within one poll of `eventually` below.
+                    await killed.wait()
                 outcomes = await pub.publish(messages[done : done + 100])
                 acked = next((i for i, o in enumerate(outcomes) if o is not None), len(outcomes))
                 done += acked
@@ -313,6 +318,7 @@ async def test_the_server_killed_mid_drain_loses_and_reorders_nothing(
         task = asyncio.create_task(drain())
         await eventually(lambda: done >= 500, timeout=20)
         server.restart()  # SIGKILL; the append-only file brings the entries back
+        killed.set()
         await asyncio.wait_for(task, 60)
     assert failures >= 1, "the kill was noticed"
     stored = ids(await read_stream(server.url, stream))
