@@ -114,9 +114,11 @@ class LagHistory:
     span: float = HISTORY
     every: float = SAMPLE_EVERY
     _rings: dict[str, deque[Sample]] = field(default_factory=dict, init=False)
+    revision: int = field(default=0, init=False)  # counts the calls of `add`
 
     def add(self, at: float, lanes: list[OutboxStatus]) -> None:
         """The lag of every outbox at `at`; a sample no later than the last one is dropped."""
+        self.revision += 1
         by_outbox: dict[str, list[OutboxStatus]] = {}
         for lane in lanes:
             by_outbox.setdefault(lane.name.partition("/")[0], []).append(lane)
@@ -154,6 +156,10 @@ class StatusPage:
     served_by: str  # this replica's identity
     history: LagHistory = field(default_factory=LagHistory)
     _files: dict[str, tuple[str, bytes]] = field(default_factory=dict, init=False)
+    # The last answer, and the read and history revision it was made of: the same bytes
+    # serve every viewer until either changes, not a JSON encoding per request on the
+    # event loop the relay delivers on.
+    _answer: tuple[Cached, int, bytes] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # Read once at start-up: a file missing from the package fails here, not on a view.
@@ -165,6 +171,9 @@ class StatusPage:
 
     async def status_json(self) -> bytes:
         cached = await self.cache.get()
+        answer = self._answer
+        if answer is not None and answer[0] is cached and answer[1] == self.history.revision:
+            return answer[2]
         body: dict[str, Any] = {
             "served_by": self.served_by,
             "version": __version__,
@@ -180,7 +189,9 @@ class StatusPage:
         if cached.snapshot is not None:
             body.update(cached.snapshot.as_json())
         body["history"] = self.history.as_json()
-        return json.dumps(body, default=str).encode()
+        encoded = json.dumps(body, default=str).encode()
+        self._answer = (cached, self.history.revision, encoded)
+        return encoded
 
     async def sample(self, stop: asyncio.Event) -> None:
         """Every SAMPLE_EVERY seconds, the fleet's lag into the history, through the cache

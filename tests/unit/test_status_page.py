@@ -232,3 +232,17 @@ def test_the_page_loads_nothing_from_elsewhere() -> None:
             assert target.startswith("/"), target
     assert html.count("<script") == 1 and '<script src="/status.js"' in html
     assert "innerHTML" not in page_file("status.js").decode()
+
+
+async def test_viewers_of_one_read_share_one_encoded_answer() -> None:
+    """Ten tabs, or a flood of requests, cost one JSON encoding per read and per sample, not
+    one each, on the event loop the relay delivers on."""
+    clock = Clock()
+    page = StatusPage(StatusCache(Reads(clock), timeout=5, clock=clock), "relay:a:1")
+    first = await page.status_json()
+    assert await page.status_json() is first
+    page.history.add(T0.timestamp(), [lane("loans", 5)])
+    sampled = await page.status_json()
+    assert sampled is not first and json.loads(sampled)["history"]["loans"][0]["lag_events"] == 5
+    clock.now += 2  # the read is a second old: the next viewer reads again
+    assert await page.status_json() is not sampled
