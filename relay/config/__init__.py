@@ -57,6 +57,7 @@ from relay.config.rules import (
     TemplateStr,
     absolute_schema_paths,
     check_expression,
+    check_id_template,
     check_template,
     duplicate_ids,
     rules_of,
@@ -247,10 +248,15 @@ class OutboxConfig(Model):
         " `relay repartition`.",
     )
 
-    @field_validator("id", "key")
+    @field_validator("key")
     @classmethod
-    def _templates_compile(cls, value: str) -> str:
+    def _key_compiles(cls, value: str) -> str:
         return check_template(value)
+
+    @field_validator("id")
+    @classmethod
+    def _id_compiles(cls, value: str) -> str:
+        return check_id_template(value)
 
     def rules(self, name: str) -> dict[str, tuple[Rule, ...]]:
         """Each event type's rules, named; `name` is this outbox's, for their dotted keys."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +39,7 @@ def _compiles(compile_: Callable[[str], object]) -> Callable[[str], str]:
 
 check_expression = _compiles(compile_expression)
 check_template = _compiles(compile_template)
+check_id_template = _compiles(partial(compile_template, distinct=True))
 
 
 class MessageConfig(Model):
@@ -57,10 +59,15 @@ class MessageConfig(Model):
     # A file (made absolute by load_config, relative to the config file) or the schema inline.
     schema_: str | dict[str, Any] | None = Field(None, alias="schema")
 
-    @field_validator("destination", "key", "id", "routing_key")
+    @field_validator("destination", "key", "routing_key")
     @classmethod
     def _templates_compile(cls, value: str | None) -> str | None:
         return None if value is None else check_template(value)
+
+    @field_validator("id")
+    @classmethod
+    def _id_compiles(cls, value: str | None) -> str | None:
+        return None if value is None else check_id_template(value)
 
     @field_validator("when")
     @classmethod

@@ -116,15 +116,56 @@ def template_pieces(source: str) -> tuple[list[tuple[str, str]], str]:
     return steps, "".join(literal)
 
 
-def compile_template(source: str) -> Template:
-    """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces."""
+def compile_template(source: str, *, distinct: bool = False) -> Template:
+    """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces.
+
+    `distinct` is for ids: each value but the last is escaped (see `separators`), so that
+    two events whose values differ never render one id.
+    """
     pieces, tail = template_pieces(source)
     if not pieces:
         return lambda _envelope: tail
-    steps = tuple((before, expr, compile_expression(expr)) for before, expr in pieces)
-    if len(steps) == 1:
-        return _render_one(*steps[0], tail)
+    seps = separators(source) if distinct else [None] * len(pieces)
+    steps = tuple(
+        (before, expr, compile_expression(expr), sep)
+        for (before, expr), sep in zip(pieces, seps, strict=True)
+    )
+    if len(steps) == 1:  # the last value is never escaped
+        before, expr, getter, _ = steps[0]
+        return _render_one(before, expr, getter, tail)
     return _render(steps, tail)
+
+
+def separators(source: str) -> list[str | None]:
+    """For an id template: the character that ends each placeholder's value, None for the last.
+
+    Read left to right, `{aggregate_type}/{aggregate_id}@{version}` splits at the first `/`
+    and the first `@` after it only if the values before them hold neither; `book` + `a/b`
+    and `book/a` + `b` would both be `book/a/b@1`, and a deduplicating broker would drop
+    one. So a value has `%` and its separator percent-encoded (`book%2Fa/b@1`); the last
+    value ends where the fixed tail begins and is left as it is.
+    """
+    pieces, tail = template_pieces(source)
+    following = [before for before, _ in pieces[1:]] + [tail]
+    seps: list[str | None] = []
+    for i, (_before, expr) in enumerate(pieces[:-1]):
+        if not following[i]:
+            raise ExpressionError(
+                f"{{{expr}}} and {{{pieces[i + 1][1]}}} stand side by side in the id template"
+                f" {source!r}: two events could render the same id; put a character between"
+            )
+        seps.append(following[i][0])
+    return [*seps, None] if pieces else seps
+
+
+def escape(text: str, separator: str) -> str:
+    """`%` and `separator` percent-encoded as URLs do (UTF-8): the text no longer holds the
+    character that ends it in an id, and the encoding cannot be mistaken for a value."""
+    if "%" in text:
+        text = text.replace("%", "%25")
+    if separator != "%" and separator in text:
+        text = text.replace(separator, "".join(f"%{b:02X}" for b in separator.encode()))
+    return text
 
 
 def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
@@ -140,15 +181,16 @@ def _render_one(before: str, expr: str, getter: Getter, tail: str) -> Template:
     return render
 
 
-def _render(steps: tuple[tuple[str, str, Getter], ...], tail: str) -> Template:
+def _render(steps: tuple[tuple[str, str, Getter, str | None], ...], tail: str) -> Template:
     def render(envelope: Mapping[str, Any]) -> str:
         out = []
-        for before, expr, getter in steps:
+        for before, expr, getter, sep in steps:
             value = getter(envelope)
             if value is None or value == "":
                 raise null_placeholder(expr)
+            text = value if type(value) is str else text_of(value)
             out.append(before)
-            out.append(value if type(value) is str else text_of(value))
+            out.append(escape(text, sep) if sep else text)
         out.append(tail)
         return "".join(out)
 

@@ -86,7 +86,7 @@ def _compile(rule: Rule, config: OutboxConfig) -> CompiledRule:
     # The interpreter compiles every expression first: that reports a bad one.
     interpreted = _interpreted(
         _compile_payload(m.payload),
-        compile_template(rule.id),
+        compile_template(rule.id, distinct=True),
         compile_template(m.destination),
         compile_template(rule.key),
         compile_template(m.routing_key) if m.routing_key else None,

@@ -17,7 +17,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from relay.core.event import Event
-from relay.mapping.expressions import is_dotted, null_placeholder, template_pieces, text_of
+from relay.mapping.expressions import (
+    escape,
+    is_dotted,
+    null_placeholder,
+    separators,
+    template_pieces,
+    text_of,
+)
 
 Values = Callable[["Event", "str | None"], "tuple[Any, str, str, str, str | None]"]
 """(event, its created_at in ISO 8601) -> (body, id, destination, key, routing key)."""
@@ -47,6 +54,7 @@ class _Writer:
         self.lines: list[str] = []
         self._paths: dict[str, str] = {}  # dotted path -> local holding its value
         self._texts: dict[str, str] = {}  # dotted path -> local holding it as checked text
+        self._escaped: dict[tuple[str, str], str] = {}  # (path, separator) -> escaped text
 
     def path(self, text: str) -> str:
         text = text.strip()
@@ -61,14 +69,16 @@ class _Writer:
             self.lines.append(f"{name} = {get} if type({name}) is dict else {step}")
         return name
 
-    def template(self, source: str) -> str:
-        """An expression that renders the template, placeholders checked beforehand."""
+    def template(self, source: str, *, distinct: bool = False) -> str:
+        """An expression that renders the template, placeholders checked beforehand;
+        `distinct` escapes an id's values as `compile_template` does."""
         pieces, tail = template_pieces(source)
+        seps = separators(source) if distinct else [None] * len(pieces)
         parts: list[str] = []
-        for before, expr in pieces:
+        for (before, expr), sep in zip(pieces, seps, strict=True):
             if before:
                 parts.append(repr(before))
-            parts.append(self._text(expr))
+            parts.append(self._escape(expr, sep) if sep else self._text(expr))
         if tail or not parts:
             parts.append(repr(tail))
         return " + ".join(parts)
@@ -82,6 +92,17 @@ class _Writer:
         self.lines.append(f'if {value} is None or {value} == "":')
         self.lines.append(f"    raise _null({expr!r})")
         self.lines.append(f"{name} = {value} if type({value}) is str else _text({value})")
+        return name
+
+    def _escape(self, expr: str, sep: str) -> str:
+        """The text, escaped; the `in` tests spare the call for the usual plain value."""
+        if (expr, sep) in self._escaped:
+            return self._escaped[expr, sep]
+        text = self._text(expr)
+        name = f"e{len(self._escaped)}"
+        self._escaped[expr, sep] = name
+        plain = f"'%' not in {text} and {sep!r} not in {text}"
+        self.lines.append(f"{name} = {text} if {plain} else _escape({text}, {sep!r})")
         return name
 
 
@@ -108,12 +129,17 @@ def compile_values(
     else:
         fields = ", ".join(f"{name!r}: {w.path(expr)}" for name, expr in payload.items())
         body = "{" + fields + "}"
-    rendered = [w.template(source) for source in templates]
+    rendered = [w.template(source, distinct=i == 0) for i, source in enumerate(templates)]
     w.lines.append(f"body = {body}")
     rk = rendered[3] if routing_key else "None"
     w.lines.append(f"return body, {rendered[0]}, {rendered[1]}, {rendered[2]}, {rk}")
     code = "def values(event, time_text):\n" + "".join(f"    {line}\n" for line in w.lines)
-    namespace: dict[str, Any] = {"_step": _step, "_null": null_placeholder, "_text": text_of}
+    namespace: dict[str, Any] = {
+        "_step": _step,
+        "_null": null_placeholder,
+        "_text": text_of,
+        "_escape": escape,
+    }
     exec(code, namespace)  # generated from our own names and repr() literals only
     values = cast(Values, namespace["values"])
     values.__doc__ = code  # for whoever wonders what a rule became

@@ -263,6 +263,51 @@ def test_one_placeholder_templates_render_like_the_general_ones() -> None:
         compile_template("{aggregate_id}")({"aggregate_id": ""})
 
 
+def test_the_default_id_keeps_plain_values_and_escapes_what_would_read_alike() -> None:
+    mapper = Mapper("loans", outbox())
+    ids = {
+        (kind, key): mapper.map(event(aggregate_type=kind, aggregate_id=key))
+        for kind, key in [("book", "b-1"), ("book", "a/b"), ("book/a", "b"), ("u", "a@b%c")]
+    }
+    assert {k: m.id for k, m in ids.items() if m is not None} == {
+        ("book", "b-1"): "book/b-1@2",
+        ("book", "a/b"): "book/a/b@2",  # the id's `/` is not its separator
+        ("book/a", "b"): "book%2Fa/b@2",
+        ("u", "a@b%c"): "u/a%40b%25c@2",
+    }
+
+
+def test_an_id_template_renders_distinct_values_to_distinct_ids() -> None:
+    """Every pair of short values over the separators and `%`: no two render alike."""
+    render = compile_template("{aggregate_type}/{aggregate_id}@{version}", distinct=True)
+    alphabet = ["", "a", "/", "@", "%", "%2F", "%25", "é"]
+    values = {a + b for a in alphabet for b in alphabet} - {""}
+    seen: dict[str, tuple[str, str]] = {}
+    for kind in values:
+        for key in values:
+            rendered = render({"aggregate_type": kind, "aggregate_id": key, "version": 1})
+            assert seen.setdefault(rendered, (kind, key)) == (kind, key), rendered
+    assert len(seen) == len(values) ** 2
+
+
+def test_an_escaped_separator_is_its_utf8_percent_encoding() -> None:
+    render = compile_template("{aggregate_id}é{version}", distinct=True)
+    assert render({"aggregate_id": "xéy", "version": 1}) == "x%C3%A9yé1"
+
+
+def test_an_id_template_with_placeholders_side_by_side_is_a_config_error() -> None:
+    with pytest.raises(ExpressionError, match=r"\{aggregate_type\} and \{aggregate_id\} stand"):
+        compile_template("{aggregate_type}{aggregate_id}@{version}", distinct=True)
+    assert (
+        compile_template("{aggregate_type}{aggregate_id}")(
+            {"aggregate_type": "a", "aggregate_id": "b"}
+        )
+        == "ab"
+    )
+    with pytest.raises(ValueError, match="side by side"):
+        outbox(id="{aggregate_type}{aggregate_id}")
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_created_at_is_written_exactly_as_isoformat(seed: int) -> None:
     """The mapper writes UTC times a second at a time; any time must come out as isoformat()."""

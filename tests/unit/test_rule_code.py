@@ -53,7 +53,8 @@ DATA: list[Any] = [
     {},
 ]
 METADATA: list[Any] = [{}, {"tenant": "t-1"}, {"tenant": ""}, {"tenant": 42}]
-IDS: list[Any] = ["book-1", "", 17]
+IDS: list[Any] = ["book-1", "", 17, "a/b@c%d:e"]
+TYPES = ["book", "bo/ok%2F@"]  # an id escapes its values' separators and `%`
 TIMES = [datetime(2026, 12, 1, 8, 30, 5, 123, tzinfo=UTC), None]
 
 
@@ -72,18 +73,19 @@ def test_generated_code_maps_like_the_interpreter(rule: dict[str, Any]) -> None:
     assert generated is not None
     interpreted = _interpreted(
         _compile_payload(rule["payload"]),
-        compile_template(rule["id"]),
+        compile_template(rule["id"], distinct=True),
         compile_template(rule["destination"]),
         compile_template(rule["key"]),
         compile_template(rule["routing_key"]) if rule["routing_key"] else None,
     )
     compared = 0
-    for data, metadata, aggregate_id, created in itertools.product(DATA, METADATA, IDS, TIMES):
-        event = Event(9, "book", aggregate_id, 3, "BookLent", data, metadata, created)
+    cases = itertools.product(DATA, METADATA, TYPES, IDS, TIMES)
+    for data, metadata, aggregate_type, aggregate_id, created in cases:
+        event = Event(9, aggregate_type, aggregate_id, 3, "BookLent", data, metadata, created)
         time_text = created.isoformat() if created else None
         assert outcome(generated, event, time_text) == outcome(interpreted, event, time_text)
         compared += 1
-    assert compared == len(DATA) * len(METADATA) * len(IDS) * len(TIMES)
+    assert compared == len(DATA) * len(METADATA) * len(TYPES) * len(IDS) * len(TIMES)
 
 
 def test_a_rule_with_a_jmespath_expression_keeps_the_interpreter() -> None:
