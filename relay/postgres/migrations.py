@@ -21,8 +21,8 @@ from relay.postgres.database import Database
 from relay.postgres.source import Blocker
 from relay.postgres.sql import qualified, quote
 
-# Each entry is applied once, in order, in its own transaction. Never edit a
-# released step: append a new one.
+# Each entry is applied once, in order; one `relay migrate` applies all it lacks in one
+# transaction (all or none). Never edit a released step: append a new one.
 STEPS: tuple[str, ...] = (
     """
     CREATE TABLE {schema}.checkpoints (
