@@ -3,10 +3,10 @@
 The client (botocore settings, credentials from the standard chain, never logged), how
 botocore errors are read and classified, the CloudEvents message attributes under the
 10-attribute limit SQS and SNS share, the FIFO MessageGroupId and MessageDeduplicationId
-rules (SNS FIFO topics take SQS's), the lines of `relay check`, and the batch flow the SQS
-and SNS batch calls share. The batch shapes and the memory of messages accepted after a
-failure are every adapter's (relay.brokers._batch); here they are kept for the FIFO dedup
-window.
+rules (SNS FIFO topics take SQS's), the publishers' client and `relay check` (AwsPublisher),
+and the batch flow the SQS and SNS batch calls share. The batch shapes and the memory of
+messages accepted after a failure are every adapter's (relay.brokers._batch); here they are
+kept for the FIFO dedup window.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from relay.brokers._batch import (
     per_destination,
     ready,
 )
+from relay.config.brokers import AwsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
 
@@ -194,10 +195,10 @@ def deduplication_id(message_id: str) -> str:
     return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
 
 
-# -- relay check ------------------------------------------------------------------------------
+# -- the client, and relay check ---------------------------------------------------------------
 
 
-def _never(code: str) -> bool:
+def no_code_is_fine(code: str) -> bool:
     """No error code is fine: the default of a call that is not a listing."""
     return False
 
@@ -213,7 +214,10 @@ class Prober(NamedTuple):
 
 
 async def probe_call(
-    call: Awaitable[Any], target: str, by: Prober, denied_is_fine: Callable[[str], bool] = _never
+    call: Awaitable[Any],
+    target: str,
+    by: Prober,
+    denied_is_fine: Callable[[str], bool] = no_code_is_fine,
 ) -> str | None:
     """`relay check`'s line about one call, None when it went through: a target that is gone
     is named so; a code `denied_is_fine` takes (of a listing) proves the credentials."""
@@ -232,6 +236,95 @@ async def probe_call(
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Service:
+    """What a publisher's service is called, and which of its error codes say a target is gone."""
+
+    service: str  # botocore's service name: "sqs"
+    title: str  # in messages: "SQS"
+    kind: str  # what a target is: "queue"
+    gone: frozenset[str]  # codes saying the target does not exist
+
+
+class AwsPublisher(ABC):
+    """What the AWS adapters' publishers share: the client, created at `connect` and closed
+    with its stack, the messages it remembers as accepted, and `relay check`'s calls."""
+
+    spec: ClassVar[Service]
+
+    def __init__(self, name: str, config: AwsConfig) -> None:
+        self.name = name
+        self._session = aioboto3.Session(region_name=config.region)
+        self._endpoint_url = config.endpoint_url
+        self._timeouts = (config.connect_timeout, config.ack_timeout)
+        self._client: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._accepted = Accepted(REMEMBER_FOR)
+        self.duplicates = 0
+        self.last_duplicates: tuple[int, ...] = ()  # the service cannot tell which
+
+    async def connect(self) -> None:
+        """Create the client; no request is made, so an unreachable service shows at publish."""
+        if self._client is not None:
+            return
+        try:
+            self._client, self._stack = await open_client(
+                self._session, self.spec.service, self._endpoint_url, *self._timeouts
+            )
+        except Exception as exc:
+            what = f"cannot create the {self.spec.title} client"
+            raise TransientPublishError(f"broker {self.name!r}: {what}: {error_text(exc)}") from exc
+        self._opened()
+
+    @abstractmethod
+    def _opened(self) -> None:
+        """Set up what goes with a new client."""
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+
+    async def probe(self, destinations: Collection[str]) -> list[str]:
+        """For `relay check`: ask the service after each target (`_lookup`), which proves the
+        credentials too; with no target known in advance, a listing does (`_listing`). Nothing
+        is sent; what is wrong, one line each."""
+        await self.connect()
+        by = Prober(self.name, self.spec.kind, self.spec.gone, self.call_error)
+        try:
+            if not destinations:
+                listing, denied_is_fine = self._listing()
+                problem = await probe_call(listing, "(any)", by, denied_is_fine)
+                return [problem] if problem else []
+            problems = []
+            for destination in sorted(destinations):
+                try:
+                    call = await self._lookup(destination)
+                except PublishError as exc:
+                    problems.append(str(exc))
+                    continue
+                if problem := await probe_call(call, destination, by):
+                    problems.append(problem)
+            return problems
+        finally:
+            await self.close()
+
+    @abstractmethod
+    def _listing(self) -> tuple[Awaitable[Any], Callable[[str], bool]]:
+        """A call listing targets, and which of its error codes prove the credentials all the
+        same (refused for want of permission to list)."""
+
+    @abstractmethod
+    async def _lookup(self, destination: str) -> Any:
+        """A call (an awaitable, not awaited yet) asking after the destination's target;
+        raises PublishError when the destination names none."""
+
+    @abstractmethod
+    def call_error(self, exc: BaseException, target: str) -> PublishError:
+        """Why a whole call failed."""
+
+
 # -- the batch flow of SendMessageBatch and PublishBatch -------------------------------------
 
 
@@ -242,6 +335,18 @@ class Target:
     name: str
     address: str  # the queue URL, the topic ARN
     fifo: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BatchService(Service):
+    """The rest of what sets SQS and SNS apart in the batch flow they share."""
+
+    body_field: str  # the entry's body: "MessageBody"
+    max_message_bytes: int  # body and attributes; a bigger message is not sent
+    message_fault: frozenset[str]  # codes of a call refused because of a message
+    max_entries: int = 10  # per call (SQS's and SNS's limit)
+    # All the entries of one call: SNS's limit, and SQS's before 2025 (now a budget).
+    max_call_bytes: int = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -267,11 +372,11 @@ class _Result:
     retry_now: bool = False  # worth an in-adapter retry before returning
 
 
-class EntryBatchPublisher(ABC):
+class EntryBatchPublisher(AwsPublisher):
     """SQS's SendMessageBatch and SNS's PublishBatch work alike: up to 10 entries a call, each
     entry stored or failed on its own (`Successful`, `Failed` with `SenderFault`). This is
-    their publish, written once; a subclass finds its targets, builds its entries, makes its
-    call and names its own error codes.
+    their publish, written once; a subclass describes its service (`spec`), finds its targets
+    and makes its call.
 
     FIFO targets get the batch in layers (layer n: the n-th message of every group), one after
     the other, and nothing after a layer that failed: a later message of a group is never
@@ -280,35 +385,12 @@ class EntryBatchPublisher(ABC):
     failure are remembered (Accepted) so that the core's re-send does not send them twice.
     """
 
-    service: ClassVar[str]  # botocore's service name: "sqs"
-    title: ClassVar[str]  # in messages: "SQS"
-    kind: ClassVar[str]  # what a target is: "queue"
-    max_entries: ClassVar[int] = 10
-    max_call_bytes: ClassVar[int] = 256 * 1024
-    max_message_bytes: ClassVar[int]  # body and attributes; a bigger message is not sent
-    body_field: ClassVar[str]  # the entry's body: "MessageBody"
-    gone: ClassVar[frozenset[str]]  # codes saying the target does not exist
-    message_fault: ClassVar[frozenset[str]]  # codes of a call refused because of a message
+    spec: ClassVar[BatchService]
 
-    def __init__(
-        self,
-        name: str,
-        region: str,
-        endpoint_url: str | None,
-        connect_timeout: float,
-        ack_timeout: float,
-    ) -> None:
-        self.name = name
-        self._session = aioboto3.Session(region_name=region)
-        self._endpoint_url = endpoint_url
-        self._timeouts = (connect_timeout, ack_timeout)
-        self._client: Any = None
-        self._stack: contextlib.AsyncExitStack | None = None
+    def __init__(self, name: str, config: AwsConfig) -> None:
+        super().__init__(name, config)
         self._slots: asyncio.Semaphore | None = None
         self._targets: dict[str, Target] = {}
-        self._accepted = Accepted(REMEMBER_FOR)
-        self.duplicates = 0
-        self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
 
     def name_problem(self, destination: str) -> str | None:
         """Why `destination` cannot name a target of this service; None when it can."""
@@ -331,38 +413,14 @@ class EntryBatchPublisher(ABC):
     async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
         """One batch call's response."""
 
-    async def connect(self) -> None:
-        """Create the client; no request is made, so an unreachable service shows at publish."""
-        if self._client is not None:
-            return
-        try:
-            self._client, self._stack = await open_client(
-                self._session, self.service, self._endpoint_url, *self._timeouts
-            )
-        except Exception as exc:
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot create the {self.title} client: {error_text(exc)}"
-            ) from exc
+    def _opened(self) -> None:
         self._slots = asyncio.Semaphore(CONCURRENCY)
-
-    async def close(self) -> None:
-        stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            with contextlib.suppress(Exception):
-                await stack.aclose()
-
-    async def _probe_call(
-        self, target: str, call: Awaitable[Any], denied_is_fine: Callable[[str], bool] = _never
-    ) -> str | None:
-        """probe_call in this service's words, with its error codes."""
-        by = Prober(self.name, self.kind, self.gone, self.call_error)
-        return await probe_call(call, target, by, denied_is_fine)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if (done := await ready(self.connect, len(messages))) is not None:
             return done
         results = not_sent(
-            len(messages), f"an earlier message for its FIFO {self.kind} failed", self.name
+            len(messages), f"an earlier message for its FIFO {self.spec.kind} failed", self.name
         )
         await per_destination(messages, self._publish_to, results)
         self._accepted.remember(messages, results)
@@ -405,7 +463,7 @@ class EntryBatchPublisher(ABC):
                 return
             if delay:
                 await asyncio.sleep(delay)
-            calls = list(chunks(entries, self.max_entries, self.max_call_bytes))
+            calls = list(chunks(entries, self.spec.max_entries, self.spec.max_call_bytes))
             sent = await asyncio.gather(*(self._send_chunk(sending, chunk) for chunk in calls))
             entries = []
             for chunk, chunk_results in zip(calls, sent, strict=True):
@@ -458,13 +516,14 @@ class EntryBatchPublisher(ABC):
 
     def _entry(self, index: int, message: Message, fifo: bool) -> Entry:
         """The batch request entry of a message, or why the service would refuse it."""
+        spec = self.spec
         try:
             body = message.body.decode()
         except UnicodeDecodeError:
             return self.invalid(index, message, "the body is not UTF-8 text")
         if not body or NOT_XML_CHAR.search(body):
             return self.invalid(
-                index, message, f"the body is empty or has characters {self.title} does not accept"
+                index, message, f"the body is empty or has characters {spec.title} does not accept"
             )
         attributes = message_attributes(message)
         size = len(message.body)
@@ -472,17 +531,17 @@ class EntryBatchPublisher(ABC):
             text = value["StringValue"]
             if NOT_XML_CHAR.search(text):
                 return self.invalid(
-                    index, message, f"attribute {name} has characters {self.title} does not accept"
+                    index, message, f"attribute {name} has characters {spec.title} does not accept"
                 )
             size += len(name) + len("String") + len(text.encode())
-        if size > self.max_message_bytes:
-            limit = f"{self.title}'s maximum of {_size_text(self.max_message_bytes)}"
+        if size > spec.max_message_bytes:
+            limit = f"{spec.title}'s maximum of {_size_text(spec.max_message_bytes)}"
             return self.invalid(
                 index, message, f"{size} bytes (body and attributes) is more than {limit}"
             )
         request: dict[str, Any] = {
             "Id": str(index),
-            self.body_field: body,
+            spec.body_field: body,
             "MessageAttributes": attributes,
         }
         if fifo:
@@ -500,10 +559,10 @@ class EntryBatchPublisher(ABC):
         """Why a whole call failed: permanent only when a message is to blame."""
         if isinstance(exc, ClientError):
             code, text = error_code(exc), client_error_text(exc)
-            if code in self.gone:
+            if code in self.spec.gone:
                 self._forget(target)
-                return self.transient(target, f"the {self.kind} does not exist: {text}")
-            if code in self.message_fault:
+                return self.transient(target, f"the {self.spec.kind} does not exist: {text}")
+            if code in self.spec.message_fault:
                 return self.permanent(target, text)
             return self.transient(target, text)
         if isinstance(exc, NoCredentialsError):
@@ -515,7 +574,7 @@ class EntryBatchPublisher(ABC):
         text = f"{code}: {failure.get('Message') or 'no message'}"
         if code in THROTTLED or code in SERVER_FAULT or not failure.get("SenderFault"):
             return _Result(self.transient(target.name, text), retry_now=True)
-        if code in self.gone:
+        if code in self.spec.gone:
             self._forget(target.name)
             return _Result(self.transient(target.name, text))
         if is_configuration_fault(code):
@@ -523,10 +582,10 @@ class EntryBatchPublisher(ABC):
         return _Result(self.permanent(target.name, text))
 
     def transient(self, target: str, text: str) -> TransientPublishError:
-        return TransientPublishError(f"broker {self.name!r}: {self.kind} {target!r}: {text}")
+        return TransientPublishError(f"broker {self.name!r}: {self.spec.kind} {target!r}: {text}")
 
     def permanent(self, target: str, text: str) -> PermanentPublishError:
-        return PermanentPublishError(f"broker {self.name!r}: {self.kind} {target!r}: {text}")
+        return PermanentPublishError(f"broker {self.name!r}: {self.spec.kind} {target!r}: {text}")
 
     def _forget(self, target: str) -> None:
         for destination, known in list(self._targets.items()):

@@ -22,30 +22,27 @@ Credentials come from the standard AWS chain and are never logged (see relay.bro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import io
 import re
 from collections import deque
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aioboto3
 import orjson
 from botocore.exceptions import ClientError, NoCredentialsError
 
 from relay.brokers._aws import (
     ENTRY_RETRIES,
-    REMEMBER_FOR,
-    Prober,
+    AwsPublisher,
+    Service,
     client_error_text,
     error_code,
     error_text,
-    open_client,
-    probe_call,
+    no_code_is_fine,
 )
-from relay.brokers._batch import Accepted, chunks, not_sent, per_destination, ready
+from relay.brokers._batch import chunks, not_sent, per_destination, ready
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import STRUCTURED, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -59,7 +56,7 @@ _STREAMED_BODY = 512 * 1024  # a request body at least this big goes to aiohttp 
 _STREAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _STREAM_ARN = re.compile(r"arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/([A-Za-z0-9_.-]+)")
 
-_STREAM_GONE = {"ResourceNotFoundException"}
+_STREAM_GONE = frozenset({"ResourceNotFoundException"})
 # A call refused because of what it carries: sending the same again cannot help.
 _MESSAGE_FAULT = {"ValidationException", "InvalidArgumentException"}
 
@@ -79,68 +76,25 @@ class _Record:
     tries: int = 0
 
 
-class KinesisPublisher:
+class KinesisPublisher(AwsPublisher):
+    spec = Service("kinesis", "Kinesis", "stream", _STREAM_GONE)
+
     def __init__(self, name: str, config: KinesisBrokerConfig) -> None:
-        self.name = name
-        self._config = config
-        self._session = aioboto3.Session(region_name=config.region)
-        self._client: Any = None
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._accepted = Accepted(REMEMBER_FOR)
+        super().__init__(name, config)  # its duplicates: re-sends acknowledged from memory
         # A whole call, both of botocore's attempts: ack_timeout bounds only the reads, and
         # a body of megabytes can wait on its writes for ever while the network drops packets.
         self._deadline = 2 * (config.connect_timeout + config.ack_timeout) + 1.0
-        self.duplicates = 0  # re-sends acknowledged from memory: Kinesis itself cannot tell
-        self.last_duplicates: tuple[int, ...] = ()
 
-    async def connect(self) -> None:
-        """Create the client; no request is made, so an unreachable Kinesis shows at publish."""
-        if self._client is not None:
-            return
-        c = self._config
-        try:
-            self._client, self._stack = await open_client(
-                self._session, "kinesis", c.endpoint_url, c.connect_timeout, c.ack_timeout
-            )
-        except Exception as exc:
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot create the Kinesis client: {error_text(exc)}"
-            ) from exc
+    def _opened(self) -> None:
         self._client.meta.events.register("before-send.kinesis.PutRecords", _stream_body)
 
-    async def close(self) -> None:
-        stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            with contextlib.suppress(Exception):
-                await stack.aclose()
+    def _listing(self) -> tuple[Awaitable[Any], Callable[[str], bool]]:
+        """ListStreams: any error is a problem."""
+        return self._client.list_streams(Limit=1), no_code_is_fine
 
-    async def probe(self, destinations: Collection[str]) -> list[str]:
-        """For `relay check`: DescribeStreamSummary of each stream, which proves the
-        credentials too; with no stream known in advance, ListStreams does. Nothing is
-        written; what is wrong, one line each."""
-        await self.connect()
-        try:
-            if not destinations:
-                problem = await self._probe_call("(any)", self._client.list_streams(Limit=1))
-                return [problem] if problem else []
-            problems = []
-            for destination in sorted(destinations):
-                try:
-                    stream = self._stream(destination)
-                except PublishError as exc:
-                    problems.append(str(exc))
-                    continue
-                call = self._client.describe_stream_summary(**stream.param)
-                if problem := await self._probe_call(destination, call):
-                    problems.append(problem)
-            return problems
-        finally:
-            await self.close()
-
-    async def _probe_call(self, stream: str, call: Awaitable[Any]) -> str | None:
-        """probe_call in Kinesis's words, with its error codes."""
-        by = Prober(self.name, "stream", _STREAM_GONE, self._call_error)
-        return await probe_call(call, stream, by)
+    async def _lookup(self, destination: str) -> Any:
+        """DescribeStreamSummary of the stream."""
+        return self._client.describe_stream_summary(**self._stream(destination).param)
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         if (done := await ready(self.connect, len(messages))) is not None:
@@ -279,7 +233,7 @@ class KinesisPublisher:
             text = f"no answer within {self._deadline:g}s (a call of {len(chunk)} records)"
             return self._transient(stream.name, text)
         except Exception as exc:  # noqa: BLE001 - classified, not swallowed
-            return self._call_error(exc, stream.name)
+            return self.call_error(exc, stream.name)
         return response
 
     # -- messages to records -------------------------------------------------------------------
@@ -297,7 +251,7 @@ class KinesisPublisher:
 
     # -- errors --------------------------------------------------------------------------------
 
-    def _call_error(self, exc: BaseException, stream: str) -> PublishError:
+    def call_error(self, exc: BaseException, stream: str) -> PublishError:
         """Why a whole call failed: permanent only when what it carries is to blame."""
         if isinstance(exc, ClientError):
             code, text = error_code(exc), client_error_text(exc)

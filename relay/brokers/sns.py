@@ -20,20 +20,19 @@ held to SQS's limit of 10. Credentials come from the standard AWS chain and are 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from relay.brokers._aws import (
     MESSAGE_FAULT,
+    BatchService,
     EntryBatchPublisher,
     Target,
     is_configuration_fault,
 )
 from relay.config import SnsBrokerConfig
-from relay.errors import PermanentPublishError, PublishError
+from relay.errors import PermanentPublishError
 
-MAX_ENTRIES = 10  # per PublishBatch call (an SNS limit)
-MAX_CALL_BYTES = 256 * 1024  # all the entries of one call (an SNS limit)
 MAX_MESSAGE_BYTES = 256 * 1024  # one message, body and attributes (an SNS limit)
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9_-]{1,256}|[A-Za-z0-9_-]{1,251}\.fifo")
@@ -45,47 +44,23 @@ _MESSAGE_FAULT = MESSAGE_FAULT | {"InvalidParameter", "ParameterValueInvalid", "
 
 
 class SnsPublisher(EntryBatchPublisher):
-    service = "sns"
-    title = "SNS"
-    kind = "topic"
-    max_entries = MAX_ENTRIES
-    max_call_bytes = MAX_CALL_BYTES
-    max_message_bytes = MAX_MESSAGE_BYTES
-    body_field = "Message"
-    gone = _TOPIC_GONE
-    message_fault = _MESSAGE_FAULT
+    spec = BatchService(
+        "sns", "SNS", "topic", _TOPIC_GONE, "Message", MAX_MESSAGE_BYTES, _MESSAGE_FAULT
+    )
 
     def __init__(self, name: str, config: SnsBrokerConfig) -> None:
-        super().__init__(
-            name, config.region, config.endpoint_url, config.connect_timeout, config.ack_timeout
-        )
+        super().__init__(name, config)
         self._region = config.region
         self._account: tuple[str, str] | None = None  # (partition, account) of the credentials
 
-    async def probe(self, destinations: Collection[str]) -> list[str]:
-        """For `relay check`: GetTopicAttributes of each topic, which proves the credentials
-        too; with no topic known in advance, ListTopics does (an AuthorizationError answer
-        also proves them). Nothing is published; what is wrong, one line each."""
-        await self.connect()
-        try:
-            if not destinations:
-                problem = await self._probe_call(
-                    "(any)", self._client.list_topics(), denied_is_fine=is_configuration_fault
-                )
-                return [problem] if problem else []
-            problems = []
-            for destination in sorted(destinations):
-                try:
-                    target = await self._find(destination)
-                except PublishError as exc:
-                    problems.append(str(exc))
-                    continue
-                call = self._client.get_topic_attributes(TopicArn=target.address)
-                if problem := await self._probe_call(destination, call):
-                    problems.append(problem)
-            return problems
-        finally:
-            await self.close()
+    def _listing(self) -> tuple[Awaitable[Any], Callable[[str], bool]]:
+        """ListTopics; an AuthorizationError answer proves the credentials too."""
+        return self._client.list_topics(), is_configuration_fault
+
+    async def _lookup(self, destination: str) -> Any:
+        """GetTopicAttributes of the topic (its ARN may take an STS call: see `_find`)."""
+        target = await self._find(destination)
+        return self._client.get_topic_attributes(TopicArn=target.address)
 
     def name_problem(self, destination: str) -> str | None:
         if _TOPIC_ARN.fullmatch(destination) or _TOPIC_NAME.fullmatch(destination):

@@ -34,20 +34,18 @@ is the outbox's backoff, visible in `status`.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 from relay.brokers._aws import (
     MESSAGE_FAULT,
+    BatchService,
     EntryBatchPublisher,
     Target,
 )
-from relay.config import SqsBrokerConfig
 from relay.errors import PermanentPublishError
 
-MAX_ENTRIES = 10  # per SendMessageBatch call (an SQS limit)
-MAX_CALL_BYTES = 256 * 1024  # payload budget per call (SQS's limit before 2025: 256 KiB)
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,80}|[A-Za-z0-9_-]{1,75}\.fifo")
@@ -63,52 +61,25 @@ _MESSAGE_FAULT = MESSAGE_FAULT | {
 
 
 class SqsPublisher(EntryBatchPublisher):
-    service = "sqs"
-    title = "SQS"
-    kind = "queue"
-    max_entries = MAX_ENTRIES
-    max_call_bytes = MAX_CALL_BYTES
-    max_message_bytes = MAX_MESSAGE_BYTES
-    body_field = "MessageBody"
-    gone = _QUEUE_GONE
-    message_fault = _MESSAGE_FAULT
+    spec = BatchService(
+        "sqs", "SQS", "queue", _QUEUE_GONE, "MessageBody", MAX_MESSAGE_BYTES, _MESSAGE_FAULT
+    )
 
-    def __init__(self, name: str, config: SqsBrokerConfig) -> None:
-        super().__init__(
-            name, config.region, config.endpoint_url, config.connect_timeout, config.ack_timeout
+    def _listing(self) -> tuple[Awaitable[Any], Callable[[str], bool]]:
+        """ListQueues; an AccessDenied answer proves the credentials too."""
+        return self._client.list_queues(MaxResults=1), _access_denied
+
+    async def _lookup(self, destination: str) -> Any:
+        """GetQueueUrl of a queue name, GetQueueAttributes of a queue URL."""
+        if destination.startswith(("https://", "http://")):
+            return self._client.get_queue_attributes(
+                QueueUrl=destination, AttributeNames=["QueueArn"]
+            )
+        if _QUEUE_NAME.fullmatch(destination):
+            return self._client.get_queue_url(QueueName=destination)
+        raise PermanentPublishError(
+            f"broker {self.name!r}: {destination!r} is neither a queue URL nor a queue name"
         )
-
-    async def probe(self, destinations: Collection[str]) -> list[str]:
-        """For `relay check`: ask SQS for each queue (GetQueueUrl, or GetQueueAttributes for a
-        URL), which proves the credentials too; with no queue known in advance, ListQueues
-        does (an AccessDenied answer also proves them). Nothing is sent; what is wrong, one
-        line each."""
-        await self.connect()
-        try:
-            if not destinations:
-                problem = await self._probe_call(
-                    "(any)", self._client.list_queues(MaxResults=1), denied_is_fine=_access_denied
-                )
-                return [problem] if problem else []
-            problems = []
-            for destination in sorted(destinations):
-                if destination.startswith(("https://", "http://")):
-                    call = self._client.get_queue_attributes(
-                        QueueUrl=destination, AttributeNames=["QueueArn"]
-                    )
-                elif _QUEUE_NAME.fullmatch(destination):
-                    call = self._client.get_queue_url(QueueName=destination)
-                else:
-                    problems.append(
-                        f"broker {self.name!r}: {destination!r} is neither a queue URL nor a"
-                        " queue name"
-                    )
-                    continue
-                if problem := await self._probe_call(destination, call):
-                    problems.append(problem)
-            return problems
-        finally:
-            await self.close()
 
     def name_problem(self, destination: str) -> str | None:
         if destination.startswith(("https://", "http://")) or _QUEUE_NAME.fullmatch(destination):

@@ -77,12 +77,13 @@ class EntryFaults:
         self.plan = plan
         self.calls: list[list[str]] = []
         self.sizes: list[int] = []
-        self._body_field = pub.body_field
-        operation, self._entries_field = _BATCH_CALLS[pub.service]
+        service = pub.spec.service
+        self._body_field = pub.spec.body_field
+        operation, self._entries_field = _BATCH_CALLS[service]
         events = pub._client.meta.events  # the publisher's own client (tests only)
-        events.register(f"before-parameter-build.{pub.service}.{operation}", self._before)
-        events.register(f"before-call.{pub.service}.{operation}", self._short_circuit)
-        events.register(f"after-call.{pub.service}.{operation}", self._after)
+        events.register(f"before-parameter-build.{service}.{operation}", self._before)
+        events.register(f"before-call.{service}.{operation}", self._short_circuit)
+        events.register(f"after-call.{service}.{operation}", self._after)
 
     def sent(self, message_id: str) -> int:
         return sum(call.count(message_id) for call in self.calls)
