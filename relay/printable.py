@@ -30,3 +30,14 @@ def printable(value: Any) -> str:
 def printable_lines(text: str) -> str:
     """`text` with its control characters escaped, but its line breaks and tabs."""
     return _CONTROL_BUT_LINES.sub(_escaped, text)
+
+
+def excerpt(text: str, limit: int = 80) -> str:
+    """`text` quoted, cut after `limit` characters with its length said.
+
+    An id or a subject comes from an event and may be megabytes long; an error quotes it in
+    the logs and in the parked table, where its first characters are enough to find it.
+    """
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"

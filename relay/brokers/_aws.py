@@ -35,6 +35,7 @@ from relay.brokers._batch import (
 from relay.config.brokers import AwsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.printable import excerpt
 
 MAX_ATTRIBUTES = 10  # message attributes per message (an SQS limit; SNS to SQS carries them)
 CONCURRENCY = 8  # calls in flight per publisher (and HTTP connections in the pool)
@@ -550,7 +551,9 @@ class EntryBatchPublisher(AwsPublisher):
         return Entry(index, message, request, size)
 
     def invalid(self, index: int, message: Message, reason: str) -> Entry:
-        error = PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {reason}")
+        error = PermanentPublishError(
+            f"broker {self.name!r}: message {excerpt(message.id)}: {reason}"
+        )
         return Entry(index, message, {}, 0, error)
 
     # -- errors --------------------------------------------------------------------------------

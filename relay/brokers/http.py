@@ -46,7 +46,7 @@ from relay.brokers._header_values import altered
 from relay.config.brokers import HttpBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
-from relay.printable import printable
+from relay.printable import excerpt, printable
 
 ANSWER_BYTES = 200  # of a refused request's answer, in the parked reason
 REMEMBER_FOR = 300.0  # seconds a message delivered after a failure is remembered
@@ -306,7 +306,7 @@ class HttpPublisher:
         return TransientPublishError(f"broker {self.name!r}: {text}")
 
     def _permanent(self, message: Message, text: str) -> PermanentPublishError:
-        return PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {text}")
+        return PermanentPublishError(f"broker {self.name!r}: message {excerpt(message.id)}: {text}")
 
 
 def prepared(keys: Iterable[bytes]) -> list[hmac.HMAC]:

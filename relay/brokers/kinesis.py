@@ -46,6 +46,7 @@ from relay.brokers._batch import chunks, not_sent, per_destination, ready
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import STRUCTURED, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.printable import excerpt
 
 MAX_RECORDS = 500  # per PutRecords call (a Kinesis limit)
 MAX_CALL_BYTES = 5 * 1024 * 1024  # data and partition keys of one call (a Kinesis limit)
@@ -244,7 +245,7 @@ class KinesisPublisher(AwsPublisher):
         size = len(data) + len(key.encode())
         if size > MAX_RECORD_BYTES:
             return PermanentPublishError(
-                f"broker {self.name!r}: message {message.id!r}: {size} bytes (the event and"
+                f"broker {self.name!r}: message {excerpt(message.id)}: {size} bytes (the event and"
                 " its partition key) is more than Kinesis's maximum of 1 MiB per record"
             )
         return _Record(index, message, {"Data": data, "PartitionKey": key}, size)

@@ -48,6 +48,7 @@ from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.core.publishing import ATTRIBUTES, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.printable import excerpt
 
 log = structlog.get_logger("relay.brokers.nats")
 
@@ -510,14 +511,13 @@ def _oversized(message: Message, headers: dict[str, str], limit: int) -> str | N
     if size <= limit:
         return None
     return (
-        f"message {message.id!r} is {size:,} bytes with its headers, larger than the server's"
-        f" max_payload ({limit:,})"
+        f"message {excerpt(message.id)} is {size:,} bytes with its headers, larger than the"
+        f" server's max_payload ({limit:,})"
     )
 
 
 def _invalid(subject: str) -> str:
-    shown = subject if len(subject) <= 80 else subject[:60] + "..."
-    return f"invalid subject {shown!r}: {_broken_rule(subject)}"
+    return f"invalid subject {excerpt(subject)}: {_broken_rule(subject)}"
 
 
 def _too_long(subject: str) -> bool:

@@ -50,6 +50,7 @@ from relay.brokers._batch import Accepted, not_sent, ready
 from relay.config.brokers import PubSubBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.printable import excerpt
 
 MAX_MESSAGE_BYTES = 10_000_000  # data, attributes and ordering key (the client's own limit)
 MAX_ATTRIBUTES = 100
@@ -361,7 +362,9 @@ class PubSubPublisher:
         return full
 
     def _refused(self, message: Message, reason: str) -> PermanentPublishError:
-        return PermanentPublishError(f"broker {self.name!r}: message {message.id!r}: {reason}")
+        return PermanentPublishError(
+            f"broker {self.name!r}: message {excerpt(message.id)}: {reason}"
+        )
 
     # -- errors --------------------------------------------------------------------------------
 

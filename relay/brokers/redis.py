@@ -38,6 +38,7 @@ from relay.config.base import TlsConfig
 from relay.config.brokers import RedisBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.printable import excerpt
 
 MAX_CALL_MESSAGES = 500  # entries per script call: one call holds the server for its length
 MAX_CALL_BYTES = 4 * 1024 * 1024  # fields and values per call (a bigger message goes alone)
@@ -270,7 +271,7 @@ class RedisPublisher:
             size += len(name) + len(value)
         if size > self._config.max_message_bytes:
             return PermanentPublishError(
-                f"broker {self.name!r}: message {message.id!r}: {size:,} bytes (fields and"
+                f"broker {self.name!r}: message {excerpt(message.id)}: {size:,} bytes (fields and"
                 f" values) is more than max_message_bytes ({self._config.max_message_bytes:,})"
             )
         return _Entry(index, message, b"".join(parts), len(parts), size)

@@ -70,3 +70,31 @@ def test_the_nats_size_check_counts_the_header_block_as_the_server_does() -> Non
         assert _oversized(message, headers, size) is None
         refused = _oversized(message, headers, size - 1)
         assert refused is not None and f"{size:,} bytes" in refused
+
+
+def test_a_refusal_quotes_a_long_id_or_subject_by_its_start_and_length() -> None:
+    """An id or subject comes from the event and may be megabytes: the error, logged and
+    kept in the parked table, quotes its first 80 characters and says how long it is."""
+    from datetime import UTC, datetime
+
+    from relay.brokers.nats import _invalid, _oversized, message_headers
+    from relay.core.publishing import Message
+
+    aggregate = "b" * 300_000
+    message = Message(
+        id=f"book/{aggregate}@1",
+        type="library.book-lent.v1",
+        destination=f"library.{aggregate} x",
+        key="k",
+        body=b"{}",
+        source="/outbox-relay/loans",
+        time=datetime.now(UTC),
+        position=1,
+    )
+    oversized = _oversized(message, message_headers(message), 1024)
+    invalid = _invalid(message.destination)
+    assert oversized is not None
+    for text, length in ((oversized, len(message.id)), (invalid, len(message.destination))):
+        assert len(text) < 300, text
+        assert f"... ({length:,} characters)" in text
+    assert oversized.startswith("message 'book/bbbb")
