@@ -12,22 +12,28 @@ open for as long as the third replica needs to look at it, on every run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 
-from relay.config import LeaseConfig
-from relay.postgres.lease import lock_key
+from relay.config import DatabaseConfig, LeaseConfig
+from relay.postgres.database import Database
+from relay.postgres.lease import Holder, Lease, LeaseConnection, lock_key
 from relay.postgres.queries import LeaseQueries
+from relay.postgres.sql import lane_key
+from relay.postgres.store import Store
 from tests.support import postgres
 from tests.support.db import connect
+from tests.support.jetstream import unique_name
 from tests.support.lanes import MESSAGES, held_by, shape, status, until
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess
-from tests.support.scenario import config_dict, eventually, migrate_cli, save
+from tests.support.scenario import config_dict, eventually, load_and_migrate, migrate_cli, save
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,3 +150,120 @@ async def test_a_standby_never_ends_the_healthy_replica_that_took_a_silent_holde
     await until(direct, lane_with_the_winner)
     assert ended(winner) + ended(other), "b's session was never ended"
     assert lost(a) == [] and lost(c) == [], (lost(a), lost(c))
+
+
+# -- what a standby judges, on lease sessions in this process ----------------------------------
+
+
+def session(dsn: str, identity: str, **lease: float) -> LeaseConnection:
+    return LeaseConnection(
+        Database(DatabaseConfig(url=dsn), identity), LeaseConfig(**lease), "relay", identity
+    )
+
+
+async def claim(lease: Lease) -> None:
+    assert await lease.try_acquire()
+    async with lease.statement() as conn:
+        await Store("relay").claim(conn, lease.outbox, lease.identity, 0, lease.key)
+
+
+@pytest.fixture
+async def unseeing(database: str, pg_admin_dsn: str) -> AsyncIterator[str]:
+    """A DSN of the test's database for a role that may read the checkpoints, but not see
+    other roles' sessions (no pg_read_all_stats): their last statement is hidden from it."""
+    name = f"standby_{uuid.uuid4().hex[:8]}"
+    async with connect(pg_admin_dsn) as admin:
+        await admin.execute(f"CREATE ROLE {name} LOGIN")
+    try:
+        yield postgres.as_role(database, name)
+    finally:
+        async with connect(database) as conn:
+            await conn.execute(f"DROP OWNED BY {name}")
+        async with connect(pg_admin_dsn) as admin:
+            await admin.execute(f"DROP ROLE {name}")
+
+
+async def test_the_lock_key_computed_in_sql_is_the_relays(database: str) -> None:
+    names = [("relay", "loans/0"), ("blue", "loans"), ("relay", "prêts/17"), ("n", "x" * 200)]
+    async with connect(database) as conn:
+        for namespace, lane in names:
+            sql = f"SELECT {lane_key('$1::text', '$2::text')}"
+            assert await conn.fetchval(sql, namespace, lane) == lock_key(namespace, lane), lane
+
+
+async def test_a_holder_is_judged_by_its_own_heartbeats_not_by_the_previous_holders(
+    database: str, nats_url: str, tmp_path: Path, unseeing: str
+) -> None:
+    """A replica holds loans/0 (claimed, stamped now) and has just taken loans/1, whose row
+    still bears the heartbeat its previous holder stamped an hour ago. A standby that cannot
+    see the replica's session (another role, no pg_read_all_stats) judges it by its stamps."""
+    await load_and_migrate(tmp_path, config_dict(database, nats_url, unique_name("t")))
+    gone = session(database, "relay:test:gone")
+    await claim(Lease(gone, "loans/1"))
+    await gone.close()
+    async with connect(database) as conn:
+        await conn.execute(
+            "UPDATE relay.checkpoints SET heartbeat = now() - interval '1 hour'"
+            " WHERE outbox = 'loans/1'"
+        )
+        role = urlsplit(unseeing).username
+        await conn.execute(f"GRANT USAGE ON SCHEMA relay TO {role}")
+        await conn.execute(f"GRANT SELECT ON relay.checkpoints TO {role}")
+    holder = session(database, "relay:test:holder")
+    standby = session(unseeing, "relay:test:standby")
+    try:
+        await claim(Lease(holder, "loans/0"))
+        assert await Lease(holder, "loans/1").try_acquire()  # not claimed: the row says 'gone'
+        keys = [lock_key("relay", lane) for lane in ("loans/0", "loans/1")]
+        seen = await standby.holders(keys, ["loans/0", "loans/1"])
+        async with standby.statement() as conn:
+            hidden = await conn.fetchval(
+                "SELECT state_change IS NULL FROM pg_stat_activity WHERE pid = $1",
+                seen[keys[1]].pid,
+            )
+        print(f"as the standby sees them: {seen}")
+        assert hidden, "the standby sees the holder's session: the stamps are not what it judged"
+        assert {h.identity for h in seen.values()} == {"relay:test:holder"}
+        age = seen[keys[1]].heartbeat_age
+        assert age is not None and age < 60, f"judged by the previous holder's heartbeat: {age}"
+    finally:
+        await standby.close()
+        await holder.close()
+
+
+async def test_a_holder_silent_before_its_claim_is_taken_over_all_the_same(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """It took the lock, then said nothing (no claim, so no stamp of its own): its silence
+    counts from its last statement, and the standby ends it once `takeover_after` passed."""
+    await load_and_migrate(tmp_path, config_dict(database, nats_url, unique_name("t")))
+    before = session(database, "relay:test:before")
+    await claim(Lease(before, "loans/0"))
+    await before.close()  # its heartbeat is fresh: the silence is the new holder's own
+    silent = session(database, "relay:test:silent")
+    standby = session(
+        database, "relay:test:standby", takeover_after=1.0, check_interval=0.3, check_timeout=0.3
+    )
+    lease = Lease(standby, "loans/0")
+    try:
+        assert await Lease(silent, "loans/0").try_acquire()
+        taken: list[Holder] = []
+
+        async def taken_over() -> bool:
+            holder = await lease.holder()
+            assert holder is not None and holder.identity == "relay:test:silent", holder
+            ended = await lease.take_over_if_silent(holder)
+            taken.extend([ended] if ended else [])
+            return bool(taken)
+
+        await eventually(taken_over, timeout=10)
+        print(f"ended after {taken[0].heartbeat_age:.2f}s of silence")
+        assert taken[0].heartbeat_age is not None and taken[0].heartbeat_age >= 1.0
+
+        async def freed() -> bool:
+            return await lease.holder() is None
+
+        await eventually(freed, timeout=10)
+    finally:
+        await standby.close()
+        await silent.close()
