@@ -625,7 +625,7 @@ class LeaseQueries:
             f"WITH l AS MATERIALIZED ({advisory_locks()}),"
             " h AS (SELECT w.key, w.lane, l.pid FROM unnest($1::bigint[], $2::text[])"
             " AS w(key, lane) JOIN l ON l.key = w.key),"
-            f" s AS (SELECT l.pid, max(o.heartbeat) AS heartbeat FROM {checkpoints} o"
+            f" s AS MATERIALIZED (SELECT l.pid, max(o.heartbeat) AS heartbeat FROM {checkpoints} o"
             f" JOIN l ON l.key = {lane_key('$3::text', 'o.outbox')}"
             " WHERE l.pid IN (SELECT pid FROM h) GROUP BY l.pid)"
             " SELECT h.key, h.pid, coalesce(a.application_name, '') AS application_name,"
