@@ -58,6 +58,7 @@ def lost(replica: RelayProcess) -> list[dict[str, Any]]:
 
 
 def identity_of(replica: RelayProcess) -> str:
+    """How the replica's identity (`relay:<host>:<pid>`) ends."""
     return f":{replica.pid}"
 
 
@@ -78,6 +79,7 @@ async def test_a_standby_never_ends_the_healthy_replica_that_took_a_silent_holde
     relay_process: Start,
     tcp_proxy: Callable[[str, int], TcpProxy],
 ) -> None:
+    """b goes silent; its lane moves to a or c, and neither ends the other's session."""
     # start: end, so that a claim reads the event sequence's head (its start point).
     data = config_dict(events_table, nats_url, stream, messages=MESSAGES, partitions=3, start="end")
     data["lease"] = LEASE
