@@ -14,9 +14,11 @@ locks, and stamps their heartbeats while doing so: one statement for every lane 
 session holds, which goes ahead of the other statements waiting for the connection,
 so that neither the number of lanes nor their checkpoint writes delay it. If the
 proof fails or times out every lane stops publishing at once. A standby that finds
-a heartbeat older than `takeover_after` (by the database clock) terminates the silent
-holder's session: that covers what keepalives cannot see, such as a paused process
-or a path that swallows packets but keeps the socket open.
+the holding session silent for `takeover_after` (by the database clock: its freshest
+heartbeat on any lane it holds, or its last statement) terminates it: that covers what
+keepalives cannot see, such as a paused process or a path that swallows packets but
+keeps the socket open. The lane's own heartbeat is not enough: until the new holder's
+claim stamps it, it is the previous holder's.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Holder:
 
     pid: int
     identity: str
-    heartbeat_age: float | None
+    heartbeat_age: float | None  # how long its session has been silent (LeaseQueries.holders)
 
 
 async def holder_identity(conn: asyncpg.Connection, key: int) -> str | None:
@@ -200,9 +202,12 @@ class LeaseConnection:
         return taken
 
     async def holders(self, keys: Sequence[int], lanes: Sequence[str]) -> dict[int, Holder]:
-        """Who holds each of these locks now (with the lane's heartbeat age), in one query."""
+        """Who holds each of these locks now, with how long the holder's session has been
+        silent (not how old the lane's heartbeat is: a holder that has just taken the lock
+        has not stamped it yet), in one query."""
+        namespace = self.config.namespace
         async with self.statement() as conn:
-            rows = await conn.fetch(self.queries.holders, list(keys), list(lanes))
+            rows = await conn.fetch(self.queries.holders, list(keys), list(lanes), namespace)
         return {
             int(r["key"]): Holder(
                 r["pid"], str(r["application_name"]).removesuffix(":lease"), r["heartbeat_age"]
@@ -389,7 +394,7 @@ class Lease:
         return (await self.session.holders([self.key], [self.outbox])).get(self.key)
 
     async def take_over_if_silent(self, holder: Holder) -> Holder | None:
-        """Terminate `holder` if its heartbeat is older than `takeover_after`; return it."""
+        """Terminate `holder` if its session has been silent for `takeover_after`; return it."""
         if holder.heartbeat_age is None or holder.heartbeat_age < self.config.takeover_after:
             return None
         return holder if await self.session.terminate(holder) else None

@@ -22,7 +22,15 @@ from relay.config import ColumnsConfig, SourceConfig
 from relay.core.lanes import Lane
 from relay.postgres import event_table
 from relay.postgres.skipping import predicate
-from relay.postgres.sql import held_keys, holds_lock, lock_holder, qualified, quote
+from relay.postgres.sql import (
+    advisory_locks,
+    held_keys,
+    holds_lock,
+    lane_key,
+    lock_holder,
+    qualified,
+    quote,
+)
 
 NOTIFY: Final = "SELECT pg_notify($1, $2)"  # $1 channel, $2 payload
 
@@ -594,10 +602,6 @@ class MembershipQueries:
         self.leave: Final = f"DELETE FROM {table} WHERE identity = $1"
 
 
-# The key of an advisory lock row of pg_locks (see sql._advisory).
-_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
-
-
 class LeaseQueries:
     """The lease session's statements (LeaseConnection): advisory locks and heartbeats."""
 
@@ -612,18 +616,23 @@ class LeaseQueries:
 
     def __init__(self, schema: str) -> None:
         (checkpoints,) = _tables(schema, "checkpoints")
-        # Who holds each of the locks $1 (int8[]), with the heartbeat age of its lane in $2
-        # (text[], by position).
+        # Who holds each of the locks $1 (int8[]) of the lanes $2 (text[], by position), and
+        # for how long that session has said nothing: since the freshest of its backend's
+        # last statement (NULL unless its role may be seen) and the heartbeats of the lanes
+        # whose locks it holds now (lease namespace $3). A lane it has not claimed yet still
+        # bears the previous holder's heartbeat: that one counts as the least it did.
         self.holders: Final = (
-            f"SELECT {_KEY} AS key, l.pid, coalesce(a.application_name, '') AS application_name,"
-            " extract(epoch FROM now() - c.heartbeat)::float8 AS heartbeat_age"
-            " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-            " LEFT JOIN unnest($1::bigint[], $2::text[]) AS w(key, lane) ON w.key = "
-            + _KEY
-            + f" LEFT JOIN {checkpoints} c ON c.outbox = w.lane"
-            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            f" AND {_KEY} = ANY($1::bigint[])"
+            f"WITH l AS MATERIALIZED ({advisory_locks()}),"
+            " h AS (SELECT w.key, w.lane, l.pid FROM unnest($1::bigint[], $2::text[])"
+            " AS w(key, lane) JOIN l ON l.key = w.key),"
+            f" s AS MATERIALIZED (SELECT l.pid, max(o.heartbeat) AS heartbeat FROM {checkpoints} o"
+            f" JOIN l ON l.key = {lane_key('$3::text', 'o.outbox')}"
+            " WHERE l.pid IN (SELECT pid FROM h) GROUP BY l.pid)"
+            " SELECT h.key, h.pid, coalesce(a.application_name, '') AS application_name,"
+            " extract(epoch FROM now() - greatest(s.heartbeat, c.heartbeat, a.state_change))"
+            "::float8 AS heartbeat_age"
+            " FROM h LEFT JOIN pg_stat_activity a ON a.pid = h.pid"
+            f" LEFT JOIN s ON s.pid = h.pid LEFT JOIN {checkpoints} c ON c.outbox = h.lane"
         )
         # The proof: stamp the heartbeat of each lane $2 (text[]) at its epoch $3 (int8[])
         # whose lock $1 (int8[]) this session holds; the keys proven.

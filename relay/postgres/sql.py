@@ -35,6 +35,22 @@ def held_keys() -> str:
     )
 
 
+def advisory_locks() -> str:
+    """SQL for every advisory lock granted in this database, as rows (pid, key)."""
+    return (
+        "SELECT pid, (classid::bigint << 32) | objid::bigint AS key FROM pg_locks"
+        " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+
+
+def lane_key(namespace: str, lane: str) -> str:
+    """SQL for lease.lock_key(namespace, lane), of two text expressions: the first 8 bytes
+    of SHA-256 of `namespace/lane`, as a signed bigint."""
+    digest = f"sha256(convert_to({namespace} || '/' || {lane}, 'UTF8'))"
+    return f"('x' || left(encode({digest}, 'hex'), 16))::bit(64)::bigint"
+
+
 def lock_holder(key_param: str, *, columns: str = "", join: str = "") -> str:
     """A query for the session holding advisory lock `key_param` in this database.
 
