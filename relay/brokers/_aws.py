@@ -47,6 +47,8 @@ _ID = re.compile(r"[!-~]{1,128}")
 _ID_CHARS = re.compile(r"[!-~]+")
 # The two shapes of a hashed MessageGroupId (see group_id).
 _HASHED_GROUP = re.compile(r"~sha256:[0-9a-f]{64}|[!-~]{111}~[0-9a-f]{16}")
+# The shape of a hashed MessageDeduplicationId (see deduplication_id).
+_HASHED_ID = re.compile(r"sha256:[0-9a-f]{64}")
 # Characters SQS and SNS accept in a body or a String attribute (XML 1.0 Char).
 NOT_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
@@ -190,8 +192,10 @@ def group_id(key: str) -> str:
 
 
 def deduplication_id(message_id: str) -> str:
-    """The id itself when SQS accepts it, else `sha256:` and its hex digest (stable)."""
-    if _ID.fullmatch(message_id):
+    """The id itself when SQS accepts it, else `sha256:` and its hex digest (stable). An id
+    already of that shape is hashed too: used as it is, it would be the deduplication id of
+    the other event whose id hashes to it, and the queue would drop one of the two."""
+    if _ID.fullmatch(message_id) and not _HASHED_ID.fullmatch(message_id):
         return message_id
     return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
 

@@ -68,12 +68,15 @@ _VALID_SUBJECT = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")
 # that would look transient and hold the outbox back for ever. The inbox and sizes take
 # under 128 bytes.
 MAX_SUBJECT_BYTES = 4096 - 128
+# A JetStream stream refuses a message whose header block is longer (err_code 10097).
+MAX_HEADER_BYTES = 65_535
 
 
 class NatsPublisher:
     def __init__(self, name: str, config: NatsBrokerConfig) -> None:
         self.name = name
         self._config = config
+        self._header_limit = MAX_HEADER_BYTES if config.jetstream else None
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._replies: _Replies | None = None
@@ -245,7 +248,7 @@ class NatsPublisher:
             problem = _unsendable(message)
             if problem is None:
                 carried = message_headers(message)
-                if (problem := _oversized(message, carried, limit)) is None:
+                if (problem := _oversized(message, carried, limit, self._header_limit)) is None:
                     headers.append(carried)
                     continue
             refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
@@ -262,7 +265,8 @@ class NatsPublisher:
         `connect`."""
         problem = _unsendable(message)
         if problem is None and self._max_payload is not None:
-            problem = _oversized(message, message_headers(message), self._max_payload)
+            carried = message_headers(message)
+            problem = _oversized(message, carried, self._max_payload, self._header_limit)
         return None if problem is None else f"broker {self.name!r}: {problem}"
 
     async def _send(
@@ -497,17 +501,28 @@ _NAMES = _HEADER_BLOCK + sum(
 )
 
 
-def _oversized(message: Message, headers: dict[str, str], limit: int) -> str | None:
+def _oversized(
+    message: Message, headers: dict[str, str], limit: int, header_limit: int | None
+) -> str | None:
     """The server counts the body and the header block against max_payload and closes the
     connection on a message over it, while nats-py compares only the body: a message that
     fits alone but not with its headers would fail as a lost connection on every retry.
+    JetStream also refuses a header block over `header_limit`, whatever max_payload says.
 
-    A bound first (a character is at most 4 bytes in UTF-8), exact only near the limit.
+    A bound first (a character is at most 4 bytes in UTF-8), exact only near a limit.
     """
-    if len(message.body) + _NAMES + 4 * sum(map(len, headers.values())) <= limit:
+    bound = _NAMES + 4 * sum(map(len, headers.values()))
+    headers_limit = header_limit or limit
+    if len(message.body) + bound <= limit and bound <= headers_limit:
         return None
-    size = len(message.body) + _HEADER_BLOCK
-    size += sum(len(name) + 4 + len(value.encode()) for name, value in headers.items())
+    block = _HEADER_BLOCK
+    block += sum(len(name) + 4 + len(value.encode()) for name, value in headers.items())
+    if header_limit is not None and block > header_limit:
+        return (
+            f"message {excerpt(message.id)} has {block:,} bytes of headers, more than"
+            f" JetStream takes ({header_limit:,})"
+        )
+    size = len(message.body) + block
     if size <= limit:
         return None
     return (

@@ -465,6 +465,8 @@ def _clash(first: str, a: OutboxConfig, second: str, b: OutboxConfig) -> str | N
             for ra in rules_a.get(event_type, ()):
                 if ra.config.destination != rb.config.destination or ra.id_text != rb.id_text:
                     continue
+                if _same_messages(ra, a, rb, b):
+                    continue  # a copy (a backfill's outbox): the one dropped is the other
                 if rb.config.id is not None:
                     where = f"{rb.where}.id"
                 elif "id" in b.model_fields_set:
@@ -480,6 +482,17 @@ def _clash(first: str, a: OutboxConfig, second: str, b: OutboxConfig) -> str | N
                     f"{ra.id + '/' + second!r}"
                 )
     return None
+
+
+def _same_messages(ra: Rule, a: OutboxConfig, rb: Rule, b: OutboxConfig) -> bool:
+    """Whether two outboxes' rules make each event's message alike: same rule (its own `id`
+    aside, compared rendered), same key, same CloudEvents mode. A broker dropping one as a
+    duplicate of the other then loses nothing, as contracts.md's backfill relies on."""
+    return (
+        ra.config.model_copy(update={"id": None}) == rb.config.model_copy(update={"id": None})
+        and ra.key_text == rb.key_text
+        and a.cloudevents == b.cloudevents
+    )
 
 
 def config_path(path: str | Path | None) -> Path:

@@ -18,7 +18,12 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from relay.config.base import HeaderText, Model
-from relay.mapping.expressions import ExpressionError, compile_expression, compile_template
+from relay.mapping.expressions import (
+    ExpressionError,
+    compile_expression,
+    compile_template,
+    normalized,
+)
 from relay.mapping.message_schemas import SchemaError, load_schema
 
 TemplateStr = Annotated[str, Field(min_length=1)]
@@ -130,8 +135,14 @@ class Rule:
 
     @property
     def id_text(self) -> str:
-        """The id template as compared between rules: the template and its suffix."""
-        return self.id + self.id_suffix
+        """The id template as compared between rules: the template and its suffix, its
+        placeholders written alike (`{ version }` renders as `{version}` does)."""
+        return normalized(self.id) + self.id_suffix
+
+    @property
+    def key_text(self) -> str:
+        """The key template as compared between rules, its placeholders written alike."""
+        return normalized(self.key)
 
 
 def rules_of(

@@ -119,43 +119,68 @@ def template_pieces(source: str) -> tuple[list[tuple[str, str]], str]:
 def compile_template(source: str, *, distinct: bool = False) -> Template:
     """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces.
 
-    `distinct` is for ids: each value but the last is escaped (see `separators`), so that
-    two events whose values differ never render one id.
+    `distinct` is for ids: each value is escaped (see `separators`), so that two events
+    whose values differ never render one id.
     """
     pieces, tail = template_pieces(source)
     if not pieces:
         return lambda _envelope: tail
-    seps = separators(source) if distinct else [None] * len(pieces)
+    seps: list[str | None] = list(separators(source)) if distinct else [None] * len(pieces)
     steps = tuple(
         (before, expr, compile_expression(expr), sep)
         for (before, expr), sep in zip(pieces, seps, strict=True)
     )
-    if len(steps) == 1:  # the last value is never escaped
+    if len(steps) == 1 and not distinct:
         before, expr, getter, _ = steps[0]
         return _render_one(before, expr, getter, tail)
     return _render(steps, tail)
 
 
-def separators(source: str) -> list[str | None]:
-    """For an id template: the character that ends each placeholder's value, None for the last.
+# What a rule of a list writes after the outbox's id: `/` and its type (config/rules.py).
+SUFFIX_SEPARATOR = "/"
+
+
+def separators(source: str) -> list[str]:
+    """For an id template: the character that ends each placeholder's value.
 
     Read left to right, `{aggregate_type}/{aggregate_id}@{version}` splits at the first `/`
-    and the first `@` after it only if the values before them hold neither; `book` + `a/b`
+    and the first `@` after it only if the values before them hold neither: `book` + `a/b`
     and `book/a` + `b` would both be `book/a/b@1`, and a deduplicating broker would drop
-    one. So a value has `%` and its separator percent-encoded (`book%2Fa/b@1`); the last
-    value ends where the fixed tail begins and is left as it is.
+    one. So each value has `%` and the character after it percent-encoded (`book%2Fa/b@1`).
+    After the last value comes the tail, or, when nothing is written after it, the `/` that
+    a rule of a list adds before its type: `{metadata.eid}` with `k/v1` must not read as the
+    list rule `v1`'s id for `k`.
+
+    `%` or a digit after a placeholder could not end it (the encoding holds them), and two
+    placeholders side by side have nothing between them: both are refused.
     """
     pieces, tail = template_pieces(source)
-    following = [before for before, _ in pieces[1:]] + [tail]
-    seps: list[str | None] = []
-    for i, (_before, expr) in enumerate(pieces[:-1]):
-        if not following[i]:
+    following = [before for before, _ in pieces[1:]] + [tail or SUFFIX_SEPARATOR]
+    seps: list[str] = []
+    for i, (_before, expr) in enumerate(pieces):
+        after = following[i]
+        if not after:
             raise ExpressionError(
                 f"{{{expr}}} and {{{pieces[i + 1][1]}}} stand side by side in the id template"
                 f" {source!r}: two events could render the same id; put a character between"
             )
-        seps.append(following[i][0])
-    return [*seps, None] if pieces else seps
+        if after[0] == "%" or (after[0].isascii() and after[0].isdigit()):
+            raise ExpressionError(
+                f"{{{expr}}} is followed by {after[0]!r} in the id template {source!r}: values"
+                " in an id are percent-encoded, so a `%` or a digit cannot end one; put"
+                " another character after it"
+            )
+        seps.append(after[0])
+    return seps
+
+
+def normalized(source: str) -> str:
+    """The template with its placeholders written alike (`{ aggregate_id }` is
+    `{aggregate_id}`): two templates the same but for that render the same text."""
+    pieces, tail = template_pieces(source)
+    braces = str.maketrans({"{": "{{", "}": "}}"})
+    written = "".join(before.translate(braces) + "{" + expr + "}" for before, expr in pieces)
+    return written + tail.translate(braces)
 
 
 def escape(text: str, separator: str) -> str:
@@ -163,7 +188,7 @@ def escape(text: str, separator: str) -> str:
     character that ends it in an id, and the encoding cannot be mistaken for a value."""
     if "%" in text:
         text = text.replace("%", "%25")
-    if separator != "%" and separator in text:
+    if separator in text:
         text = text.replace(separator, "".join(f"%{b:02X}" for b in separator.encode()))
     return text
 

@@ -73,7 +73,7 @@ class _Writer:
         """An expression that renders the template, placeholders checked beforehand;
         `distinct` escapes an id's values as `compile_template` does."""
         pieces, tail = template_pieces(source)
-        seps = separators(source) if distinct else [None] * len(pieces)
+        seps: list[str | None] = list(separators(source)) if distinct else [None] * len(pieces)
         parts: list[str] = []
         for (before, expr), sep in zip(pieces, seps, strict=True):
             if before:

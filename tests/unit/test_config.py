@@ -474,6 +474,28 @@ def test_two_outboxes_with_the_same_ids_to_one_destination_are_refused(tmp_path:
         assert fragment in message, message
 
 
+def test_a_backfill_outbox_with_the_same_rule_and_ids_is_accepted(tmp_path: Path) -> None:
+    """contracts.md, step 3: a temporary outbox with only the v2 rule and the v2 rule's id
+    re-sends v2's messages as they are; a broker dropping one copy loses nothing."""
+    lists = TWO_OUTBOXES.replace(
+        "      BookLent:\n        type: library.book-lent.v1\n        destination: library.loans\n",
+        "      BookLent:\n        - type: library.book-lent.v1\n"
+        "          destination: library.loans\n"
+        "        - type: library.book-lent.v2\n          destination: library.loans.v2\n",
+    )
+    backfill = lists.replace(
+        "        type: library.book-lent.v2\n        destination: library.loans\n",
+        "        type: library.book-lent.v2\n        destination: library.loans.v2\n"
+        "        id: '{aggregate_type}/{ aggregate_id }@{version}/library.book-lent.v2'\n",
+    )
+    assert set(load_config(write(tmp_path, backfill)).outboxes) == {"loans-v1", "loans-v2"}
+    other_payload = backfill.replace(
+        "destination: library.loans.v2\n        id:",
+        "destination: library.loans.v2\n        payload: data.member\n        id:",
+    )
+    assert "duplicate" in error_of(tmp_path, other_payload)
+
+
 @pytest.mark.parametrize(
     ("change", "where"),
     [

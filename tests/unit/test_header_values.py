@@ -67,8 +67,8 @@ def test_the_nats_size_check_counts_the_header_block_as_the_server_does() -> Non
         block = b"NATS/1.0\r\n"  # as nats-py writes it
         block += b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in headers.items())
         size = len(block + b"\r\n") + len(message.body)
-        assert _oversized(message, headers, size) is None
-        refused = _oversized(message, headers, size - 1)
+        assert _oversized(message, headers, size, None) is None
+        refused = _oversized(message, headers, size - 1, None)
         assert refused is not None and f"{size:,} bytes" in refused
 
 
@@ -91,7 +91,7 @@ def test_a_refusal_quotes_a_long_id_or_subject_by_its_start_and_length() -> None
         time=datetime.now(UTC),
         position=1,
     )
-    oversized = _oversized(message, message_headers(message), 1024)
+    oversized = _oversized(message, message_headers(message), 1024, None)
     invalid = _invalid(message.destination)
     assert oversized is not None
     for text, length in ((oversized, len(message.id)), (invalid, len(message.destination))):

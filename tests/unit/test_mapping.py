@@ -18,6 +18,7 @@ from relay.mapping.expressions import (
     compile_expression,
     compile_template,
     may_compute,
+    normalized,
 )
 from relay.mapping.mapper import Mapper
 from relay.postgres.source import decode_json
@@ -306,6 +307,33 @@ def test_an_id_template_with_placeholders_side_by_side_is_a_config_error() -> No
     )
     with pytest.raises(ValueError, match="side by side"):
         outbox(id="{aggregate_type}{aggregate_id}")
+
+
+def test_an_id_is_never_a_list_rules_id_of_another_event() -> None:
+    """A rule of a list adds `/` and its type after the outbox's id: the last value of an id
+    escapes `/`, so `{metadata.eid}` with `k/v1` cannot read as the list rule v1's id of `k`."""
+    render = compile_template("{metadata.eid}", distinct=True)
+    assert render({"metadata": {"eid": "k/v1"}}) == "k%2Fv1"
+    assert render({"metadata": {"eid": "k"}}) + "/v1" == "k/v1"
+    assert compile_template("{metadata.eid}")({"metadata": {"eid": "k/v1"}}) == "k/v1"
+
+
+@pytest.mark.parametrize("follower", ["%", "0", "2", "9"])
+def test_a_percent_or_a_digit_cannot_end_a_value_in_an_id(follower: str) -> None:
+    """`%25` and `%3N` hold them: `{a}%{b}` would render `x%` + `y` and `x` + `25%y` alike."""
+    with pytest.raises(ExpressionError, match=rf"\{{aggregate_type\}} is followed by '{follower}'"):
+        compile_template(f"{{aggregate_type}}{follower}{{aggregate_id}}", distinct=True)
+    assert (
+        compile_template(f"{{aggregate_id}}{follower}x")({"aggregate_id": "a"}) == f"a{follower}x"
+    )
+
+
+def test_templates_written_alike_are_the_same_once_normalized() -> None:
+    assert (
+        normalized("{ aggregate_type }/{aggregate_id }@{{v}}")
+        == "{aggregate_type}/{aggregate_id}@{{v}}"
+    )
+    assert normalized("{{x}}") == "{{x}}"
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

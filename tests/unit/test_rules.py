@@ -352,6 +352,21 @@ def test_duplicate_ids_across_rules_name_file_line_and_key(tmp_path: Path) -> No
     assert "outboxes.loans.messages.BookLent.1.id:" in message and "same message id" in message
 
 
+def test_ids_written_alike_but_for_spaces_are_the_same_ids(tmp_path: Path) -> None:
+    """`{ aggregate_type }` renders as `{aggregate_type}` does: the refusal compares what the
+    templates render, not how they are spaced."""
+    pinned = CONFIG.replace(
+        "destination: library.loans.v2",
+        "destination: library.loans.v2\n"
+        '          id: "{ aggregate_type }/{aggregate_id}@{version}"',
+    ).replace(
+        "destination: library.loans\n",
+        'destination: library.loans\n          id: "{aggregate_type}/{aggregate_id}@{ version}"\n',
+    )
+    message = error_of(write(tmp_path, pinned))
+    assert "outboxes.loans.messages.BookLent.1.id:" in message and "same message id" in message
+
+
 def test_an_empty_list_of_rules_is_refused(tmp_path: Path) -> None:
     text = CONFIG.split("      BookLent:", maxsplit=1)[0] + "      BookLent: []\n"
     message = error_of(write(tmp_path, text))

@@ -184,6 +184,24 @@ async def test_keys_sqs_refuses_as_group_ids_are_hashed_and_keep_their_order(
         assert re.fullmatch(r"[!-~]{1,128}", m["Attributes"]["MessageGroupId"])
 
 
+async def test_an_id_spelling_another_ids_hash_is_hashed_too(sqs_endpoint: str) -> None:
+    """`ключ` is no valid MessageDeduplicationId and goes as `sha256:<its digest>`; an event
+    whose id is that very text must not share it, or the FIFO queue drops one of the two."""
+    hashed = "sha256:" + hashlib.sha256("ключ".encode()).hexdigest()
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        queue = unique_queue("adapter")
+        url = await create_queue(sqs, queue)
+        batch = [
+            dataclasses.replace(message(queue, "k", 1), id="ключ"),
+            dataclasses.replace(message(queue, "k", 2), id=hashed),
+        ]
+        assert await pub.publish(batch) == [None, None]
+        received = await receive_all(sqs, url, expected=2)
+    assert sorted(attribute(m, "ce_id") or "" for m in received) == sorted(["ключ", hashed])
+    dedup = {m["Attributes"]["MessageDeduplicationId"] for m in received}
+    assert dedup == {hashed, "sha256:" + hashlib.sha256(hashed.encode()).hexdigest()}
+
+
 async def test_standard_queue_has_attributes_and_no_group(sqs_endpoint: str) -> None:
     async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
         queue = unique_queue("adapter", fifo=False)
