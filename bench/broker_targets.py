@@ -45,13 +45,15 @@ from relay.brokers.pubsub import message_attributes as pubsub_attributes
 from relay.brokers.pubsub import ordering_key
 from relay.brokers.rabbitmq import RabbitMqPublisher, routing_key
 from relay.brokers.redis import BODY_FIELD
-from relay.brokers.sqs import MAX_ENTRIES
+from relay.brokers.sqs import SqsPublisher
 from relay.config import HttpBrokerConfig, PubSubBrokerConfig, RabbitMqBrokerConfig, RelayConfig
 from relay.core.publishing import Message, cloudevent_attributes
 from tests.contract.brokers.kinesis import StreamReader
 from tests.support import kafka_server, pubsub_server, redis_server, sqs_server
 from tests.support.net import free_port, wait_for_port
 from tests.support.webhook_server import SECRET
+
+MAX_ENTRIES = SqsPublisher.spec.max_entries  # entries per batch call, as the adapter sends
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PARTITIONS = 3
