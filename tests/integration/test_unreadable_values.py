@@ -39,6 +39,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("huge-version", "100000000000000000000", NOW),
     ("half-version", "1.5", NOW),
     ("nan-version", "NaN", NOW),
+    ("long-version", "1" + "0" * 200, NOW),
     ("good-2", "2", NOW),
 ]
 # What each is parked for: the column, and the value as PostgreSQL writes it (times in the
@@ -52,6 +53,7 @@ FAULTS = {
     "huge-version": "column 'version' is 100000000000000000000, out of the range of bigint",
     "half-version": "column 'version' is 1.5, not a whole number",
     "nan-version": "column 'version' is NaN, out of the range of bigint",
+    "long-version": f"column 'version' is 1{'0' * 79}... (201 characters), out of the range",
 }
 
 
