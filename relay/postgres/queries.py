@@ -71,63 +71,13 @@ WHERE r.state = 'streaming' AND a.datid IS NULL AND r.replay_lsn IS NOT NULL
 """
 
 
-def _fits_bigint(version: str) -> str:
-    """SQL true when `version` (of an integer type or numeric) is a whole number within
-    bigint: a numeric one beyond it failed the whole read (`bigint out of range`), and 1.5
-    was rounded to 2, another event's version. Cheap integer comparisons for integers."""
-    return f"({_within_bigint(version)} AND {version} % 1 = 0)"
-
-
-def _within_bigint(version: str) -> str:
-    return f"({version} BETWEEN (-9223372036854775807 - 1) AND 9223372036854775807)"
-
-
-def _readable_time(created_at: str) -> str:
-    """SQL true when `created_at` (timestamptz or timestamp) is a time Python's datetime
-    holds: the years 1 to 9999, in UTC for a timestamptz (asyncpg's decoding fails for any
-    other row, and the whole read with it); not infinity nor -infinity. The literals take
-    the column's type, so a timestamp's bounds are its own, without a time zone."""
-    return f"({created_at} BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00')"
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _excerpt(value: str) -> str:
-    """SQL for the text `value`, cut after 80 characters with its length said (a numeric
-    may have 131,072 digits): as printable.excerpt does, without the quotes."""
-    return (
-        f"CASE WHEN length({value}) <= 80 THEN {value}"
-        f" ELSE left({value}, 80) || '... (' || length({value}) || ' characters)' END"
-    )
-
-
-def _unreadable(cols: ColumnsConfig) -> str:
-    """SQL for why a row's version or created_at cannot be read, naming the column; NULL for
-    a row the relay reads (a NULL there is the decoder's to name)."""
-    version, created_at = quote(cols.version), cols.created_at
-    said = _literal(f"column {cols.version!r} is ") + " || " + _excerpt(version + "::text")
-    cases = [
-        f"WHEN NOT {_within_bigint(version)} THEN {said} || ', out of the range of bigint'",
-        f"WHEN {version} % 1 <> 0 THEN {said} || ', not a whole number'",
-    ]
-    if created_at is not None:
-        cases.append(
-            f"WHEN NOT {_readable_time(quote(created_at))} THEN"
-            f" {_literal(f'column {created_at!r} is ')} || {quote(created_at)}::text"
-            " || ', out of the range the relay reads (the years 1 to 9999)'"
-        )
-    return f"CASE {' '.join(cases)} END"
-
-
 class SourceQueries:
     """The statements of one lane's EventSource (a split lane's reads see its rows only).
 
     A page of events ($1 after, $2 upto, $3 limit, $4 aggregate types or NULL for all, $5
     event types) selects, in position order: position, aggregate_type, aggregate_id,
     version, type, payload, metadata and created_at (NULL when the config has none, or
-    when metadata is not read), then why the row cannot be read (`_unreadable`; version
+    when metadata is not read), then why the row cannot be read (`event_table.unreadable`; version
     and created_at are NULL then, as they cannot be read).
     """
 
@@ -192,8 +142,8 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         self.table: Final = qualified(config.table)
         in_lane = f"{lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else None
         self._only: Final = f" AND {in_lane}" if in_lane else ""
-        version, fits = quote(cols.version), _fits_bigint(quote(cols.version))
-        readable = _readable_time(quote(cols.created_at)) if cols.created_at else None
+        version, fits = quote(cols.version), event_table.readable_version(quote(cols.version))
+        readable = event_table.readable_time(quote(cols.created_at)) if cols.created_at else None
         optional = [
             quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
             f"CASE WHEN {readable} THEN {quote(cols.created_at)} END"
@@ -209,7 +159,7 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
                 quote(cols.type) + "::text",
                 quote(cols.payload) + "::text",
                 *optional,
-                _unreadable(cols),
+                event_table.unreadable(cols),
             ]
         )
         pos, table, only = quote(cols.position), self.table, self._only
