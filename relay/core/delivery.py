@@ -220,13 +220,7 @@ class Delivery:
         db_now = time.time() + self.clock_offset()
         for rule, count in Counter((item.event.type, item.rule) for item in done).items():
             self._published_to[rule].inc(count)
-        self.metrics.end_to_end.labels(*self.labels).observe_many(
-            [
-                max(db_now - item.event.created_at.timestamp(), 0.0)
-                for item in done
-                if item.event.created_at is not None
-            ]
-        )
+        self.metrics.end_to_end.labels(*self.labels).observe_many(_ages(done, db_now))
         self.log.debug(
             "batch acknowledged",
             first_position=done[0].event.position,
@@ -275,6 +269,32 @@ class Delivery:
             attempts=attempts,
             rule=item.rule or None,
         )
+
+
+def _ages(done: list[Item], db_now: float) -> list[float]:
+    """Seconds from each event's created_at to `db_now`, for the end-to-end latency.
+
+    A naive time (a `timestamp` column) is taken as local time, which on the first or last
+    day of datetime's range falls outside it (`year 0 is out of range`): such an event's
+    age is left out, rather than end the relay after it was published.
+    """
+    try:
+        return [
+            max(db_now - item.event.created_at.timestamp(), 0.0)
+            for item in done
+            if item.event.created_at is not None
+        ]
+    except (OverflowError, ValueError):
+        return [age for item in done if (age := _age(item.event, db_now)) is not None]
+
+
+def _age(event: Event, db_now: float) -> float | None:
+    if event.created_at is None:
+        return None
+    try:
+        return max(db_now - event.created_at.timestamp(), 0.0)
+    except (OverflowError, ValueError):
+        return None
 
 
 def _handled(done: list[Item], pending: list[Item]) -> int:

@@ -2,15 +2,18 @@
 
 Each rule here guards the gap-free read or the decoding of rows: a table that
 breaks one would lose events or crash the relay later, so it is refused at
-start-up (and by `relay check`) with the key at fault and the fix.
+start-up (and by `relay check`) with the key at fault and the fix. What a row's
+version and created_at may hold is checked as each row is read (`unreadable`): a value
+the relay cannot convert parks that row, naming the column, not the read.
 """
 
 from __future__ import annotations
 
 import asyncpg
 
-from relay.config import SourceConfig
+from relay.config import ColumnsConfig, SourceConfig
 from relay.errors import SourceError
+from relay.postgres.sql import excerpt, literal, quote
 
 # Names the bounded read (source.py) gives its own columns beside the table's.
 READ_COLUMNS = ("relay_row_pos", "relay_row_size", "relay_row_before", "relay_page_rows")
@@ -26,6 +29,43 @@ _TYPES: dict[str, tuple[set[str], str]] = {
         "timestamptz (or timestamp)",
     ),
 }
+
+
+def readable_version(version: str) -> str:
+    """SQL true when `version` (of an integer type or numeric) is a whole number within
+    bigint: a numeric one beyond it failed the whole read (`bigint out of range`), and 1.5
+    was rounded to 2, another event's version. Cheap integer comparisons for integers."""
+    return f"({_within_bigint(version)} AND {version} % 1 = 0)"
+
+
+def _within_bigint(version: str) -> str:
+    return f"({version} BETWEEN (-9223372036854775807 - 1) AND 9223372036854775807)"
+
+
+def readable_time(created_at: str) -> str:
+    """SQL true when `created_at` (timestamptz or timestamp) is a time Python's datetime
+    holds: the years 1 to 9999, in UTC for a timestamptz (asyncpg's decoding fails for any
+    other row, and the whole read with it); not infinity nor -infinity. The literals take
+    the column's type, so a timestamp's bounds are its own, without a time zone."""
+    return f"({created_at} BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00')"
+
+
+def unreadable(cols: ColumnsConfig) -> str:
+    """SQL for why a row's version or created_at cannot be read, naming the column; NULL for
+    a row the relay reads (a NULL there is the decoder's to name)."""
+    version, created_at = quote(cols.version), cols.created_at
+    said = literal(f"column {cols.version!r} is ") + " || " + excerpt(version + "::text")
+    cases = [
+        f"WHEN NOT {_within_bigint(version)} THEN {said} || ', out of the range of bigint'",
+        f"WHEN {version} % 1 <> 0 THEN {said} || ', not a whole number'",
+    ]
+    if created_at is not None:
+        cases.append(
+            f"WHEN NOT {readable_time(quote(created_at))} THEN"
+            f" {literal(f'column {created_at!r} is ')} || {quote(created_at)}::text"
+            " || ', out of the range the relay reads (the years 1 to 9999)'"
+        )
+    return f"CASE {' '.join(cases)} END"
 
 
 def default_sequence(relation: str, attnum: str) -> str:

@@ -85,7 +85,8 @@ class SourceQueries:
     A page of events ($1 after, $2 upto, $3 limit, $4 aggregate types or NULL for all, $5
     event types) selects, in position order: position, aggregate_type, aggregate_id,
     version, type, payload, metadata and created_at (NULL when the config has none, or
-    when metadata is not read).
+    when metadata is not read), then why the row cannot be read (`event_table.unreadable`; version
+    and created_at are NULL then, as they cannot be read).
     """
 
     # Every transaction that takes a position holds RowExclusiveLock on the sequence from
@@ -149,19 +150,24 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         self.table: Final = qualified(config.table)
         in_lane = f"{lane_of(cols, lane.count)} = {lane.index}" if lane and lane.split else None
         self._only: Final = f" AND {in_lane}" if in_lane else ""
+        version, fits = quote(cols.version), event_table.readable_version(quote(cols.version))
+        readable = event_table.readable_time(quote(cols.created_at)) if cols.created_at else None
         optional = [
             quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
-            quote(cols.created_at) if cols.created_at else "NULL::timestamptz",
+            f"CASE WHEN {readable} THEN {quote(cols.created_at)} END"
+            if cols.created_at
+            else "NULL::timestamptz",
         ]
         self._select: Final = ", ".join(
             [
                 quote(cols.position),
                 quote(cols.aggregate_type) + "::text",
                 quote(cols.aggregate_id) + "::text",
-                quote(cols.version) + "::int8",
+                f"CASE WHEN {fits} THEN {version}::int8 END",
                 quote(cols.type) + "::text",
                 quote(cols.payload) + "::text",
                 *optional,
+                event_table.unreadable(cols),
             ]
         )
         pos, table, only = quote(cols.position), self.table, self._only
@@ -186,8 +192,10 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         )
         # Seconds since the lane's first event after $1 was written (database clock); None
         # without a created_at column.
+        # Not for a time the relay cannot read: infinity cannot be subtracted at all.
         self.pending_age: Final = (
-            f"SELECT extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8"
+            f"SELECT CASE WHEN {readable} THEN"
+            f" extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8 END"
             f" FROM {table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
             if cols.created_at
             else None

@@ -350,9 +350,12 @@ _REQUIRED = ((1, "aggregate_type"), (2, "aggregate_id"), (3, "version"), (5, "pa
 
 
 def _event(row: asyncpg.Record, names: ColumnsConfig) -> Event:
-    """Decode one row; a malformed one carries the problem, naming its column."""
+    """Decode one row; a malformed one carries the problem, naming its column (the read
+    names a version or created_at it cannot convert: see SourceQueries)."""
     problem = data = metadata_problem = None
-    if row[1] is None or row[2] is None or row[3] is None or row[5] is None:
+    if row[8] is not None:
+        problem = row[8]
+    elif row[1] is None or row[2] is None or row[3] is None or row[5] is None:
         problem = next(
             f"column {getattr(names, k)!r} is NULL" for i, k in _REQUIRED if row[i] is None
         )

@@ -68,3 +68,17 @@ def lock_holder(key_param: str, *, columns: str = "", join: str = "") -> str:
 def qualified(name: str) -> str:
     """Quote `table` or `schema.table`."""
     return ".".join(quote(part) for part in name.split("."))
+
+
+def literal(text: str) -> str:
+    """A string literal; for text the relay writes, not for values (those are $n parameters)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def excerpt(value: str) -> str:
+    """SQL for the text `value`, cut after 80 characters with its length said (a numeric
+    may have 131,072 digits): as printable.excerpt does, without the quotes."""
+    return (
+        f"CASE WHEN length({value}) <= 80 THEN {value}"
+        f" ELSE left({value}, 80) || '... (' || length({value}) || ' characters)' END"
+    )
