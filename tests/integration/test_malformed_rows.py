@@ -8,14 +8,13 @@ loop, fail while being parked, or go out as invalid JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from relay.config import RelayConfig
-from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.malformed import assert_parked_as_malformed, relay_until_parked
 from tests.support.relay_process import run_cli
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running, save, status
 
@@ -68,35 +67,17 @@ async def _fill(dsn: str) -> None:
 
 
 async def test_malformed_rows_are_parked_by_column_and_the_rest_flows(
-    database: str, nats_url: str, tmp_path: Path
+    database: str, nats_url: str, stream: str, tmp_path: Path
 ) -> None:
-    subject = unique_name("malformed")
-    await create_stream(nats_url, subject, [f"{subject}.>"])
+    subject = stream
     await _fill(database)
     config = await load_and_migrate(tmp_path, _reading_metadata(database, nats_url, subject))
-    try:
-        async with running(config):
-            received = await fetch_all(nats_url, subject, expected=2)
-
-            async def all_parked() -> bool:
-                return bool((await status(config))[0]["parked"] == len(FAULTS))
-
-            await eventually(all_parked)
-            row = (await status(config))[0]
-            assert row["checkpoint"] == len(ROWS)
-        assert [m.headers["ce-id"] for m in received] == ["book/good-1@1", "book/good-2@1"]
-        for message in received:  # strictly valid JSON, nothing like NaN went out
-            json.loads(message.data, parse_constant=_refuse)
-        async with connect(database) as conn:
-            parked = [asdict(p) for p in await Store("relay").parked(conn, "loans")]
-        by_id = {p["aggregate_id"]: p for p in parked}
-        assert set(by_id) == set(FAULTS)
-        for aggregate_id, fault in FAULTS.items():
-            assert by_id[aggregate_id]["reason"] == "malformed"
-            assert fault in by_id[aggregate_id]["error"], by_id[aggregate_id]["error"]
-            assert by_id[aggregate_id]["message_id"] is None  # nothing was built, or sent
-    finally:
-        await delete_stream(nats_url, subject)
+    received, checkpoint = await relay_until_parked(config, nats_url, subject, 2, len(FAULTS))
+    assert checkpoint == len(ROWS)
+    assert [m.headers["ce-id"] for m in received] == ["book/good-1@1", "book/good-2@1"]
+    for message in received:  # strictly valid JSON, nothing like NaN went out
+        json.loads(message.data, parse_constant=_refuse)
+    await assert_parked_as_malformed(database, FAULTS)
 
 
 async def test_bad_metadata_is_not_a_fault_for_an_outbox_that_never_reads_it(

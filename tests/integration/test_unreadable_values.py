@@ -9,13 +9,12 @@ failed), or to publish a rounded version that another event's id already had.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from relay.postgres.store import Store
 from tests.support.db import connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.malformed import assert_parked_as_malformed, relay_until_parked
 from tests.support.relay_process import run_cli
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running, save, status
 
@@ -81,32 +80,15 @@ def _config(dsn: str, nats_url: str, subject: str) -> dict[str, Any]:
 
 
 async def test_unreadable_values_are_parked_by_column_and_the_rest_flows(
-    database: str, nats_url: str, tmp_path: Path
+    database: str, nats_url: str, stream: str, tmp_path: Path
 ) -> None:
-    subject = unique_name("unreadable")
-    await create_stream(nats_url, subject, [f"{subject}.>"])
+    subject = stream
     await _fill(database, ROWS)
     config = await load_and_migrate(tmp_path, _config(database, nats_url, subject))
-    try:
-        async with running(config):
-            received = await fetch_all(nats_url, subject, expected=2)
-
-            async def all_parked() -> bool:
-                return bool((await status(config))[0]["parked"] == len(FAULTS))
-
-            await eventually(all_parked)
-            assert (await status(config))[0]["checkpoint"] == len(ROWS)
-        assert [m.headers["ce-id"] for m in received] == ["book/good-1@1", "book/good-2@2"]
-        async with connect(database) as conn:
-            parked = [asdict(p) for p in await Store("relay").parked(conn, "loans")]
-        by_id = {p["aggregate_id"]: p for p in parked}
-        assert set(by_id) == set(FAULTS)
-        for aggregate_id, fault in FAULTS.items():
-            assert by_id[aggregate_id]["reason"] == "malformed"
-            assert fault in by_id[aggregate_id]["error"], by_id[aggregate_id]["error"]
-            assert by_id[aggregate_id]["message_id"] is None
-    finally:
-        await delete_stream(nats_url, subject)
+    received, checkpoint = await relay_until_parked(config, nats_url, subject, 2, len(FAULTS))
+    assert checkpoint == len(ROWS)
+    assert [m.headers["ce-id"] for m in received] == ["book/good-1@1", "book/good-2@2"]
+    await assert_parked_as_malformed(database, FAULTS)
 
 
 async def test_relay_check_shows_them_as_run_would_park_them(

@@ -341,27 +341,25 @@ def test_duplicate_ids_across_rules_name_file_line_and_key(tmp_path: Path) -> No
     message = error_of(write(tmp_path, text))
     assert "relay.yaml:14: outboxes.loans.messages.BookLent.1:" in message
     assert "same message id" in message
-    pinned = CONFIG.replace(
-        "destination: library.loans.v2",
-        'destination: library.loans.v2\n          id: "{aggregate_type}/{aggregate_id}@{version}"',
-    ).replace(
-        "destination: library.loans\n",
-        'destination: library.loans\n          id: "{aggregate_type}/{aggregate_id}@{version}"\n',
-    )
-    message = error_of(write(tmp_path, pinned))
-    assert "outboxes.loans.messages.BookLent.1.id:" in message and "same message id" in message
 
 
-def test_ids_written_alike_but_for_spaces_are_the_same_ids(tmp_path: Path) -> None:
-    """`{ aggregate_type }` renders as `{aggregate_type}` does: the refusal compares what the
-    templates render, not how they are spaced."""
+@pytest.mark.parametrize(
+    ("v1_id", "v2_id"),
+    [
+        ("{aggregate_type}/{aggregate_id}@{version}",) * 2,
+        # `{ version }` renders as `{version}` does: what the templates render is compared.
+        (
+            "{aggregate_type}/{aggregate_id}@{ version}",
+            "{ aggregate_type }/{aggregate_id}@{version}",
+        ),
+    ],
+    ids=["same-text", "spaced-apart"],
+)
+def test_rules_given_the_same_id_are_refused(tmp_path: Path, v1_id: str, v2_id: str) -> None:
     pinned = CONFIG.replace(
-        "destination: library.loans.v2",
-        "destination: library.loans.v2\n"
-        '          id: "{ aggregate_type }/{aggregate_id}@{version}"',
+        "destination: library.loans.v2", f'destination: library.loans.v2\n          id: "{v2_id}"'
     ).replace(
-        "destination: library.loans\n",
-        'destination: library.loans\n          id: "{aggregate_type}/{aggregate_id}@{ version}"\n',
+        "destination: library.loans\n", f'destination: library.loans\n          id: "{v1_id}"\n'
     )
     message = error_of(write(tmp_path, pinned))
     assert "outboxes.loans.messages.BookLent.1.id:" in message and "same message id" in message
