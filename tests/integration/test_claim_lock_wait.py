@@ -48,6 +48,7 @@ async def test_a_claim_blocked_on_the_outboxes_row_leaves_the_other_lanes_relayi
         await until(config, lambda rows: shape(rows) == [1, 1])
         (mine,) = held_by(await status(config), a)
         async with connect(events_table) as frozen:
+            frozen_pid = frozen.get_server_pid()
             held = frozen.transaction()
             await held.start()
             try:
@@ -78,4 +79,5 @@ async def test_a_claim_blocked_on_the_outboxes_row_leaves_the_other_lanes_relayi
     await delivered_all(nats_url, copies, writer)
     assert logged(a, "lease lost") == [], "a lost a lane while its claim waited"
     warning = logged(a, REFUSED)[0]
-    assert warning["level"] == "warning" and warning["lane"] != mine, warning
+    assert warning["level"] == "warning" and warning["outbox"] != mine, warning
+    assert warning["held_by"].endswith(f"(pid {frozen_pid})"), "the locking session is named"

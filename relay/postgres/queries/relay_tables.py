@@ -356,8 +356,21 @@ class LeaseQueries:
     terminate: Final = "SELECT pg_terminate_backend($1)"  # $1 pid
     unlock: Final = "SELECT pg_advisory_unlock($1)"  # $1 key
 
+    @staticmethod
+    def lock_wait(seconds: float) -> str:
+        """Bound each of this transaction's waits for a lock (a claim's, for a row)."""
+        return f"SET LOCAL lock_timeout = {max(1, round(seconds * 1000))}"
+
     def __init__(self, schema: str) -> None:
-        (checkpoints,) = _tables(schema, "checkpoints")
+        checkpoints, outboxes = _tables(schema, "checkpoints", "outboxes")
+        # The session whose transaction locks outbox $1's row of the partition set (none
+        # when several share the lock): the row's xmax is that transaction's id.
+        self.row_holder: Final = (
+            "SELECT a.pid, a.application_name FROM pg_locks l"
+            " JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted"
+            f" AND l.transactionid = (SELECT xmax FROM {outboxes} WHERE outbox = $1)"
+        )
         # Who holds each of the locks $1 (int8[]) of the lanes $2 (text[], by position), and
         # for how long that session has said nothing: since the freshest of its backend's
         # last statement (NULL unless its role may be seen) and the heartbeats of the lanes
