@@ -15,7 +15,8 @@ session holds, which goes ahead of the other statements waiting for the connecti
 so that neither the number of lanes nor their checkpoint writes delay it. If the
 proof fails or times out every lane stops publishing at once. A standby that finds
 the holding session silent for `takeover_after` (by the database clock: its freshest
-heartbeat on any lane it holds, or its last statement) terminates it: that covers what
+heartbeat on any lane it holds, or its last statement; knowing neither, its replica's
+membership beat on that session) terminates it: that covers what
 keepalives cannot see, such as a paused process or a path that swallows packets but
 keeps the socket open. The lane's own heartbeat is not enough: until the new holder's
 claim stamps it, it is the previous holder's.
