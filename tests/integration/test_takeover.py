@@ -219,7 +219,7 @@ async def test_a_holder_is_judged_by_its_own_heartbeats_not_by_the_previous_hold
         )
         role = urlsplit(unseeing).username
         await conn.execute(f"GRANT USAGE ON SCHEMA relay TO {role}")
-        await conn.execute(f"GRANT SELECT ON relay.checkpoints TO {role}")
+        await conn.execute(f"GRANT SELECT ON relay.checkpoints, relay.replicas TO {role}")
     holder = session(database, "relay:test:holder")
     standby = session(unseeing, "relay:test:standby")
     try:
