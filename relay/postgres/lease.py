@@ -15,7 +15,8 @@ session holds, which goes ahead of the other statements waiting for the connecti
 so that neither the number of lanes nor their checkpoint writes delay it. If the
 proof fails or times out every lane stops publishing at once. A standby that finds
 the holding session silent for `takeover_after` (by the database clock: its freshest
-heartbeat on any lane it holds, or its last statement) terminates it: that covers what
+heartbeat on any lane it holds, or its last statement; knowing neither, its replica's
+membership beat on that session) terminates it: that covers what
 keepalives cannot see, such as a paused process or a path that swallows packets but
 keeps the socket open. The lane's own heartbeat is not enough: until the new holder's
 claim stamps it, it is the previous holder's.
@@ -34,7 +35,7 @@ import asyncpg
 import structlog
 
 from relay.config import LeaseConfig
-from relay.errors import DatabaseError
+from relay.errors import DatabaseError, RelayError
 from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.queries import NOTIFY, LeaseQueries
 
@@ -75,6 +76,20 @@ async def holder_identity(conn: asyncpg.Connection, key: int) -> str | None:
 
 class LeaseLost(Exception):
     """Raised inside the holder when its lease can no longer be proven."""
+
+
+# A claim waits this share of `check_timeout` at most for each lock (the outbox's row of
+# the partition set, its lane's checkpoint row): the proofs wait for the claim.
+CLAIM_LOCK_WAIT = 0.25
+
+
+class RowLocked(RelayError):
+    """A claim gave up waiting for a row that another session's transaction holds locked
+    (a replica frozen or cut off half way through its own claim, say): nothing written."""
+
+    def __init__(self, message: str, holder: str | None) -> None:
+        super().__init__(message)
+        self.holder = holder  # the locking session (`identity (pid N)`), when known
 
 
 NOT_HELD = "lease check: this connection no longer holds the lock or the epoch"
@@ -432,6 +447,39 @@ class Lease:
     async def statement(self) -> AsyncIterator[asyncpg.Connection]:
         async with self.session.statement() as conn:
             yield conn
+
+    @contextlib.asynccontextmanager
+    async def claiming(self, outbox: str, *, bounded: bool) -> AsyncIterator[asyncpg.Connection]:
+        """The claim's transaction on the lease connection.
+
+        `bounded` (a replica's claim): each wait for a row lock lasts `CLAIM_LOCK_WAIT` of
+        `check_timeout` at most, then RowLocked. The replica's every lane shares the
+        connection: a claim waiting for a frozen session's row would hold up their proofs
+        (which then fail), their checkpoints and the standby checks that end that session.
+        """
+        async with self.session.statement() as conn:
+            try:
+                async with conn.transaction():
+                    if bounded:
+                        wait = self.config.check_timeout * CLAIM_LOCK_WAIT
+                        await conn.execute(self.session.queries.lock_wait(wait))
+                    yield conn
+            except asyncpg.LockNotAvailableError as exc:
+                holder = await self._row_holder(conn, outbox)
+                raise RowLocked(
+                    f"outbox {outbox!r}: its row of the partition set (or the lane's checkpoint"
+                    f" row) is locked by {holder or 'another session'}; the claim gave up: {exc}",
+                    holder,
+                ) from exc
+
+    async def _row_holder(self, conn: asyncpg.Connection, outbox: str) -> str | None:
+        """Who locks the outbox's row, if one transaction does and it may be seen."""
+        with contextlib.suppress(asyncpg.PostgresError):
+            row = await conn.fetchrow(self.session.queries.row_holder, outbox)
+            if row is not None:
+                name = str(row["application_name"] or "").removesuffix(":lease")
+                return f"{name or 'a session'} (pid {row['pid']})"
+        return None
 
 
 class LeaseBudget:

@@ -48,12 +48,13 @@ async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) ->
     lease connection, which every lane of the replica shares, carries only what needs the
     lock (the epoch, the commands left running) and is free for the lease proofs. A lane
     of another count than the outbox's partition set is refused in the claim's own
-    transaction (PartitionsChanged), and nothing is written.
+    transaction (PartitionsChanged), and nothing is written; so is a replica's claim that
+    waited its bound for a row another session holds locked (RowLocked).
     """
     c = claimant
     await c.source.check(reader)
     position, start_xmin = await c.source.start_point(reader, c.start)
-    async with lease.statement() as conn, conn.transaction():
+    async with lease.claiming(c.lane.outbox, bounded=c.replica) as conn:
         record = await c.partitions.admit(
             conn,
             c.lane.outbox,

@@ -43,7 +43,7 @@ from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
 from relay.fleet.repartition import change_over
 from relay.postgres.database import CONNECTION_LOST, Database
-from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection
+from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection, RowLocked
 from relay.postgres.membership import Member, Membership, change_coming
 from relay.postgres.partitions import PartitionsChanged, PartitionSet, mismatch
 from relay.runtime import holding
@@ -79,6 +79,17 @@ class LaneHolder:
             # claim wrote nothing. The coordinator says so on its next pass.
             await self.lease.release()
             self.log.warning("lane not claimed: the outbox's partitions changed", reason=str(exc))
+            return None
+        except RowLocked as exc:
+            # A frozen or cut-off session holds the row mid-claim: the claim wrote nothing,
+            # and the lease connection is free again for the other lanes and for the
+            # standby checks that end that session. The coordinator tries again later.
+            await self.lease.release()
+            self.log.warning(
+                "lane not claimed: the outbox's row is locked by another session",
+                held_by=exc.holder,
+                reason=str(exc),
+            )
             return None
         except FencedError as exc:
             reason, fenced = str(exc), True

@@ -12,6 +12,7 @@ open for as long as the third replica needs to look at it, on every run.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 from relay.config import DatabaseConfig, LeaseConfig
 from relay.postgres.database import Database
 from relay.postgres.lease import Holder, Lease, LeaseConnection, lock_key
+from relay.postgres.membership import Membership
 from relay.postgres.queries import LeaseQueries
 from relay.postgres.sql import lane_key
 from relay.postgres.store import Store
@@ -169,11 +171,10 @@ async def claim(lease: Lease) -> None:
         await Store("relay").claim(conn, lease.outbox, lease.identity, 0, lease.key)
 
 
-@pytest.fixture
-async def unseeing(database: str, pg_admin_dsn: str) -> AsyncIterator[str]:
-    """A DSN of the test's database for a role that may read the checkpoints, but not see
-    other roles' sessions (no pg_read_all_stats): their last statement is hidden from it."""
-    name = f"standby_{uuid.uuid4().hex[:8]}"
+@contextlib.asynccontextmanager
+async def login_role(database: str, pg_admin_dsn: str, prefix: str) -> AsyncIterator[str]:
+    """A DSN of the test's database for a new role of its own (no superuser), dropped after."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     async with connect(pg_admin_dsn) as admin:
         await admin.execute(f"CREATE ROLE {name} LOGIN")
     try:
@@ -183,6 +184,14 @@ async def unseeing(database: str, pg_admin_dsn: str) -> AsyncIterator[str]:
             await conn.execute(f"DROP OWNED BY {name}")
         async with connect(pg_admin_dsn) as admin:
             await admin.execute(f"DROP ROLE {name}")
+
+
+@pytest.fixture
+async def unseeing(database: str, pg_admin_dsn: str) -> AsyncIterator[str]:
+    """A DSN of the test's database for a role that may read the checkpoints, but not see
+    other roles' sessions (no pg_read_all_stats): their last statement is hidden from it."""
+    async with login_role(database, pg_admin_dsn, "standby") as dsn:
+        yield dsn
 
 
 async def test_the_lock_key_computed_in_sql_is_the_relays(database: str) -> None:
@@ -210,7 +219,7 @@ async def test_a_holder_is_judged_by_its_own_heartbeats_not_by_the_previous_hold
         )
         role = urlsplit(unseeing).username
         await conn.execute(f"GRANT USAGE ON SCHEMA relay TO {role}")
-        await conn.execute(f"GRANT SELECT ON relay.checkpoints TO {role}")
+        await conn.execute(f"GRANT SELECT ON relay.checkpoints, relay.replicas TO {role}")
     holder = session(database, "relay:test:holder")
     standby = session(unseeing, "relay:test:standby")
     try:
@@ -269,3 +278,63 @@ async def test_a_holder_silent_before_its_claim_is_taken_over_all_the_same(
     finally:
         await standby.close()
         await silent.close()
+
+
+async def test_a_holder_silent_before_the_first_claim_of_a_new_outbox_is_ended_all_the_same(
+    database: str, nats_url: str, tmp_path: Path, pg_admin_dsn: str, unseeing: str
+) -> None:
+    """A new outbox: no checkpoint row, so no heartbeat to judge; the holder (a role of its
+    own) took the lock after its membership beat and said nothing since; the standby cannot
+    see its session (no pg_read_all_stats), so not its last statement either. Its silence
+    counts from its last beat, and the standby (pg_signal_backend) ends it."""
+    await load_and_migrate(tmp_path, config_dict(database, nats_url, unique_name("t")))
+    async with login_role(database, pg_admin_dsn, "holder") as holding, connect(database) as conn:
+        holder_role, standby_role = urlsplit(holding).username, urlsplit(unseeing).username
+        await conn.execute(f"GRANT USAGE ON SCHEMA relay TO {holder_role}, {standby_role}")
+        await conn.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON relay.replicas TO {holder_role}"
+        )
+        await conn.execute(f"GRANT SELECT ON relay.checkpoints, relay.replicas TO {standby_role}")
+        await conn.execute(f"GRANT pg_signal_backend TO {standby_role}")
+        assert await conn.fetchval("SELECT count(*) FROM relay.checkpoints") == 0
+        silent = session(holding, "relay:test:silent")
+        standby = session(
+            unseeing,
+            "relay:test:standby",
+            takeover_after=1.0,
+            check_interval=0.3,
+            check_timeout=0.3,
+        )
+        lease = Lease(standby, "loans/0")
+        try:
+            async with silent.statement() as beating:  # as a replica's pass: beat, then take
+                await Membership("relay", "relay", "relay:test:silent", {"loans": 1}).beat(
+                    beating, 5.0
+                )
+            assert await Lease(silent, "loans/0").try_acquire()
+            taken: list[Holder] = []
+
+            async def taken_over() -> bool:
+                holder = await lease.holder()
+                assert holder is not None and holder.identity == "relay:test:silent", holder
+                ended = await lease.take_over_if_silent(holder)
+                taken.extend([ended] if ended else [])
+                return bool(taken)
+
+            async with standby.statement() as looking:
+                hidden = await looking.fetchval(
+                    "SELECT state_change IS NULL FROM pg_stat_activity WHERE pid = $1",
+                    silent.conn and silent.conn.get_server_pid(),
+                )
+            assert hidden, "the standby sees the holder's session: its membership is not judged"
+            await eventually(taken_over, timeout=10)
+            print(f"ended after {taken[0].heartbeat_age:.2f}s of silence")
+            assert taken[0].heartbeat_age is not None and taken[0].heartbeat_age >= 1.0
+
+            async def freed() -> bool:
+                return await lease.holder() is None
+
+            await eventually(freed, timeout=10)
+        finally:
+            await standby.close()
+            await silent.close()

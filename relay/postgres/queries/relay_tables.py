@@ -356,13 +356,29 @@ class LeaseQueries:
     terminate: Final = "SELECT pg_terminate_backend($1)"  # $1 pid
     unlock: Final = "SELECT pg_advisory_unlock($1)"  # $1 key
 
+    @staticmethod
+    def lock_wait(seconds: float) -> str:
+        """Bound each of this transaction's waits for a lock (a claim's, for a row)."""
+        return f"SET LOCAL lock_timeout = {max(1, round(seconds * 1000))}"
+
     def __init__(self, schema: str) -> None:
-        (checkpoints,) = _tables(schema, "checkpoints")
+        checkpoints, outboxes, replicas = _tables(schema, "checkpoints", "outboxes", "replicas")
+        # The session whose transaction locks outbox $1's row of the partition set (none
+        # when several share the lock): the row's xmax is that transaction's id.
+        self.row_holder: Final = (
+            "SELECT a.pid, a.application_name FROM pg_locks l"
+            " JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted"
+            f" AND l.transactionid = (SELECT xmax FROM {outboxes} WHERE outbox = $1)"
+        )
         # Who holds each of the locks $1 (int8[]) of the lanes $2 (text[], by position), and
         # for how long that session has said nothing: since the freshest of its backend's
         # last statement (NULL unless its role may be seen) and the heartbeats of the lanes
         # whose locks it holds now (lease namespace $3). A lane it has not claimed yet still
-        # bears the previous holder's heartbeat: that one counts as the least it did.
+        # bears the previous holder's heartbeat: that one counts as the least it did. When
+        # none of these is known (a new outbox's lane, taken by a replica that holds no other,
+        # whose session cannot be seen), its replica's last membership beat, written on this
+        # very session (pid and application_name), is: only then, for it says less.
         self.holders: Final = (
             f"WITH l AS MATERIALIZED ({advisory_locks()}),"
             " h AS (SELECT w.key, w.lane, l.pid FROM unnest($1::bigint[], $2::text[])"
@@ -371,10 +387,12 @@ class LeaseQueries:
             f" JOIN l ON l.key = {lane_key('$3::text', 'o.outbox')}"
             " WHERE l.pid IN (SELECT pid FROM h) GROUP BY l.pid)"
             " SELECT h.key, h.pid, coalesce(a.application_name, '') AS application_name,"
-            " extract(epoch FROM now() - greatest(s.heartbeat, c.heartbeat, a.state_change))"
-            "::float8 AS heartbeat_age"
+            " extract(epoch FROM now() - coalesce(greatest(s.heartbeat, c.heartbeat,"
+            " a.state_change), r.seen_at))::float8 AS heartbeat_age"
             " FROM h LEFT JOIN pg_stat_activity a ON a.pid = h.pid"
             f" LEFT JOIN s ON s.pid = h.pid LEFT JOIN {checkpoints} c ON c.outbox = h.lane"
+            f" LEFT JOIN {replicas} r ON r.namespace = $3 AND r.pid = h.pid"
+            " AND a.application_name = left(r.identity || ':lease', 63)"
         )
         # The proof: stamp the heartbeat of each lane $2 (text[]) at its epoch $3 (int8[])
         # whose lock $1 (int8[]) this session holds; the keys proven.
