@@ -202,7 +202,8 @@ async def test_a_replica_with_the_old_count_never_relays_a_repartitioned_outbox(
             async with connect(events_table) as conn:
                 await conn.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name LIKE '%:' || $1::text || ':lease'",
+                    " WHERE application_name LIKE '%:' || $1::text || ':lease'"
+                    " AND datname = current_database()",
                     str(old.pid),
                 )
             args = ["repartition", "loans", "--partitions", "2", "--config", str(two)]
@@ -638,6 +639,7 @@ async def test_a_stray_replica_of_another_count_does_not_flip_the_fleet_when_ses
                 await conn.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE application_name LIKE 'relay:%' AND pid <> pg_backend_pid()"
+                    " AND datname = current_database()"  # the shared server's other tests'
                 )
             await relayed_more(four, writer)
     assert await recorded(events_table) == 4

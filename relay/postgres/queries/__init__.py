@@ -14,6 +14,14 @@ schema's DDL stays with the migrations (migrations.py), what the relay checks of
 event table and of its rights with those checks (event_table.py, rights.py).
 """
 
+from relay.postgres.queries.own_tables import (
+    NOTIFY,
+    CommandQueries,
+    LeaseQueries,
+    MembershipQueries,
+    PartitionQueries,
+    StoreQueries,
+)
 from relay.postgres.queries.reading import (
     ReplicationQueries,
     SourceQueries,
@@ -21,14 +29,6 @@ from relay.postgres.queries.reading import (
     lane_expression,
     lane_of,
     published,
-)
-from relay.postgres.queries.relay_tables import (
-    NOTIFY,
-    CommandQueries,
-    LeaseQueries,
-    MembershipQueries,
-    PartitionQueries,
-    StoreQueries,
 )
 
 __all__ = [
