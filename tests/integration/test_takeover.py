@@ -258,23 +258,7 @@ async def test_a_holder_silent_before_its_claim_is_taken_over_all_the_same(
     lease = Lease(standby, "loans/0")
     try:
         assert await Lease(silent, "loans/0").try_acquire()
-        taken: list[Holder] = []
-
-        async def taken_over() -> bool:
-            holder = await lease.holder()
-            assert holder is not None and holder.identity == "relay:test:silent", holder
-            ended = await lease.take_over_if_silent(holder)
-            taken.extend([ended] if ended else [])
-            return bool(taken)
-
-        await eventually(taken_over, timeout=10)
-        print(f"ended after {taken[0].heartbeat_age:.2f}s of silence")
-        assert taken[0].heartbeat_age is not None and taken[0].heartbeat_age >= 1.0
-
-        async def freed() -> bool:
-            return await lease.holder() is None
-
-        await eventually(freed, timeout=10)
+        await ended_as_silent(lease, "relay:test:silent", after=1.0)
     finally:
         await standby.close()
         await silent.close()
@@ -312,29 +296,36 @@ async def test_a_holder_silent_before_the_first_claim_of_a_new_outbox_is_ended_a
                     beating, 5.0
                 )
             assert await Lease(silent, "loans/0").try_acquire()
-            taken: list[Holder] = []
-
-            async def taken_over() -> bool:
-                holder = await lease.holder()
-                assert holder is not None and holder.identity == "relay:test:silent", holder
-                ended = await lease.take_over_if_silent(holder)
-                taken.extend([ended] if ended else [])
-                return bool(taken)
-
             async with standby.statement() as looking:
                 hidden = await looking.fetchval(
                     "SELECT state_change IS NULL FROM pg_stat_activity WHERE pid = $1",
                     silent.conn and silent.conn.get_server_pid(),
                 )
             assert hidden, "the standby sees the holder's session: its membership is not judged"
-            await eventually(taken_over, timeout=10)
-            print(f"ended after {taken[0].heartbeat_age:.2f}s of silence")
-            assert taken[0].heartbeat_age is not None and taken[0].heartbeat_age >= 1.0
-
-            async def freed() -> bool:
-                return await lease.holder() is None
-
-            await eventually(freed, timeout=10)
+            await ended_as_silent(lease, "relay:test:silent", after=1.0)
         finally:
             await standby.close()
             await silent.close()
+
+
+async def ended_as_silent(lease: Lease, identity: str, after: float) -> Holder:
+    """Look at the lane's holder as a standby does until it ends it as silent; check it was
+    `identity`, silent for `after` seconds at least, and that its lock is then free."""
+    taken: list[Holder] = []
+
+    async def taken_over() -> bool:
+        holder = await lease.holder()
+        assert holder is not None and holder.identity == identity, holder
+        ended = await lease.take_over_if_silent(holder)
+        taken.extend([ended] if ended else [])
+        return bool(taken)
+
+    await eventually(taken_over, timeout=10)
+    print(f"ended after {taken[0].heartbeat_age:.2f}s of silence")
+    assert taken[0].heartbeat_age is not None and taken[0].heartbeat_age >= after
+
+    async def freed() -> bool:
+        return await lease.holder() is None
+
+    await eventually(freed, timeout=10)
+    return taken[0]
