@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from relay.config.base import HeaderText, Model
 from relay.mapping.expressions import (
+    SUFFIX_SEPARATOR,
     ExpressionError,
     compile_expression,
     compile_template,
@@ -163,7 +164,7 @@ def rules_of(
         rules = []
         for index, m in enumerate(given):
             id_ = m.id or default_id
-            suffix = "" if m.id else f"/{m.type}"
+            suffix = "" if m.id else SUFFIX_SEPARATOR + m.type
             shared = types.count(m.type) > 1
             name = f"{m.type} {id_ + suffix}" if shared else m.type
             key = m.key or default_key
