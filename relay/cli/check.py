@@ -90,7 +90,7 @@ def _judge_by_broker(report: Report, publishers: dict[str, Probing]) -> None:
 async def _database(config: RelayConfig, last: int, report: Report) -> None:
     source = EventSource(config.source)
     try:
-        async with Database(config.database, identity()).one_shot("check") as conn:
+        async with Database.of(config, identity()).one_shot("check") as conn:
             rights = await check_rights(conn, config)
             report.problems += [f"database: {m.describe()}" for m in rights.required]
             report.warnings += [f"database: {m.describe()}" for m in rights.degraded]

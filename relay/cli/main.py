@@ -67,7 +67,7 @@ def migrate(config: ConfigOption = None) -> None:
     from relay.postgres.migrations import migrate_database
 
     cfg = load_config_or_exit(config)
-    db = Database(cfg.database, identity())
+    db = Database.of(cfg, identity())
     done = run_or_exit(lambda: migrate_database(db, cfg, lambda text: say(text, err=True)))
     schema = cfg.database.schema_
     if done.applied:

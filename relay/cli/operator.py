@@ -98,7 +98,7 @@ class Operator:
         self.outbox = outbox
         self.identity = identity
         self.lanes = lanes_of(outbox, self.outbox_config.partitions)
-        self.db = Database(config.database, identity)
+        self.db = Database.of(config, identity)
         self.store = Store(config.database.schema_)
         self.source = EventSource(config.source)
         self.queue = CommandQueue(config.database.schema_)

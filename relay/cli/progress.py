@@ -158,7 +158,7 @@ async def follow_replay(
     starts = lane_checkpoints(outbox, detail)
     watch = CatchUp(config, outbox, head, starts, unheld)
     try:
-        async with Database(config.database, identity()).one_shot("cli") as conn:
+        async with Database.of(config, identity()).one_shot("cli") as conn:
             await watch.start(conn)
             while True:
                 progress, caught_up = await watch.poll(conn)
@@ -181,7 +181,7 @@ async def follow_retry(
 ) -> tuple[T, Progress]:
     """Run `command` (a retry-parked), showing the parked messages it settles meanwhile."""
     watch = ParkedSettling(config, outbox)
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await watch.start(conn, ids)
         task = asyncio.ensure_future(command)
         try:

@@ -277,7 +277,8 @@ WholeSeconds = Annotated[PositiveDuration, AfterValidator(_whole_seconds)]
 
 
 class KeepaliveConfig(Model):
-    """Server-side TCP settings on the lease connection, so Postgres frees a dead holder's lock."""
+    """TCP keepalives: server settings on the lease connection, so Postgres frees a dead
+    holder's lock; and the relay's side of every connection, so a dead path fails a statement."""
 
     idle: WholeSeconds = 5.0
     interval: WholeSeconds = 2.0

@@ -19,13 +19,13 @@ async def parked_list(config: RelayConfig, outbox: str) -> tuple[list[ParkedMess
     config says another count (recorded.py)."""
     config, notes = await as_recorded(config, [outbox])
     lanes = lane_names(config, outbox)
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).parked(conn, lanes), notes
 
 
 async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         parked = await Store(config.database.schema_).parked_by_id(conn, id_)
     if parked is None:
@@ -36,7 +36,7 @@ async def parked_show(config: RelayConfig, id_: int) -> ParkedMessage:
 async def parked_drop(config: RelayConfig, ids: list[int] | None, outbox: str | None) -> list[int]:
     config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).drop_parked(conn, ids, lanes)
 
@@ -47,7 +47,7 @@ async def parked_to_drop(
     """What `parked_drop` with the same arguments would delete, in position order."""
     config, _ = await as_recorded(config, None if outbox is None else [outbox])
     lanes = _lanes_of(config, outbox)
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, config.database.schema_)
         return await Store(config.database.schema_).parked(conn, lanes, ids)
 

@@ -28,7 +28,7 @@ async def as_recorded(
     schema = config.database.schema_
     changed = {}
     notes = []
-    async with Database(config.database, identity()).one_shot("cli") as conn:
+    async with Database.of(config, identity()).one_shot("cli") as conn:
         await ensure_migrated(conn, schema)
         partitions = Partitions(schema)
         for name in names:

@@ -88,7 +88,7 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
     if count < 1:
         raise RepartitionRefused("--partitions must be 1 or more")
     schema = config.database.schema_
-    db = Database(config.database, identity())
+    db = Database.of(config, identity())
     partitions = Partitions(schema)
     session = LeaseConnection(db, config.lease, schema, db.identity)
     try:

@@ -58,7 +58,7 @@ TABLE_COLUMNS = [
 
 async def status(config: RelayConfig) -> list[OutboxStatus]:
     """One row per configured outbox."""
-    async with Database(config.database, identity()).one_shot("status") as conn:
+    async with Database.of(config, identity()).one_shot("status") as conn:
         return (await read(conn, config))[0]
 
 

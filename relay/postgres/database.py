@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import asyncpg
 
-from relay.config import DatabaseConfig
+from relay.config import DatabaseConfig, KeepaliveConfig, RelayConfig
 from relay.errors import DatabaseError
 from relay.postgres.primary import (
     Host,
@@ -73,11 +74,23 @@ class DatabaseUnavailable(DatabaseError):
 
 
 class Database:
-    """A connection factory; every connection is named after the replica and its role."""
+    """A connection factory; every connection is named after the replica and its role, and
+    keeps its own side of TCP keepalives (`keepalives`, the lease's)."""
 
-    def __init__(self, config: DatabaseConfig, identity: str) -> None:
+    def __init__(
+        self,
+        config: DatabaseConfig,
+        identity: str,
+        keepalives: KeepaliveConfig | None = None,
+    ) -> None:
         self.config = config
         self.identity = identity
+        self.keepalives = keepalives or KeepaliveConfig()
+
+    @classmethod
+    def of(cls, config: RelayConfig, identity: str) -> Database:
+        """The connections a relay's config asks for: its database, its keepalives."""
+        return cls(config.database, identity, config.lease.keepalives)
 
     async def connect(self, role: str, **server_settings: str) -> asyncpg.Connection:
         settings = {
@@ -122,6 +135,7 @@ class Database:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {self._said(exc)}"
             ) from exc
+        keep_alive(conn, self.keepalives)
         return await self._one_primary(conn)
 
     def _said(self, exc: BaseException) -> str:
@@ -187,6 +201,35 @@ class Database:
                 await asyncio.wait_for(conn.close(), timeout=2)
             except (OSError, TimeoutError, asyncpg.InterfaceError):
                 conn.terminate()
+
+
+def keep_alive(conn: asyncpg.Connection, keepalives: KeepaliveConfig) -> None:
+    """The relay's side of TCP keepalives, which asyncpg does not set (asyncpg #606).
+
+    Without them a statement whose path dies (a failover that takes the old primary's
+    address away, a firewall or NAT that forgets the flow) waits until the kernel gives up
+    on its retransmissions, about 15 minutes, while the lease, on another connection, still
+    proves itself: the lane stalls and `status` says relaying. With them the statement fails
+    after `dead_after` seconds, as a lost connection, and the caller reconnects. A live
+    server's kernel answers the probes, so a statement that is merely slow is not cut.
+    A unix socket has no path to lose.
+    """
+    transport = getattr(conn, "_transport", None)  # asyncpg has no public way to its socket
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None or sock.family not in {socket.AF_INET, socket.AF_INET6}:
+        return
+    for level, name, value in (
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", int(keepalives.idle)),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", int(keepalives.interval)),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", keepalives.count),
+        # Also bounds data sent and never acknowledged (a request into a dead path).
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(keepalives.dead_after * 1000)),
+    ):
+        option = getattr(socket, name, None)  # Linux has them all; other systems some
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(level, option, value)
 
 
 def describe(exc: BaseException) -> str:

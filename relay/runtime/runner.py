@@ -65,7 +65,7 @@ class Relay:
 
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
-        db = Database(self.config.database, self.identity)
+        db = Database.of(self.config, self.identity)
         log.info(
             "relay starting",
             version=__version__,

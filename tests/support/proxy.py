@@ -31,14 +31,22 @@ class _Pipe:
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:`port` to target_host:target_port."""
+    """Forwards 127.0.0.1:`port` (or what `listener` listens on) to target_host:target_port."""
 
-    def __init__(self, target_host: str, target_port: int, *, record: bool = False) -> None:
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        record: bool = False,
+        listener: socket.socket | None = None,
+    ) -> None:
         self.target = (target_host, target_port)
         self._record = record
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = listener or socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
-        self.port: int = self._listener.getsockname()[1]
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self.port: int = self.address[1]
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
@@ -56,7 +64,7 @@ class TcpProxy:
 
     @property
     def host(self) -> str:
-        return "127.0.0.1"
+        return self.address[0]
 
     @property
     def connections(self) -> int:
@@ -86,6 +94,21 @@ class TcpProxy:
                 fcntl.ioctl(pipe.client.fileno(), termios.FIONREAD, buffer)
                 total += buffer[0]
         return total
+
+    def client_port(self, upstream_port: int) -> int | None:
+        """The client's own port of the connection forwarded from local `upstream_port` (what
+        the server sees as the client's port), or None if there is no such connection."""
+        found: list[int | None] = [None]
+
+        def look() -> None:
+            for pipe in self._pipes.values():
+                upstream = pipe.peer[pipe.client]
+                with contextlib.suppress(OSError):
+                    if upstream.getsockname()[1] == upstream_port:
+                        found[0] = pipe.client.getpeername()[1]
+
+        self._call(look)
+        return found[0]
 
     def pause(self) -> None:
         """Stop forwarding in both directions; connections stay open (a black hole)."""

@@ -1,0 +1,95 @@
+"""A connection whose network path dies under it, in the kernel (tests/support/dead_path.py).
+
+A lane's reads go on a connection of their own, beside the lease session that proves the
+lane is held. When only the reader's path dies (a firewall or NAT that forgets the flow,
+a route gone), the lease keeps proving itself, so nothing but the reader's own socket can
+notice. asyncpg sets no TCP keepalive and no user timeout: the read waited for the
+kernel's retransmissions to give up, about 15 minutes, with the lane stalled and `relay
+status` saying relaying. (A black-box attack found it with a proxy that stopped
+forwarding.) The relay now sets its side of TCP keepalives on every connection.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from relay.config import DatabaseConfig, KeepaliveConfig
+from relay.postgres.database import Database
+from tests.support import postgres
+from tests.support.db import append_many, connect
+from tests.support.dead_path import DeadPath
+from tests.support.delivery import append_backlog, book_lent, event_id
+from tests.support.lanes import delivered
+from tests.support.relay_process import RelayProcess
+from tests.support.scenario import config_dict, eventually, migrate_cli, save
+
+pytestmark = pytest.mark.timeout(120)
+
+Start = Callable[..., RelayProcess]
+
+
+async def reader_port(dsn: str, path: DeadPath) -> int:
+    """The relay's own port of its lane's reader connection."""
+    found: list[int] = []
+
+    async def one_reader() -> bool:
+        async with connect(dsn) as conn:
+            rows = await conn.fetch(
+                "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name LIKE '%:reader'"
+            )
+        ports = [path.client_port(r["client_port"]) for r in rows]
+        found[:] = [p for p in ports if p is not None]
+        return len(found) == 1
+
+    await eventually(one_reader, timeout=30)
+    return found[0]
+
+
+async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_lease_holds(
+    events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
+) -> None:
+    with DeadPath(*postgres.address(events_table)) as path:
+        data = config_dict(
+            postgres.with_address(events_table, path.host, path.port), nats_url, stream
+        )
+        config = save(tmp_path, data)
+        migrate_cli(config)
+        relay = relay_process(["run", "--config", str(config)])
+        first = await append_backlog(events_table, 20, aggregates=4)
+        await delivered(nats_url, stream, set(first.values()))
+
+        path.kill(await reader_port(events_table, path))
+        later = [book_lent(f"later-{i}", 1) for i in range(20)]
+        async with connect(events_table) as conn:
+            await append_many(conn, later)
+
+        await delivered(
+            nats_url, stream, {*first.values(), *(event_id(e.aggregate_id, 1) for e in later)}
+        )
+        assert relay.returncode is None
+        logs = relay.logs()
+        assert not [r for r in logs if str(r.get("event", "")).startswith("lease lost")], (
+            "the lease, on a live path, held: the reader noticed its own dead path"
+        )
+
+
+async def test_every_connection_keeps_its_own_side_of_tcp_keepalives(events_table: str) -> None:
+    """What the kernel is told, on a real connection: probes after `idle`, every
+    `interval`, `count` of them, and data unacknowledged for as long fails it too."""
+    keepalives = KeepaliveConfig(idle=7, interval=3, count=4)
+    db = Database(DatabaseConfig(url=events_table), "relay:test:1", keepalives)
+    conn = await db.connect("reader")
+    try:
+        sock = conn._transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 7
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 3
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 19_000
+    finally:
+        await conn.close()
