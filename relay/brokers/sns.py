@@ -23,13 +23,8 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from relay.brokers._aws import (
-    MESSAGE_FAULT,
-    BatchService,
-    EntryBatchPublisher,
-    Target,
-    is_configuration_fault,
-)
+from relay.brokers._aws import MESSAGE_FAULT, is_configuration_fault
+from relay.brokers._aws_batch import BatchService, EntryBatchPublisher, Target
 from relay.config import SnsBrokerConfig
 from relay.errors import PermanentPublishError
 

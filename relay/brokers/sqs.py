@@ -38,12 +38,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from relay.brokers._aws import (
-    MESSAGE_FAULT,
-    BatchService,
-    EntryBatchPublisher,
-    Target,
-)
+from relay.brokers._aws import MESSAGE_FAULT
+from relay.brokers._aws_batch import BatchService, EntryBatchPublisher, Target
 from relay.errors import PermanentPublishError
 
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent

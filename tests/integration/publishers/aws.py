@@ -12,7 +12,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from relay.brokers._aws import EntryBatchPublisher
+from relay.brokers._aws_batch import EntryBatchPublisher
 from relay.core.publishing import Message
 from tests.contract.harness import Consumed
 from tests.integration.publishers import base
