@@ -141,7 +141,7 @@ class Database:
     def _said(self, exc: BaseException) -> str:
         """The driver's or the server's words, with the URL's user as `***`, as the URL
         itself is shown: the server quotes it (`role "..." does not exist`)."""
-        text = _text(exc)
+        text = driver_text(exc)
         user = url_user(self.config.url.get_secret_value())
         return text.replace(f'"{user}"', '"***"') if user else text
 
@@ -160,7 +160,7 @@ class Database:
             )
 
         errors = (*CONNECTION_LOST, *NOT_NOW, asyncpg.PostgresError)
-        return await ask_each(url, open_any, errors, _text)
+        return await ask_each(url, open_any, errors, driver_text)
 
     async def _no_primary(self) -> DatabaseUnavailable:
         """No host of the URL took the connection as the primary: say what each one is, so
@@ -236,12 +236,12 @@ def describe(exc: BaseException) -> str:
     """One line for a driver error that ended a command: what failed, and where to look."""
     if isinstance(exc, asyncpg.InsufficientPrivilegeError):
         return (
-            f"the database refused the command: {_text(exc)} (`relay check` lists every right"
+            f"the database refused the command: {driver_text(exc)} (`relay check` lists every right"
             " the relay needs, with the GRANT that gives it)"
         )
     if isinstance(exc, CONNECTION_LOST):
-        return f"lost the connection to the database: {_text(exc)}"
-    return f"the database failed the command: {_text(exc)}"
+        return f"lost the connection to the database: {driver_text(exc)}"
+    return f"the database failed the command: {driver_text(exc)}"
 
 
 def _not_now(exc: asyncpg.PostgresError) -> str:
@@ -250,7 +250,15 @@ def _not_now(exc: asyncpg.PostgresError) -> str:
     return "is short of resources now"
 
 
-def _text(exc: BaseException) -> str:
+def driver_text(exc: BaseException) -> str:
+    """The driver's or the server's words, redacted; in plain words where the driver's are
+    its own internals."""
+    if isinstance(exc, asyncpg.InternalClientError):
+        # asyncpg's "cannot switch to state 12; another operation (2) is in progress"
+        return (
+            "the connection was still busy with a statement that had been cancelled (a"
+            " deadline passed, or the process was paused): it is dropped"
+        )
     return redact(str(exc)) or type(exc).__name__
 
 

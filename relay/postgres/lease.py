@@ -36,7 +36,7 @@ import structlog
 
 from relay.config import LeaseConfig
 from relay.errors import DatabaseError, RelayError
-from relay.postgres.database import CONNECTION_LOST, Database
+from relay.postgres.database import CONNECTION_LOST, Database, driver_text
 from relay.postgres.queries import NOTIFY, LeaseQueries
 
 LEASE_CHANNEL = "relay_lease"
@@ -317,7 +317,7 @@ class LeaseConnection:
     def _unproven(self, exc: BaseException) -> LeaseLost:
         """Any refusal counts too: a lease that cannot be proven is not held, nor is any
         other lock on this connection; drop it before another statement uses it."""
-        reason = f"lease check failed: {type(exc).__name__}: {exc}"
+        reason = f"lease check failed: {type(exc).__name__}: {driver_text(exc)}"
         if self.conn is not None:
             self._broken(self.conn, reason)
         return LeaseLost(reason)

@@ -41,7 +41,7 @@ from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError
 from relay.mapping.mapper import CompiledRule, items_of
 from relay.postgres.claimed import ClaimedOutbox
-from relay.postgres.database import CONNECTION_LOST
+from relay.postgres.database import CONNECTION_LOST, driver_text
 from relay.postgres.replication import OnShort, Standbys
 from relay.postgres.source import Blocker
 from relay.runtime.context import OutboxContext
@@ -107,7 +107,7 @@ class OutboxRelay:
                 return
             await self._relay(hold)
         except CONNECTION_LOST as exc:
-            raise DatabaseError(f"lost the database connection: {exc}") from exc
+            raise DatabaseError(f"lost the database connection: {driver_text(exc)}") from exc
 
     async def _settle_start(self, s: Hold) -> bool:
         """`start: end`, first claim: start before the events of transactions open then.

@@ -1,4 +1,5 @@
-"""`redact` in time linear in its text, hiding what the plain regex of its rule would hide.
+"""`redact` in time linear in its text, hiding what the plain regex of its rule would hide;
+and the driver's words as errors quote them.
 
 The rule reads best as a regex, `scheme://` then everything to the last `@` before
 whitespace, but that regex backtracks over every letter of a long word: a 70 KB aggregate
@@ -10,8 +11,10 @@ from __future__ import annotations
 import random
 import re
 
+import asyncpg
 import pytest
 
+from relay.postgres.database import driver_text
 from relay.redaction import redact
 
 _RULE = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)\S*@", re.I)
@@ -49,3 +52,15 @@ def test_a_huge_word_is_redacted_like_a_short_one() -> None:
     word = "book/" + "i" * 70_000 + "@1"
     assert redact(word) == word
     assert redact(f"{word} postgresql://relay:pw@db/app") == f"{word} postgresql://***@db/app"
+
+
+def test_the_drivers_own_internals_are_said_in_plain_words() -> None:
+    """After a pause or a passed deadline, a lease check met the connection still busy with
+    the cancelled statement and the lease was lost "because" `cannot switch to state 12`."""
+    said = driver_text(
+        asyncpg.InternalClientError(
+            "cannot switch to state 12; another operation (2) is in progress"
+        )
+    )
+    assert "state 12" not in said
+    assert "busy with a statement that had been cancelled" in said
