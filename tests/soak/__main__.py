@@ -1,5 +1,5 @@
 """The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]
-[--failover]`.
+[--failover] [--dead-paths]`.
 
 Prints the verdict and the faults in order; exits 1 when anything was lost, phantom,
 inverted or regressed, or the outbox did not drain. The same seed replays the same choices.
@@ -33,6 +33,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--failover", action="store_true", help="a standby, and Postgres failovers among the faults"
     )
+    parser.add_argument(
+        "--dead-paths",
+        action="store_true",
+        help="one connection's network path dies now and then, in the kernel (needs root)",
+    )
     parser.add_argument("--keep", type=Path, help="keep logs and data in this directory")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -45,13 +50,15 @@ def main(argv: list[str]) -> int:
         partitioned=args.partitioned,
         lanes=args.lanes,
         failover=args.failover,
+        dead_paths=args.dead_paths,
         keep=args.keep,
     )
     # SIGTERM (timeout, kill) stops it like Ctrl-C: every private server is stopped on the way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(
         f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}"
-        + (", failovers" if args.failover else ""),
+        + (", failovers" if args.failover else "")
+        + (", dead paths" if args.dead_paths else ""),
         flush=True,
     )
     verdict, origin = asyncio.run(soak(settings))

@@ -23,6 +23,7 @@ import asyncpg
 from relay.demo.embedded import EmbeddedPostgres
 from tests.support import postgres
 from tests.support.config import write_config
+from tests.support.dead_path import DeadPath
 from tests.support.postgres import EVENTS_SQL, address, with_address, with_database
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess, run_cli
@@ -200,10 +201,27 @@ class Database:
 
 
 class Links:
-    """A replica's way to each database server: one proxy per server, faulted together."""
+    """A replica's way to each database server: one proxy per server, faulted together.
 
-    def __init__(self, addresses: list[tuple[str, int]]) -> None:
-        self.proxies = [TcpProxy(host, port) for host, port in addresses]
+    With `dead_paths`, each proxy sits behind a path on which one connection can die in
+    the kernel (tests/support/dead_path.py)."""
+
+    def __init__(self, addresses: list[tuple[str, int]], *, dead_paths: bool = False) -> None:
+        self.paths = [DeadPath(host, port) for host, port in addresses] if dead_paths else []
+        self.proxies = (
+            [path.proxy for path in self.paths]
+            if dead_paths
+            else [TcpProxy(host, port) for host, port in addresses]
+        )
+
+    def path_of(self, server_port: int) -> tuple[DeadPath, int] | None:
+        """The path and the replica's own port of the connection the server sees coming
+        from `server_port` (pg_stat_activity's client_port), if it is one of these."""
+        for path in self.paths:
+            port = path.client_port(server_port)
+            if port is not None:
+                return path, port
+        return None
 
     def url(self, dsn: str) -> str:
         """`dsn` reached through these proxies: one host, or every one listed."""
@@ -225,6 +243,8 @@ class Links:
         self._each(TcpProxy.cut)
 
     def close(self) -> None:
+        for path in self.paths:
+            path.close()  # its proxy with it
         self._each(TcpProxy.close)
 
     def _each(self, action: Callable[[TcpProxy], None]) -> None:
@@ -306,6 +326,7 @@ class Replicas:
         rule: dict[str, str],
         *,
         lanes: int = 1,
+        dead_paths: bool = False,
     ) -> None:
         self.db = db
         self.lanes = lanes  # the partitions the fleet's config gives the outbox now
@@ -314,7 +335,7 @@ class Replicas:
         self.rule = rule  # destination (and routing key) of the outbox's messages
         self.members: list[Replica] = []
         for index in range(count):
-            links = Links(db.addresses)
+            links = Links(db.addresses, dead_paths=dead_paths)
             self.members.append(Replica(index, Path(), links, root / "logs"))
             self.members[-1].reconfigure(self.config_file(index, lanes))
 

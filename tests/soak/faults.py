@@ -21,6 +21,7 @@ from tests.soak.rollouts import Rollouts
 from tests.soak.schedule import (
     BLACK_HOLE,
     BROKER,
+    DEAD_PATH,
     FAILOVER,
     KILL,
     LEAVE,
@@ -30,10 +31,12 @@ from tests.soak.schedule import (
     TERMINATE,
     Planned,
     away_for,
+    dead_for,
     frozen_for,
     paused_for,
     silent_for,
 )
+from tests.support.dead_path import DeadPath
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,11 @@ class Chaos:
             return await self._terminate_sessions()
         if kind == FAILOVER:
             return await self.db.failover(frozen_for(lasting))
+        if kind == DEAD_PATH:
+            target = await self._target()
+            if target is None:
+                return "no replica running"
+            return await self._dead_path(target, dead_for(lasting))
         if kind == BROKER:
             await self.broker.crash()
             await asyncio.sleep(lasting)
@@ -129,6 +137,35 @@ class Chaos:
         target.proxy.cut()  # then the server side is dropped
         target.proxy.resume()
         return f"{who}, silent {silent:.1f}s, then cut"
+
+    async def _dead_path(self, target: Replica, dead: float) -> str:
+        """One of the replica's connections, picked at random, loses its path for `dead`."""
+        who = f"replica {target.index} (pid {target.pid})"
+        try:
+            conn = await asyncpg.connect(self.db.dsn, timeout=3)
+        except (OSError, TimeoutError, asyncpg.PostgresError):
+            return "database unreachable"
+        try:
+            sessions = await conn.fetch(
+                "SELECT client_port, application_name FROM pg_stat_activity"
+                " WHERE application_name LIKE $1 AND client_port IS NOT NULL"
+                " ORDER BY application_name, client_port",
+                f"%:{target.pid}:%",
+            )
+        finally:
+            conn.terminate()
+        found: dict[str, list[tuple[DeadPath, int]]] = {}
+        for r in sessions:
+            if (where := target.proxy.path_of(r["client_port"])) is not None:
+                found.setdefault(r["application_name"].rpartition(":")[2], []).append(where)
+        if not found:
+            return f"{who}: no connection found"
+        role = self.rng.choice(sorted(found))  # a role, then one of its connections: a
+        path, port = self.rng.choice(found[role])  # replica has a reader per lane it holds
+        path.kill(port)
+        await asyncio.sleep(dead)
+        path.revive(port)
+        return f"{who}, its {role} connection's path dead {dead:.1f}s"
 
     async def _terminate_sessions(self) -> str:
         try:

@@ -16,7 +16,15 @@ import asyncpg
 from tests.soak.brokers import SoakBroker, make_broker
 from tests.soak.cluster import CHECKPOINTS, OUTBOX, RECORDED, Database, Replicas
 from tests.soak.faults import Chaos
-from tests.soak.schedule import FAILOVER, KINDS, LEAVE, ROLLOUT_KINDS, Planned, plan
+from tests.soak.schedule import (
+    DEAD_PATH,
+    FAILOVER,
+    KINDS,
+    LEAVE,
+    ROLLOUT_KINDS,
+    Planned,
+    plan,
+)
 from tests.soak.verdict import Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
@@ -34,6 +42,7 @@ class Settings:
     lanes: int = 1  # the outbox's `partitions`: split over the replicas when above 1
     kinds: tuple[str, ...] = KINDS
     failover: bool = False  # Postgres has a standby, and failovers are among the faults
+    dead_paths: bool = False  # replicas reach Postgres over paths a connection can die on
     drain_timeout: float = 60.0
     keep: Path | None = None  # keep logs and data here instead of a temporary directory
 
@@ -48,7 +57,13 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
         await db.start(settings.partitioned)
         await broker.start()
         replicas = Replicas(
-            settings.replicas, db, root, broker.relay_config(), broker.rule, lanes=settings.lanes
+            settings.replicas,
+            db,
+            root,
+            broker.relay_config(),
+            broker.rule,
+            lanes=settings.lanes,
+            dead_paths=settings.dead_paths,
         )
         await asyncio.to_thread(replicas.migrate)
         replicas.start()
@@ -116,6 +131,8 @@ def schedule(settings: Settings) -> list[Planned]:
         kinds = (*kinds, LEAVE, *ROLLOUT_KINDS)
     if settings.failover:
         kinds = (*kinds, FAILOVER)
+    if settings.dead_paths:
+        kinds = (*kinds, DEAD_PATH)
     return plan(
         settings.seed,
         settings.seconds,

@@ -37,7 +37,11 @@ SPLIT_KINDS = (*KINDS, LEAVE, *ROLLOUT_KINDS)
 # primary rebuilt as the new one's standby. Only with a standby (`--failover`), so that older
 # seeds replay as before.
 FAILOVER = "postgres failover"
-ALL_KINDS = (*SPLIT_KINDS, FAILOVER)
+# One connection of the holder (its reader, lease or listener) loses its network path in
+# the kernel for a while, then gets it back: shorter or longer than the keepalives allow.
+# Only with `--dead-paths` (it needs root), so that older seeds replay as before.
+DEAD_PATH = "one connection's path dies"
+ALL_KINDS = (*SPLIT_KINDS, FAILOVER, DEAD_PATH)
 EVERY = (1.5, 4.0)  # the pause before each fault, in seconds
 
 
@@ -64,6 +68,13 @@ def frozen_for(lasting: float) -> float:
     return 2.0 + lasting
 
 
+def dead_for(lasting: float) -> float:
+    """How long a connection's path drops its packets: 2-6 s, around the soak's keepalives
+    (idle 1 s + interval 1 s x count 2 = 3 s), so that some paths come back in time and
+    the others are given up by the replica's kernel."""
+    return 1.0 + 2 * lasting
+
+
 def mixed_for(lasting: float) -> float:
     """How long a replica runs another outbox set before it is restarted as it was."""
     return 2.0 + 2 * lasting
@@ -87,7 +98,9 @@ class Planned:
         if self.kind in (BROKER, POSTGRES):
             return self.lasting
         if self.kind == FAILOVER:
-            return frozen_for(self.lasting)  # rebuilding the standby afterwards is extra
+            return frozen_for(self.lasting)
+        if self.kind == DEAD_PATH:
+            return dead_for(self.lasting)  # rebuilding the standby afterwards is extra
         if self.kind == RECONFIGURE:
             return mixed_for(self.lasting) + 2 * _RESTART
         if self.kind == ROLLOUT:

@@ -17,7 +17,7 @@ import random
 import pytest
 
 from tests.soak.run import Settings, soak
-from tests.soak.schedule import BLACK_HOLE, FAILOVER, KILL, POSTGRES, TERM, TERMINATE
+from tests.soak.schedule import BLACK_HOLE, DEAD_PATH, FAILOVER, KILL, POSTGRES, TERM, TERMINATE
 
 pytestmark = pytest.mark.integration  # it starts its own Postgres, broker and replicas
 
@@ -48,6 +48,20 @@ def failovers(seed: int) -> Settings:
     )
 
 
+def dead_paths(seed: int) -> Settings:
+    """Replicas on paths where one connection at a time dies in the kernel (its reader,
+    lease or listener), among kills and cut sessions: 30 s of faults, at least 6 of them."""
+    return Settings(
+        seed=seed,
+        seconds=30,
+        faults_at_least=6,
+        faults_including=(DEAD_PATH,),
+        broker="nats",
+        kinds=(KILL, TERM, TERMINATE),
+        dead_paths=True,
+    )
+
+
 def _seed() -> int:
     return int(os.environ.get("RELAY_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
 
@@ -75,3 +89,9 @@ async def test_short_soak_through_postgres_failovers_publishes_nothing_taken_bac
 async def test_short_soak_of_a_split_outbox_with_replicas_leaving_and_rejoining() -> None:
     """Lanes move on every fault and on every rejoin."""
     await _judged(split(_seed()))
+
+
+async def test_short_soak_with_connections_whose_paths_die() -> None:
+    """A dead path under one connection ends in a reconnect (or a takeover, for a lease):
+    nothing lost, nothing out of order, and the outbox drains."""
+    await _judged(dead_paths(_seed()))

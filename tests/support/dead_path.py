@@ -101,6 +101,12 @@ class DeadPath:
             raise
         self.port = self._proxy.port
 
+    @property
+    def proxy(self) -> TcpProxy:
+        """The proxy behind the path: its faults (pause, cut) are a hung peer's."""
+        assert self._proxy is not None, "the path is closed"
+        return self._proxy
+
     def _build(self) -> None:
         near, far = self._veth
         _ip("netns", "add", self.namespace)
@@ -118,8 +124,7 @@ class DeadPath:
     def client_port(self, server_port: int) -> int | None:
         """The client's port of the connection the server sees coming from `server_port`
         (pg_stat_activity's client_port), or None."""
-        assert self._proxy is not None
-        return self._proxy.client_port(server_port)
+        return self.proxy.client_port(server_port)
 
     def kill(self, client_port: int) -> None:
         """From now on, every packet of the client's connection from `client_port` is lost."""
@@ -129,12 +134,18 @@ class DeadPath:
             namespace=self.namespace)  # fmt: skip
         self._killed.add(client_port)
 
+    def revive(self, client_port: int) -> None:
+        """Packets from and to `client_port` pass again (a new connection may reuse it)."""
+        _ip("rule", "del", "to", self.host, "sport", str(client_port), "table", self._table,
+            check=False)  # fmt: skip
+        _ip("rule", "del", "to", self._near, "dport", str(client_port), "table", self._table,
+            namespace=self.namespace, check=False)  # fmt: skip
+        self._killed.discard(client_port)
+
     def close(self) -> None:
         """Remove the rules (the machine's first), the link, the namespace and the proxy."""
-        for port in self._killed:
-            _ip("rule", "del", "to", self.host, "sport", str(port), "table", self._table,
-                check=False)  # fmt: skip
-        self._killed.clear()
+        for port in list(self._killed):
+            self.revive(port)
         _ip("route", "flush", "table", self._table, check=False)
         _ip("link", "del", self._veth[0], check=False)  # its peer goes with it
         _ip("netns", "del", self.namespace, check=False)

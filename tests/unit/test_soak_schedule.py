@@ -15,7 +15,7 @@ import pytest
 
 from tests.soak.run import Settings, schedule
 from tests.soak.schedule import EVERY, KINDS, plan
-from tests.soak.test_soak import failovers, short, split
+from tests.soak.test_soak import dead_paths, failovers, short, split
 
 SEEDS = range(1, 3001)
 
@@ -25,7 +25,7 @@ def test_the_seed_that_drew_nine_faults_in_fifty_seconds_now_gets_ten() -> None:
     assert len(schedule(short(785633))) >= 10
 
 
-@pytest.mark.parametrize("soak", [short, split, failovers])
+@pytest.mark.parametrize("soak", [short, split, failovers, dead_paths])
 def test_every_seed_gets_the_faults_its_short_soak_asserts(
     soak: Callable[[int], Settings],
 ) -> None:
