@@ -11,6 +11,25 @@ from datetime import datetime
 from typing import Any
 
 
+class ExactNumber(float):
+    """A JSON number a 64-bit float cannot hold (`1.123456789012345678`, 19 digits): a float
+    for every computation, and its text as the event wrote it wherever it is written out
+    again (payloads, templates), so that a value passed through is published unchanged."""
+
+    __slots__ = ("text",)
+    text: str
+
+    def __new__(cls, text: str) -> ExactNumber:
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __str__(self) -> str:
+        return self.text
+
+    __repr__ = __str__
+
+
 @dataclass(slots=True)
 class Event:
     """One row of the event table, decoded; never changed once read.

@@ -8,6 +8,7 @@ which the outbox retries and then parks like any permanent rejection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -16,11 +17,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from jmespath import functions as jmespath_functions
 from jmespath.exceptions import JMESPathError
 
 from relay.config import OutboxConfig, Rule
 from relay.core.delivery import Item
-from relay.core.event import Event
+from relay.core.event import Event, ExactNumber
 from relay.core.nesting import headroom, room_given
 from relay.core.publishing import Message, to_structured
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
@@ -236,19 +238,60 @@ _STRICT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=
 
 
 def _encode_strict(value: Any) -> bytes:
-    return _STRICT.encode(value).encode()
+    """The standard encoder refuses NaN and Infinity, and writes any integer exactly; it
+    writes every float as a float, so a payload holding an ExactNumber is written again
+    by orjson once the standard encoder has found nothing to refuse."""
+    text = _STRICT.encode(value)
+    if _holds_exact(value):
+        with contextlib.suppress(TypeError):  # beside an integer beyond 64 bits: as a float
+            return orjson.dumps(value, default=_as_written)
+    return text.encode()
+
+
+def _holds_exact(value: Any) -> bool:
+    """A loop with a stack of its own: values here may be as deep as the relay reads."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, ExactNumber):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _encode_fast(value: Any) -> bytes:
     """orjson, for payloads that cannot hold NaN or Infinity (it would write null).
 
-    What orjson refuses (an integer beyond 64 bits, a lone surrogate) goes to the strict
-    encoder, which keeps the integer exact or names the problem.
+    An ExactNumber is written as the event wrote it. What orjson refuses (an integer beyond
+    64 bits, a lone surrogate) goes to the strict encoder, which keeps the integer exact or
+    names the problem.
     """
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=_as_written)
     except TypeError:
         return _encode_strict(value)
+
+
+def _number_to_jmespath(name: str) -> None:
+    """JMESPath's functions check their arguments' types by class name: an ExactNumber is a
+    number to them too, or `max(data.amounts)` would fail on one. (Here, where the events'
+    values meet the expression language, which knows nothing of events.)"""
+    jmespath_functions.TYPES_MAP.setdefault(name, "number")
+    if name not in jmespath_functions.REVERSE_TYPES_MAP["number"]:
+        jmespath_functions.REVERSE_TYPES_MAP["number"] += (name,)
+
+
+_number_to_jmespath(ExactNumber.__name__)
+
+
+def _as_written(value: Any) -> orjson.Fragment:
+    """orjson's hook for what it cannot write itself (a float subclass among them)."""
+    if isinstance(value, ExactNumber):
+        return orjson.Fragment(value.text)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _encoder(payload: str | Mapping[str, str]) -> Callable[[Any], bytes]:

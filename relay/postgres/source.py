@@ -30,13 +30,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
 import orjson
 
 from relay.config import ColumnsConfig, SourceConfig
-from relay.core.event import Event
+from relay.core.event import Event, ExactNumber
 from relay.core.lanes import Lane
 from relay.core.nesting import MAX_DEPTH, TooDeep, headroom, text_depth
 from relay.errors import SourceError
@@ -277,13 +278,17 @@ class EventSource:
 
 
 # orjson is several times faster than json and as strict, but reads an integer beyond
-# 64 bits as a float, silently rounding it. So a result that holds a float is checked:
-# if the text has a run of 20 digits, the standard decoder reads it again, exactly. What
-# orjson refuses goes to the standard decoder too, so that the error is worded the same.
+# 64 bits as a float, silently rounding it, and a float reads at most 17 significant digits
+# (`1.123456789012345678` became 1.1234567890123457). So a result that holds a float is
+# checked: if the text has a number of 16 digits or more, or an exponent of 3 digits (1e-400
+# reads as 0.0), or anything that looks like them,
+# the standard decoder reads it again: integers exactly, and a number a float would change
+# as an ExactNumber, which is written out again as the event wrote it. What orjson refuses
+# goes to the standard decoder too, so that the error is worded the same.
 # (Searching every text instead cost two thirds of the CPU with 64 KiB payloads.)
 # orjson also refuses JSON nested deeper than MAX_DEPTH; the standard decoder is given
 # room for as deep as orjson reads and no deeper, so that both read the same texts.
-_LONG_NUMBER = re.compile(r"[0-9]{20}")
+_LONG_NUMBER = re.compile(r"[0-9](?:\.?[0-9]){15}|[eE][-+]?[0-9]{3}")
 
 
 def decode_json(text: str) -> Any:
@@ -337,10 +342,20 @@ def _reject_constant(name: str) -> float:
 
 
 def _finite(text: str) -> float:
+    """A float, or an ExactNumber where a float would not be the number the text says."""
     value = float(text)
     if math.isinf(value):
         raise ValueError(f"number {text} is out of range")
+    if (len(text) > _SAFE_DIGITS or "e" in text or "E" in text) and Decimal(repr(value)) != Decimal(
+        text
+    ):
+        return ExactNumber(text)
     return value
+
+
+# A text this short has at most 15 digits, which a float always keeps, unless an exponent
+# takes it past a float's range (1e-400 reads as 0.0).
+_SAFE_DIGITS = 15
 
 
 # Python's json accepts NaN and Infinity, and turns 1e999 into infinity, which no other

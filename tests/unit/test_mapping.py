@@ -7,6 +7,7 @@ import random
 from datetime import UTC, datetime, timedelta, timezone
 
 import jmespath
+import orjson
 import pytest
 
 from relay.config import OutboxConfig, RetryConfig
@@ -193,6 +194,50 @@ def test_an_integer_beyond_64_bits_is_decoded_and_published_exactly() -> None:
     message = Mapper("loans", config).map(event(data={"n": big}))
     assert message is not None
     assert message.body == f'{{"n":{big}}}'.encode()
+
+
+# Numbers a 64-bit float cannot hold: a token amount with 18 decimals, a 20-digit one with a
+# fraction. orjson read them as floats and they went out changed (1.1234567890123457).
+EXACT = ["1.123456789012345678", "12345678901234567890.5", "-0.12345678901234567", "1.5e-400"]
+
+
+@pytest.mark.parametrize("number", EXACT)
+def test_a_number_a_float_cannot_hold_is_published_as_the_event_wrote_it(number: str) -> None:
+    data = decode_json(f'{{"amount": {number}, "rate": 0.1, "items": [{{"x": {number}}}]}}')
+    assert str(data["amount"]) == number
+    assert type(data["rate"]) is float  # what a float holds stays a plain float
+    config = outbox(messages={"BookLent": {"type": "t", "destination": "d", "payload": "data"}})
+    message = Mapper("loans", config).map(event(data=data))
+    assert message is not None
+    assert orjson.loads(message.body)["rate"] == 0.1
+    assert message.body == f'{{"amount":{number},"rate":0.1,"items":[{{"x":{number}}}]}}'.encode()
+
+
+def test_a_number_kept_exact_is_a_number_to_templates_conditions_and_functions() -> None:
+    data = decode_json('{"amounts": [1.123456789012345678, 2], "id": 10000000000000000.5}')
+    payload = {"top": "max(data.amounts)", "copy": "data.amounts", "total": "sum(data.amounts)"}
+    rule = {
+        "type": "t",
+        "destination": "d.{data.id}",
+        "when": "data.amounts[0] > `1`",
+        "payload": payload,
+    }
+    config = outbox(messages={"BookLent": rule})
+    message = Mapper("loans", config).map(event(data=data))
+    assert message is not None
+    assert message.destination == "d.10000000000000000.5"
+    body = message.body.decode()
+    assert '"top":2' in body  # a function compared it as a number
+    assert '"copy":[1.123456789012345678,2]' in body  # a computed payload keeps it too
+    assert orjson.loads(body)["total"] == pytest.approx(3.1234567890123457)
+
+
+def test_a_long_number_that_a_float_holds_stays_a_float() -> None:
+    """Digits a float keeps (trailing zeros, 0.1 written long) are not worth the exact path:
+    the value is the same."""
+    data = decode_json('{"a": 1.50000000000000000000, "b": 0.10000000000000000000}')
+    assert type(data["a"]) is float
+    assert type(data["b"]) is float
 
 
 @pytest.mark.parametrize("text", ["NaN", '{"a": Infinity}', "[1e999]", "-1e400", "{'a': 1}"])
