@@ -288,7 +288,10 @@ class EventSource:
 # (Searching every text instead cost two thirds of the CPU with 64 KiB payloads.)
 # orjson also refuses JSON nested deeper than MAX_DEPTH; the standard decoder is given
 # room for as deep as orjson reads and no deeper, so that both read the same texts.
-_LONG_NUMBER = re.compile(r"[0-9](?:\.?[0-9]){15}|[eE][-+]?[0-9]{3}")
+# A run of 16 digits (and dots) or more; a negative exponent of 3 digits.
+_LONG_RUN = re.compile(r"[0-9.]{16,}")
+_TINY = re.compile(r"[eE]-[0-9]{3}")
+_INT64_MAX = 2**63 - 1  # -(2**63) counts as beyond it: the exact decoder reads it the same
 
 
 def decode_json(text: str) -> Any:
@@ -302,9 +305,36 @@ def decode_json(text: str) -> Any:
         floats = _holds_float(value)
     except RecursionError:  # as deep as orjson reads, deeper than this stack allows:
         floats = True  # maybe, then; what counts is whether the text has a long number
-    if floats and _LONG_NUMBER.search(text) is not None:
+    if floats and _inexact(text):
         return _decode_standard(text)
     return value
+
+
+def _inexact(text: str) -> bool:
+    """Whether a number in `text` may be one orjson did not read exactly: an integer beyond
+    64 bits, a number of 16 digits or more that a float changes, or one too small for a float
+    (1e-400 reads as 0.0; jsonb writes such a number out in full, a json column may not).
+
+    A float's own shortest text (what programs write for a computed float,
+    `0.8444218515250481`) reads back the same, and costs a look each; what only looks like a
+    number (in a string) costs a look too. Two plain scans: an alternation in one regex cost
+    twice as much."""
+    for run in _LONG_RUN.findall(text):
+        if "." not in run:
+            if int(run) > _INT64_MAX:
+                return True
+            continue
+        try:
+            value = float(run)  # a mantissa: its exponent, if any, scales it
+        except ValueError:
+            continue  # dots in a string, or a version number
+        if _changed_by_float(run, value):
+            return True
+    return ("e-" in text or "E-" in text) and _TINY.search(text) is not None
+
+
+def _changed_by_float(text: str, value: float) -> bool:
+    return repr(value) != text and Decimal(repr(value)) != Decimal(text)
 
 
 def _decode_standard(text: str) -> Any:
