@@ -14,6 +14,8 @@ published, so nothing is lost and nothing is sent twice.
 
 from __future__ import annotations
 
+import asyncio
+
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.errors import UsageError
@@ -35,14 +37,40 @@ def _change_lock(session: LeaseConnection, outbox: str) -> Lease:
     return Lease(session, f"{outbox}#partitions")  # `#` is in no outbox's name
 
 
+def _lanes(session: LeaseConnection, outbox: str, before: int, after: int) -> list[Lease]:
+    """The lock of every lane of both counts."""
+    names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
+    return [Lease(session, name) for name in names]
+
+
 async def _every_lane(
     session: LeaseConnection, outbox: str, before: int, after: int
 ) -> tuple[list[Lease], list[Lease]]:
     """The lock of every lane of both counts, in one statement: (taken, busy)."""
-    names = sorted({lane.name for lane in lanes_of(outbox, before) + lanes_of(outbox, after)})
-    leases = [Lease(session, name) for name in names]
+    leases = _lanes(session, outbox, before, after)
     taken = set(await session.try_locks([lease.key for lease in leases], len(leases)))
     return [le for le in leases if le.key in taken], [le for le in leases if le.key not in taken]
+
+
+async def end_silent_holders(
+    session: LeaseConnection, outbox: str, before: int, after: int, *, me: str
+) -> bool:
+    """End the session of every holder, silent for `takeover_after`, of a lock a change of
+    count from `before` to `after` needs: the change lock and every lane of both counts, as
+    a standby ends a lane's silent holder. True if one was ended.
+
+    The change lock's holder is a replica or a `relay repartition` part way through; one
+    cut off behind a proxy, which keeps its session open, held it for good, and no replica
+    relayed the outbox until someone ended that session by hand.
+    """
+    leases = [_change_lock(session, outbox), *_lanes(session, outbox, before, after)]
+    holders = await session.holders([le.key for le in leases], [le.outbox for le in leases])
+    ended = False
+    for lease in leases:
+        holder = holders.get(lease.key)
+        if holder is not None and holder.identity != me:
+            ended |= await lease.take_over_if_silent(holder) is not None
+    return ended
 
 
 async def change_over(
@@ -82,39 +110,73 @@ async def change_over(
             await lease.release()
 
 
+_ATTEMPTS = 3  # after ending a silent holder, a `relay repartition` tries again
+_FREED = 0.5  # seconds: an ended session frees its locks as its backend exits
+
+
+class _Busy(Exception):
+    """Not an error: a lock to wait for, or to take over."""
+
+    def __init__(self, lease: Lease, what: str, before: int) -> None:
+        self.lease, self.what, self.before = lease, what, before
+
+
 async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartitioned:
-    """`relay repartition`: change the count now, with the outbox's replicas stopped."""
+    """`relay repartition`: change the count now, with the outbox's replicas stopped.
+
+    A lock it needs held by a session silent for `takeover_after` (a repartition or a
+    replica cut off part way through, its session kept open by a proxy) is taken over, as a
+    standby takes over a lane; a live holder is named instead.
+    """
     configured = config.outbox(outbox).partitions  # unknown: a ConfigError
     if count < 1:
         raise RepartitionRefused("--partitions must be 1 or more")
-    schema = config.database.schema_
     db = Database.of(config, identity())
+    for attempt in range(1, _ATTEMPTS + 1):
+        session = LeaseConnection(db, config.lease, config.database.schema_, db.identity)
+        try:
+            try:
+                return await _repartition(session, config, outbox, count, configured)
+            except _Busy as busy:
+                ended = attempt < _ATTEMPTS and await end_silent_holders(
+                    session, outbox, busy.before, count, me=db.identity
+                )
+                if not ended:
+                    raise await _refused(busy.lease, busy.what) from None
+        finally:
+            await session.close()
+        await asyncio.sleep(_FREED)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def _repartition(
+    session: LeaseConnection, config: RelayConfig, outbox: str, count: int, configured: int
+) -> Repartitioned:
+    """One attempt, on a session of its own: _Busy if a lock it needs is held."""
+    schema = config.database.schema_
     partitions = Partitions(schema)
-    session = LeaseConnection(db, config.lease, schema, db.identity)
-    try:
-        async with session.statement() as conn:
-            await ensure_migrated(conn, schema)
-        change = _change_lock(session, outbox)
-        if not await change.try_acquire():
-            raise await _refused(change, f"a change of outbox {outbox!r}'s partitions")
-        async with session.statement() as conn:  # under the change lock: it stays the count
-            before = await partitions.count(conn, outbox, configured)
-        _, busy = await _every_lane(session, outbox, before, count)
-        if busy:
-            raise await _refused(busy[0], f"lane {busy[0].outbox} of outbox {outbox!r}")
-        async with session.statement() as conn:
-            return await partitions.repartition(
-                conn,
-                outbox=outbox,
-                count=count,
-                columns=config.source.columns,
-                table=config.source.table,
-                by=f"relay repartition ({db.identity})",
-                pinned=True,
-                expect=before,
-            )
-    finally:
-        await session.close()
+    async with session.statement() as conn:
+        await ensure_migrated(conn, schema)
+        before = await partitions.count(conn, outbox, configured)  # to judge holders by
+    change = _change_lock(session, outbox)
+    if not await change.try_acquire():
+        raise _Busy(change, f"a change of outbox {outbox!r}'s partitions", before)
+    async with session.statement() as conn:  # under the change lock: it stays the count
+        before = await partitions.count(conn, outbox, configured)
+    _, busy = await _every_lane(session, outbox, before, count)
+    if busy:
+        raise _Busy(busy[0], f"lane {busy[0].outbox} of outbox {outbox!r}", before)
+    async with session.statement() as conn:
+        return await partitions.repartition(
+            conn,
+            outbox=outbox,
+            count=count,
+            columns=config.source.columns,
+            table=config.source.table,
+            by=f"relay repartition ({session.identity})",
+            pinned=True,
+            expect=before,
+        )
 
 
 async def _refused(busy: Lease, what: str) -> RepartitionRefused:

@@ -37,11 +37,11 @@ import structlog
 
 from relay.config import RetryConfig
 from relay.config.broker_identity import broker_identity
-from relay.core.lanes import balance, lanes_of
+from relay.core.lanes import balance
 from relay.core.retry import Backoff
 from relay.core.waiting import sleep_unless, wait_any
 from relay.errors import DatabaseError, FencedError
-from relay.fleet.repartition import change_over
+from relay.fleet.repartition import change_over, end_silent_holders
 from relay.postgres.database import CONNECTION_LOST, Database
 from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection, RowLocked
 from relay.postgres.membership import Member, Membership, change_coming
@@ -319,10 +319,12 @@ class OutboxReplica:
                     parked_moved=done.parked_moved,
                 )
                 return True
-            # A lane still held: by a replica on its way out, or by a silent one (no longer
-            # live by its heartbeat, so not among the dissent), which is ended as a standby
-            # ends it.
-            if await self._end_silent_holders(record.partitions):
+            # A lock still held: by a replica on its way out, or by a silent one (no longer
+            # live by its heartbeat, so not among the dissent) or a cut-off `relay
+            # repartition`, which is ended as a standby ends a lane's silent holder.
+            if await end_silent_holders(
+                self.session, self.name, record.partitions, self.count, me=self.me
+            ):
                 return True
         said = (reason, *dissent)
         if said != self._waiting:
@@ -333,20 +335,6 @@ class OutboxReplica:
                 waiting_for=list(dissent) or None,
             )
         return False
-
-    async def _end_silent_holders(self, count: int) -> bool:
-        """End the session of any holder of the outbox's lanes (of `count`) whose heartbeat
-        is older than `takeover_after`; True if one was ended."""
-        leases = [Lease(self.session, lane.name) for lane in lanes_of(self.name, count)]
-        holders = await self.session.holders(
-            [lease.key for lease in leases], [lease.outbox for lease in leases]
-        )
-        ended = False
-        for lease in leases:
-            holder = holders.get(lease.key)
-            if holder is not None and holder.identity != self.me:
-                ended |= await lease.take_over_if_silent(holder) is not None
-        return ended
 
     def _matched(self) -> None:
         """The recorded count is this replica's (again): share the lanes."""
