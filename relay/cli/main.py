@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import sys
 from datetime import UTC, datetime
@@ -362,7 +363,8 @@ def retry_parked(
 
     async def work() -> dict[str, Any]:
         recorded = await on_recorded_partitions(cfg, outbox)
-        command = Operator(recorded, outbox, identity()).run(
+        command = functools.partial(
+            Operator(recorded, outbox, identity()).run,
             CommandKind.RETRY_PARKED,
             RetryParkedArgs(ids=ids or None).as_row(),
             timeout,
@@ -373,7 +375,7 @@ def retry_parked(
             outcome, done = await follow_retry(recorded, outbox, ids or None, view, command)
             extra["progress"] = done.as_json()
         else:
-            outcome = await command
+            outcome = await command()
         return {
             "outbox": outbox,
             "ok": outcome.ok,

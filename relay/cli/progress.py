@@ -18,7 +18,7 @@ carries on in the background.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -177,13 +177,16 @@ async def follow_retry(
     outbox: str,
     ids: list[int] | None,
     view: ProgressView,
-    command: Awaitable[T],
+    command: Callable[[], Awaitable[T]],
 ) -> tuple[T, Progress]:
-    """Run `command` (a retry-parked), showing the parked messages it settles meanwhile."""
+    """Run `command()` (a retry-parked), showing the parked messages it settles meanwhile.
+
+    A factory, not a coroutine: when the watch cannot start (its connection is refused or
+    cut), the command is never begun, rather than begun and never awaited."""
     watch = ParkedSettling(config, outbox)
     async with Database.of(config, identity()).one_shot("cli") as conn:
         await watch.start(conn, ids)
-        task = asyncio.ensure_future(command)
+        task = asyncio.ensure_future(command())
         try:
             while not task.done():
                 progress = await watch.poll(conn)
@@ -195,6 +198,7 @@ async def follow_retry(
         finally:
             if not task.done():
                 task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             view.close()
     return result, progress
 

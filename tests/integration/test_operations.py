@@ -12,8 +12,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from relay.cli.console import progress_view
+from relay.cli.progress import follow_retry
+from relay.config import load_config
+from relay.postgres.database import DatabaseUnavailable
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.jetstream import delete_stream, fetch_all
+from tests.support.net import free_port
 from tests.support.operator_cli import (
     cli,
     holds,
@@ -292,3 +299,21 @@ async def test_a_bad_command_row_fails_and_the_holder_carries_on(
         assert len(await fetch_all(nats_url, stream, expected=12)) == 12
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_a_followed_retry_whose_watch_cannot_connect_never_begins_the_command(
+    tmp_path: Path,
+) -> None:
+    """A black-box attack cut `retry-parked --follow` off as it began: the command had been
+    made before the watch's connection failed, was never awaited, and Python said so
+    (`coroutine 'Operator.run' was never awaited`). It is now begun only once watched."""
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
+    config = load_config(save(tmp_path, config_dict(dead, "nats://127.0.0.1:1", "s")))
+    begun: list[bool] = []
+
+    async def command() -> None:
+        begun.append(True)
+
+    with pytest.raises(DatabaseUnavailable):
+        await follow_retry(config, "loans", None, progress_view("t", "messages", True), command)
+    assert begun == []
