@@ -92,10 +92,20 @@ class Database:
         """The connections a relay's config asks for: its database, its keepalives."""
         return cls(config.database, identity, config.lease.keepalives)
 
-    async def connect(self, role: str, **server_settings: str) -> asyncpg.Connection:
+    async def connect(
+        self, role: str, *, keepalives: KeepaliveConfig | None = None, **server_settings: str
+    ) -> asyncpg.Connection:
+        """A connection named `role`; `keepalives` instead of this factory's, on both sides."""
+        k = keepalives or self.keepalives
         settings = {
             "application_name": f"{self.identity}:{role}"[:63],
             **_OWN_SETTINGS,
+            # Postgres's side of the keepalives: it ends the backend of a relay whose path
+            # died, instead of keeping its slot (and its locks) for hours.
+            "tcp_keepalives_idle": str(int(k.idle)),
+            "tcp_keepalives_interval": str(int(k.interval)),
+            "tcp_keepalives_count": str(k.count),
+            "tcp_user_timeout": str(int(k.dead_after * 1000)),
             **server_settings,
         }
         try:
@@ -135,7 +145,7 @@ class Database:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {self._said(exc)}"
             ) from exc
-        keep_alive(conn, self.keepalives)
+        keep_alive(conn, k)
         return await self._one_primary(conn)
 
     def _said(self, exc: BaseException) -> str:

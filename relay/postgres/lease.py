@@ -169,12 +169,11 @@ class LeaseConnection:
             k = self.config.keepalives
             self.held.clear()  # a new session holds nothing
             self.suspect = False
+            # Keepalives on both sides, as on every connection (database.py), the lease
+            # config's; and a check for a vanished client during a statement.
             self.conn = await self.db.connect(
                 "lease",
-                tcp_keepalives_idle=str(int(k.idle)),
-                tcp_keepalives_interval=str(int(k.interval)),
-                tcp_keepalives_count=str(k.count),
-                tcp_user_timeout=str(int(k.dead_after * 1000)),
+                keepalives=k,
                 client_connection_check_interval=str(int(k.connection_check_interval * 1000)),
             )
         return self.conn

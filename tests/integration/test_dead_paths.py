@@ -78,7 +78,7 @@ async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_l
         )
 
 
-async def test_every_connection_keeps_its_own_side_of_tcp_keepalives(events_table: str) -> None:
+async def test_every_connection_keeps_tcp_keepalives_on_both_sides(events_table: str) -> None:
     """What the kernel is told, on a real connection: probes after `idle`, every
     `interval`, `count` of them, and data unacknowledged for as long fails it too."""
     keepalives = KeepaliveConfig(idle=7, interval=3, count=4)
@@ -91,5 +91,13 @@ async def test_every_connection_keeps_its_own_side_of_tcp_keepalives(events_tabl
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 3
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 19_000
+        # And Postgres's side: it ends the backend of a relay whose path died (a reader left
+        # behind kept its connection slot for hours, until the kernel's defaults gave up).
+        shown = [
+            await conn.fetchval(f"SHOW {name}")
+            for name in ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count")
+        ]
+        assert shown == ["7", "3", "4"]
+        assert await conn.fetchval("SHOW tcp_user_timeout") in {"19000", "19s"}
     finally:
         await conn.close()
