@@ -8,15 +8,12 @@ which the outbox retries and then parks like any permanent rejection.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from jmespath import functions as jmespath_functions
 from jmespath.exceptions import JMESPathError
 
@@ -26,6 +23,7 @@ from relay.core.event import Event, ExactNumber
 from relay.core.nesting import headroom, room_given
 from relay.core.publishing import Message, to_structured
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
+from relay.mapping.encoding import encode_fast, encode_strict
 from relay.mapping.expressions import (
     ExpressionError,
     Getter,
@@ -194,7 +192,9 @@ class Mapper:
                 time_text,
                 rule.dataschema,
             )
-        except (ExpressionError, JMESPathError, TypeError, ValueError) as exc:
+        except (ExpressionError, JMESPathError, TypeError, ValueError, ArithmeticError) as exc:
+            # ArithmeticError: `avg()` or `sum()` over an integer beyond a float's range
+            # (jsonb holds them exactly) overflowed, and ended the relay at every start.
             raise MappingError(
                 f"{rule.where}: cannot map event at position "
                 f"{event.position} ({_where(event)}): {exc}"
@@ -233,48 +233,6 @@ def _where(event: Event) -> str:
     return f"{event.aggregate_type}/{event.aggregate_id}@{event.version}"
 
 
-# Nothing but strict JSON goes out: allow_nan=False refuses NaN and Infinity.
-_STRICT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _encode_strict(value: Any) -> bytes:
-    """The standard encoder refuses NaN and Infinity, and writes any integer exactly; it
-    writes every float as a float, so a payload holding an ExactNumber is written again
-    by orjson once the standard encoder has found nothing to refuse."""
-    text = _STRICT.encode(value)
-    if _holds_exact(value):
-        with contextlib.suppress(TypeError):  # beside an integer beyond 64 bits: as a float
-            return orjson.dumps(value, default=_as_written)
-    return text.encode()
-
-
-def _holds_exact(value: Any) -> bool:
-    """A loop with a stack of its own: values here may be as deep as the relay reads."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, ExactNumber):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
-def _encode_fast(value: Any) -> bytes:
-    """orjson, for payloads that cannot hold NaN or Infinity (it would write null).
-
-    An ExactNumber is written as the event wrote it. What orjson refuses (an integer beyond
-    64 bits, a lone surrogate) goes to the strict encoder, which keeps the integer exact or
-    names the problem.
-    """
-    try:
-        return orjson.dumps(value, default=_as_written)
-    except TypeError:
-        return _encode_strict(value)
-
-
 def _number_to_jmespath(name: str) -> None:
     """JMESPath's functions check their arguments' types by class name: an ExactNumber is a
     number to them too, or `max(data.amounts)` would fail on one. (Here, where the events'
@@ -287,18 +245,11 @@ def _number_to_jmespath(name: str) -> None:
 _number_to_jmespath(ExactNumber.__name__)
 
 
-def _as_written(value: Any) -> orjson.Fragment:
-    """orjson's hook for what it cannot write itself (a float subclass among them)."""
-    if isinstance(value, ExactNumber):
-        return orjson.Fragment(value.text)
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
 def _encoder(payload: str | Mapping[str, str]) -> Callable[[Any], bytes]:
     """Values read from strict JSON are finite; only a function or a literal can compute
     NaN or Infinity (sum, avg, to_number('1e999'), `1e999`): those payloads stay strict."""
     computes = any(may_compute(source) for source in _payload_expressions(payload))
-    return _encode_strict if computes else _encode_fast
+    return encode_strict if computes else encode_fast
 
 
 def _payload_expressions(payload: str | Mapping[str, str]) -> list[str]:

@@ -104,7 +104,7 @@ class TraceContext:
         try:
             traceparent = self._traceparent(envelope)
             tracestate = self._tracestate(envelope) if self._tracestate else None
-        except (JMESPathError, TypeError, ValueError, RecursionError) as exc:
+        except (JMESPathError, TypeError, ValueError, ArithmeticError, RecursionError) as exc:
             # RecursionError: a JMESPath function walking metadata nested too deeply.
             self._dropped(message, "trace_context", f"its expression failed: {exc}")
             return

@@ -232,6 +232,36 @@ def test_a_number_kept_exact_is_a_number_to_templates_conditions_and_functions()
     assert orjson.loads(body)["total"] == pytest.approx(3.1234567890123457)
 
 
+@pytest.mark.parametrize(
+    ("payload", "data"),
+    [
+        ("avg(data.arr)", '{"arr": [1' + "0" * 400 + ", 1, 1" + "0" * 400 + "]}"),
+        ("sum(data.arr)", '{"arr": [1' + "0" * 400 + ", 1.5]}"),
+        ("avg(data.arr)", '{"arr": [1.123456789012345678, 1' + "0" * 400 + "]}"),
+    ],
+)
+def test_arithmetic_beyond_a_floats_range_fails_the_event_not_the_relay(
+    payload: str, data: str
+) -> None:
+    """jsonb holds such integers exactly; `avg` and `sum` overflowed with an OverflowError
+    that nothing caught: "task died", at every start (a black-box attack)."""
+    config = outbox(messages={"BookLent": {"type": "t", "destination": "d", "payload": payload}})
+    with pytest.raises(MappingError, match=r"at position 7 .*too large"):
+        Mapper("loans", config).map(event(data=decode_json(data)))
+
+
+@pytest.mark.parametrize("depth", [253, 254, 300, 1000])
+def test_a_number_kept_exact_stays_exact_deeper_than_orjson_writes(depth: int) -> None:
+    """orjson writes 254 levels at most; past them the standard encoder wrote every number as
+    a float (a black-box attack): `1.2345678901234567e+19` for `12345678901234567890.5`."""
+    deep = "[" * depth + "12345678901234567890.5" + "]" * depth
+    text = f'{{"a": 12345678901234567890.5, "big": 1{"0" * 30}, "deep": {deep}, "s": "é"}}'
+    config = outbox(messages={"BookLent": {"type": "t", "destination": "d", "payload": "data"}})
+    message = Mapper("loans", config).map(event(data=decode_json(text)))
+    assert message is not None
+    assert message.body.decode() == text.replace(": ", ":").replace(", ", ",")
+
+
 def test_a_long_number_that_a_float_holds_stays_a_float() -> None:
     """Digits a float keeps (trailing zeros, 0.1 written long) are not worth the exact path:
     the value is the same."""
