@@ -74,12 +74,20 @@ async def ended(conn: asyncpg.Connection) -> bool:
     return False
 
 
-async def test_replicas_changing_the_count_end_a_silent_holder_of_the_change_lock(
+@pytest.fixture
+async def two(
     events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
-) -> None:
+) -> Path:
+    """The config with 2 partitions, of an outbox recorded with 1."""
     one, two = configs(tmp_path, events_table, nats_url, stream)
     migrate_cli(one)
     await recorded_with_one(one, relay_process)
+    return two
+
+
+async def test_replicas_changing_the_count_end_a_silent_holder_of_the_change_lock(
+    events_table: str, nats_url: str, stream: str, two: Path, relay_process: Start
+) -> None:
     async with _holding(events_table) as holder:
         replica = relay_process(["run", "--config", str(two)])
         first = await append_backlog(events_table, 40, aggregates=8)
@@ -91,11 +99,8 @@ async def test_replicas_changing_the_count_end_a_silent_holder_of_the_change_loc
 
 
 async def test_repartition_ends_a_silent_holder_of_the_change_lock_and_goes_on(
-    events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
+    events_table: str, nats_url: str, stream: str, two: Path, relay_process: Start
 ) -> None:
-    one, two = configs(tmp_path, events_table, nats_url, stream)
-    migrate_cli(one)
-    await recorded_with_one(one, relay_process)
     async with _holding(events_table) as holder:
         fresh = run_cli(["repartition", "loans", "--partitions", "2", "--config", str(two)])
         assert "held by relay:gone:1" in fresh.stderr  # not silent for takeover_after yet

@@ -141,19 +141,14 @@ class Chaos:
     async def _dead_path(self, target: Replica, dead: float) -> str:
         """One of the replica's connections, picked at random, loses its path for `dead`."""
         who = f"replica {target.index} (pid {target.pid})"
-        try:
-            conn = await asyncpg.connect(self.db.dsn, timeout=3)
-        except (OSError, TimeoutError, asyncpg.PostgresError):
+        sessions = await self._ask(
+            "SELECT client_port, application_name FROM pg_stat_activity"
+            " WHERE application_name LIKE $1 AND client_port IS NOT NULL"
+            " ORDER BY application_name, client_port",
+            f"%:{target.pid}:%",
+        )
+        if sessions is None:
             return "database unreachable"
-        try:
-            sessions = await conn.fetch(
-                "SELECT client_port, application_name FROM pg_stat_activity"
-                " WHERE application_name LIKE $1 AND client_port IS NOT NULL"
-                " ORDER BY application_name, client_port",
-                f"%:{target.pid}:%",
-            )
-        finally:
-            conn.terminate()
         found: dict[str, list[tuple[DeadPath, int]]] = {}
         for r in sessions:
             if (where := target.proxy.path_of(r["client_port"])) is not None:
@@ -168,15 +163,20 @@ class Chaos:
         return f"{who}, its {role} connection's path dead {dead:.1f}s"
 
     async def _terminate_sessions(self) -> str:
+        rows = await self._ask(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'relay:%' AND pid <> pg_backend_pid()"
+        )
+        return "database unreachable" if rows is None else f"{rows[0][0]} sessions ended"
+
+    async def _ask(self, query: str, *args: object) -> list[asyncpg.Record] | None:
+        """The rows of a query on the soak's primary; None if it could not be asked (a fault
+        of the schedule's may have it down)."""
         try:
             conn = await asyncpg.connect(self.db.dsn, timeout=3)
         except (OSError, TimeoutError, asyncpg.PostgresError):
-            return "database unreachable"
+            return None
         try:
-            ended = await conn.fetchval(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE application_name LIKE 'relay:%' AND pid <> pg_backend_pid()"
-            )
+            return list(await conn.fetch(query, *args))
         finally:
             conn.terminate()
-        return f"{ended} sessions ended"
