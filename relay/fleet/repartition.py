@@ -53,7 +53,7 @@ async def _every_lane(
 
 
 async def end_silent_holders(
-    session: LeaseConnection, outbox: str, before: int, after: int, *, me: str
+    session: LeaseConnection, outbox: str, before: int, after: int
 ) -> bool:
     """End the session of every holder, silent for `takeover_after`, of a lock a change of
     count from `before` to `after` needs: the change lock and every lane of both counts, as
@@ -68,7 +68,7 @@ async def end_silent_holders(
     ended = False
     for lease in leases:
         holder = holders.get(lease.key)
-        if holder is not None and holder.identity != me:
+        if holder is not None and session.is_other(holder):
             ended |= await lease.take_over_if_silent(holder) is not None
     return ended
 
@@ -139,7 +139,7 @@ async def repartition(config: RelayConfig, outbox: str, count: int) -> Repartiti
                 return await _repartition(session, config, outbox, count, configured)
             except _Busy as busy:
                 ended = attempt < _ATTEMPTS and await end_silent_holders(
-                    session, outbox, busy.before, count, me=db.identity
+                    session, outbox, busy.before, count
                 )
                 if not ended:
                     raise await _refused(busy.lease, busy.what) from None

@@ -229,6 +229,14 @@ class LeaseConnection:
             for r in rows
         }
 
+    def is_other(self, holder: Holder) -> bool:
+        """Whether `holder` is a session other than this live one: another replica's, or an
+        earlier lease session of this process, lost to it but kept open on the server (by a
+        proxy, say), which is judged and ended as any silent holder is. Judged by identity,
+        such an orphan was this process's own, and its lanes waited for it for good."""
+        conn = self.conn
+        return conn is None or conn.is_closed() or holder.pid != conn.get_server_pid()
+
     async def terminate(self, holder: Holder) -> bool:
         """End a silent holder's session (it frees its locks); False without the right."""
         try:

@@ -322,9 +322,7 @@ class OutboxReplica:
             # A lock still held: by a replica on its way out, or by a silent one (no longer
             # live by its heartbeat, so not among the dissent) or a cut-off `relay
             # repartition`, which is ended as a standby ends a lane's silent holder.
-            if await end_silent_holders(
-                self.session, self.name, record.partitions, self.count, me=self.me
-            ):
+            if await end_silent_holders(self.session, self.name, record.partitions, self.count):
                 return True
         said = (reason, *dissent)
         if said != self._waiting:
@@ -353,7 +351,7 @@ class OutboxReplica:
             if holder is not None and holder.identity != ctx.state.holder:
                 self.log.info("standing by", lane=ctx.name, holder=holder.identity)
             ctx.state.standing_by(holder.identity if holder else None)
-            if holder is not None and holder.identity != self.me:
+            if holder is not None and self.session.is_other(holder):
                 took_over |= await self.leases[i].take_over_if_silent(holder) is not None
         return took_over
 

@@ -22,7 +22,7 @@ from relay.postgres.database import Database
 from tests.support import postgres
 from tests.support.db import append_many, connect
 from tests.support.dead_path import DeadPath
-from tests.support.delivery import append_backlog, book_lent, event_id
+from tests.support.delivery import append_backlog, book_lent, event_id, wait_for_checkpoint
 from tests.support.lanes import delivered
 from tests.support.relay_process import RelayProcess
 from tests.support.scenario import config_dict, eventually, migrate_cli, save
@@ -32,21 +32,22 @@ pytestmark = pytest.mark.timeout(120)
 Start = Callable[..., RelayProcess]
 
 
-async def reader_port(dsn: str, path: DeadPath) -> int:
-    """The relay's own port of its lane's reader connection."""
+async def port_of(dsn: str, path: DeadPath, role: str) -> int:
+    """The relay's own port of its one connection of `role` (reader, lease, listener)."""
     found: list[int] = []
 
-    async def one_reader() -> bool:
+    async def just_one() -> bool:
         async with connect(dsn) as conn:
             rows = await conn.fetch(
                 "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
-                " AND application_name LIKE '%:reader'"
+                " AND application_name LIKE '%:' || $1",
+                role,
             )
         ports = [path.client_port(r["client_port"]) for r in rows]
         found[:] = [p for p in ports if p is not None]
         return len(found) == 1
 
-    await eventually(one_reader, timeout=30)
+    await eventually(just_one, timeout=30)
     return found[0]
 
 
@@ -63,7 +64,7 @@ async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_l
         first = await append_backlog(events_table, 20, aggregates=4)
         await delivered(nats_url, stream, set(first.values()))
 
-        path.kill(await reader_port(events_table, path))
+        path.kill(await port_of(events_table, path, "reader"))
         later = [book_lent(f"later-{i}", 1) for i in range(20)]
         async with connect(events_table) as conn:
             await append_many(conn, later)
@@ -76,6 +77,43 @@ async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_l
         assert not [r for r in logs if str(r.get("event", "")).startswith("lease lost")], (
             "the lease, on a live path, held: the reader noticed its own dead path"
         )
+
+
+async def test_a_lone_replica_whose_lease_path_dies_ends_its_own_orphaned_session(
+    events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """Its lease lost, the replica connects again, but the old session lives on behind the
+    proxy (which answers Postgres's keepalives) and holds the lane's lock. Judged by its
+    identity, that session was the replica's own: it stood by "for itself" for good. A lost
+    session is judged like any other holder, and ended once silent for takeover_after."""
+    with DeadPath(*postgres.address(events_table)) as path:
+        url = postgres.with_address(events_table, path.host, path.port)
+        data = config_dict(url, nats_url, stream)
+        data["lease"] = {
+            "check_interval": "500ms",
+            "check_timeout": "500ms",
+            "takeover_after": "2s",
+        }
+        config = save(tmp_path, data)
+        migrate_cli(config)
+        relay = relay_process(["run", "--config", str(config)])
+        first = await append_backlog(events_table, 20, aggregates=4)
+        await delivered(nats_url, stream, set(first.values()))
+
+        path.kill(await port_of(events_table, path, "lease"))
+        later = [book_lent(f"later-{i}", 1) for i in range(20)]
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, later)
+
+        # The checkpoint is written on the lease connection: it moves only once a live
+        # session holds the lane again.
+        await wait_for_checkpoint(events_table, "loans", positions[-1], timeout=60)
+        await delivered(
+            nats_url, stream, {*first.values(), *(event_id(e.aggregate_id, 1) for e in later)}
+        )
+        assert relay.returncode is None
+        ended = [r for r in relay.logs() if r.get("event") == "silent holder's session terminated"]
+        assert ended, "the orphaned session was ended by the replica itself"
 
 
 async def test_every_connection_keeps_tcp_keepalives_on_both_sides(events_table: str) -> None:
