@@ -8,6 +8,7 @@ same semantics (a missing key or a non-object gives null).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,7 +37,33 @@ def compile_expression(source: str) -> Getter:
         parsed = jmespath.compile(text)
     except JMESPathError as exc:
         raise ExpressionError(f"invalid JMESPath expression {source!r}: {exc}") from exc
+    if _infinite_literal(parsed.parsed):
+        # `1e400` reads as Infinity, which no JSON can carry: every event would be parked,
+        # and `relay contract` wrote it into the document as invalid JSON.
+        raise ExpressionError(
+            f"invalid JMESPath expression {source!r}: a literal number beyond a float's"
+            " range (JSON has no Infinity)"
+        )
     return parsed.search
+
+
+def _infinite_literal(node: Any) -> bool:
+    """Whether a parsed expression holds a literal that reads as Infinity."""
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") == "literal" and _holds_infinity(node.get("value")):
+        return True
+    return any(_infinite_literal(child) for child in node.get("children", ()))
+
+
+def _holds_infinity(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_holds_infinity(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_infinity(v) for v in value)
+    return False
 
 
 def is_dotted(source: str) -> bool:

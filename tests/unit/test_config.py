@@ -141,6 +141,14 @@ def test_secret_is_not_in_repr(tmp_path: Path) -> None:
             ],
         ),
         (
+            GOOD.replace("loanId: data.loanId", "loanId: '[data.loanId, `1e400`]'"),
+            [
+                "relay.yaml:15:",
+                "outboxes.loans-outbox.messages.BookLent.payload.loanId: invalid JMESPath",
+                "a literal number beyond a float's range (JSON has no Infinity)",
+            ],
+        ),
+        (
             GOOD + "    batch:\n      linger: soon\n",
             ["relay.yaml:17:", "outboxes.loans-outbox.batch.linger", "not a duration"],
         ),
@@ -177,6 +185,7 @@ def test_secret_is_not_in_repr(tmp_path: Path) -> None:
     ids=[
         "unknown-key",
         "bad-jmespath",
+        "infinite-literal",
         "bad-duration",
         "unknown-broker",
         "unknown-broker-type",
