@@ -121,3 +121,61 @@ async def test_repartition_ends_a_silent_holder_of_the_change_lock_and_goes_on(
     relay_process(["run", "--config", str(two)])
     first = await append_backlog(events_table, 40, aggregates=8)
     await delivered(nats_url, stream, set(first.values()))
+
+
+async def test_a_change_at_work_is_never_judged_silent_however_long_it_waits(
+    events_table: str, nats_url: str, stream: str, two: Path, relay_process: Start
+) -> None:
+    """A `relay repartition` blocked on a lock inside its transaction (here the parked
+    messages' table, as moving many of them would take long) is at work: judged by the start
+    of its statement, it was ended as silent 2 s in, and then the replicas ended each other
+    as each took the change lock and waited in turn (a black-box attack)."""
+    async with connect(events_table) as blocker:
+        held = blocker.transaction()
+        await held.start()
+        await blocker.execute("LOCK TABLE relay.parked IN ACCESS EXCLUSIVE MODE")
+        cli = relay_process(["repartition", "loans", "--partitions", "2", "--config", str(two)])
+        try:
+            since = await _waiting_on_a_lock(events_table, cli.pid)
+            replica = relay_process(["run", "--config", str(two)])
+
+            async def the_replica_looked_past_takeover_after() -> bool:
+                if cli.returncode is not None:
+                    return True  # ended (judged silent), or done: judged below
+                async with connect(events_table) as conn:
+                    return bool(
+                        await conn.fetchval(
+                            "SELECT seen_at > $1::timestamptz + interval '3 seconds'"
+                            " FROM relay.replicas WHERE identity LIKE '%:' || $2",
+                            since,
+                            str(replica.pid),
+                        )
+                    )
+
+            await eventually(the_replica_looked_past_takeover_after, timeout=30)
+        finally:
+            await held.rollback()
+        assert await cli.wait_async() == 0, "the repartition went on to the end"
+    said = [r for r in replica.logs() if r.get("event") == "silent holder's session terminated"]
+    assert said == [], said
+    first = await append_backlog(events_table, 40, aggregates=8)
+    await delivered(nats_url, stream, set(first.values()))
+
+
+async def _waiting_on_a_lock(dsn: str, pid: int) -> object:
+    """When the process `pid`'s lease session began waiting on a lock (database clock)."""
+    found: list[object] = []
+
+    async def waiting() -> bool:
+        async with connect(dsn) as conn:
+            found[:] = [
+                await conn.fetchval(
+                    "SELECT state_change FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND application_name LIKE '%:' || $1 || ':lease'",
+                    str(pid),
+                )
+            ]
+        return found[0] is not None
+
+    await eventually(waiting, timeout=30)
+    return found[0]

@@ -373,12 +373,15 @@ class LeaseQueries:
         )
         # Who holds each of the locks $1 (int8[]) of the lanes $2 (text[], by position), and
         # for how long that session has said nothing: since the freshest of its backend's
-        # last statement (NULL unless its role may be seen) and the heartbeats of the lanes
-        # whose locks it holds now (lease namespace $3). A lane it has not claimed yet still
-        # bears the previous holder's heartbeat: that one counts as the least it did. When
-        # none of these is known (a new outbox's lane, taken by a replica that holds no other,
-        # whose session cannot be seen), its replica's last membership beat, written on this
-        # very session (pid and application_name), is: only then, for it says less.
+        # last statement (NULL unless its role may be seen; now while a statement runs on
+        # the server, not waiting for its client: a change of count blocked on a lock, or
+        # moving many parked rows, is at work, and was ended as silent) and the heartbeats
+        # of the lanes whose locks it holds now (lease namespace $3). A lane it has not
+        # claimed yet still bears the previous holder's heartbeat: that one counts as the
+        # least it did. When none of these is known (a new outbox's lane, taken by a replica
+        # that holds no other, whose session cannot be seen), its replica's last membership
+        # beat, written on this very session (pid and application_name), is: only then, for
+        # it says less.
         self.holders: Final = (
             f"WITH l AS MATERIALIZED ({advisory_locks()}),"
             " h AS (SELECT w.key, w.lane, l.pid FROM unnest($1::bigint[], $2::text[])"
@@ -388,7 +391,8 @@ class LeaseQueries:
             " WHERE l.pid IN (SELECT pid FROM h) GROUP BY l.pid)"
             " SELECT h.key, h.pid, coalesce(a.application_name, '') AS application_name,"
             " extract(epoch FROM now() - coalesce(greatest(s.heartbeat, c.heartbeat,"
-            " a.state_change), r.seen_at))::float8 AS heartbeat_age"
+            " CASE WHEN a.state = 'active' AND a.wait_event_type IS DISTINCT FROM 'Client'"
+            " THEN now() ELSE a.state_change END), r.seen_at))::float8 AS heartbeat_age"
             " FROM h LEFT JOIN pg_stat_activity a ON a.pid = h.pid"
             f" LEFT JOIN s ON s.pid = h.pid LEFT JOIN {checkpoints} c ON c.outbox = h.lane"
             f" LEFT JOIN {replicas} r ON r.namespace = $3 AND r.pid = h.pid"
