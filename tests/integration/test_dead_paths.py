@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,25 @@ async def port_of(dsn: str, path: DeadPath, role: str) -> int:
     return found[0]
 
 
+async def relaying(
+    tmp_path: Path, data: dict[str, Any], relay_process: Start, dsn: str
+) -> tuple[RelayProcess, set[str]]:
+    """A relay of `data` running, and the ids of a first backlog it is to deliver."""
+    config = save(tmp_path, data)
+    migrate_cli(config)
+    relay = relay_process(["run", "--config", str(config)])
+    first = await append_backlog(dsn, 20, aggregates=4)
+    return relay, set(first.values())
+
+
+async def written_later(dsn: str) -> tuple[int, set[str]]:
+    """Twenty events of new books: the last position, and their ids."""
+    later = [book_lent(f"later-{i}", 1) for i in range(20)]
+    async with connect(dsn) as conn:
+        positions = await append_many(conn, later)
+    return positions[-1], {event_id(e.aggregate_id, 1) for e in later}
+
+
 async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_lease_holds(
     events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
 ) -> None:
@@ -58,20 +78,13 @@ async def test_a_lane_whose_reader_path_dies_reconnects_and_delivers_while_its_l
         data = config_dict(
             postgres.with_address(events_table, path.host, path.port), nats_url, stream
         )
-        config = save(tmp_path, data)
-        migrate_cli(config)
-        relay = relay_process(["run", "--config", str(config)])
-        first = await append_backlog(events_table, 20, aggregates=4)
-        await delivered(nats_url, stream, set(first.values()))
+        relay, first = await relaying(tmp_path, data, relay_process, events_table)
+        await delivered(nats_url, stream, first)
 
         path.kill(await port_of(events_table, path, "reader"))
-        later = [book_lent(f"later-{i}", 1) for i in range(20)]
-        async with connect(events_table) as conn:
-            await append_many(conn, later)
+        _, later = await written_later(events_table)
 
-        await delivered(
-            nats_url, stream, {*first.values(), *(event_id(e.aggregate_id, 1) for e in later)}
-        )
+        await delivered(nats_url, stream, first | later)
         assert relay.returncode is None
         logs = relay.logs()
         assert not [r for r in logs if str(r.get("event", "")).startswith("lease lost")], (
@@ -94,23 +107,16 @@ async def test_a_lone_replica_whose_lease_path_dies_ends_its_own_orphaned_sessio
             "check_timeout": "500ms",
             "takeover_after": "2s",
         }
-        config = save(tmp_path, data)
-        migrate_cli(config)
-        relay = relay_process(["run", "--config", str(config)])
-        first = await append_backlog(events_table, 20, aggregates=4)
-        await delivered(nats_url, stream, set(first.values()))
+        relay, first = await relaying(tmp_path, data, relay_process, events_table)
+        await delivered(nats_url, stream, first)
 
         path.kill(await port_of(events_table, path, "lease"))
-        later = [book_lent(f"later-{i}", 1) for i in range(20)]
-        async with connect(events_table) as conn:
-            positions = await append_many(conn, later)
+        last, later = await written_later(events_table)
 
         # The checkpoint is written on the lease connection: it moves only once a live
         # session holds the lane again.
-        await wait_for_checkpoint(events_table, "loans", positions[-1], timeout=60)
-        await delivered(
-            nats_url, stream, {*first.values(), *(event_id(e.aggregate_id, 1) for e in later)}
-        )
+        await wait_for_checkpoint(events_table, "loans", last, timeout=60)
+        await delivered(nats_url, stream, first | later)
         assert relay.returncode is None
         ended = [r for r in relay.logs() if r.get("event") == "silent holder's session terminated"]
         assert ended, "the orphaned session was ended by the replica itself"
