@@ -68,7 +68,7 @@ async def end_silent_holders(
     ended = False
     for lease in leases:
         holder = holders.get(lease.key)
-        if holder is not None and session.is_other(holder):
+        if holder is not None:
             ended |= await lease.take_over_if_silent(holder) is not None
     return ended
 
@@ -157,9 +157,10 @@ async def _repartition(
     partitions = Partitions(schema)
     async with session.statement() as conn:
         await ensure_migrated(conn, schema)
-        before = await partitions.count(conn, outbox, configured)  # to judge holders by
     change = _change_lock(session, outbox)
     if not await change.try_acquire():
+        async with session.statement() as conn:  # the count now, to judge the holders by
+            before = await partitions.count(conn, outbox, configured)
         raise _Busy(change, f"a change of outbox {outbox!r}'s partitions", before)
     async with session.statement() as conn:  # under the change lock: it stays the count
         before = await partitions.count(conn, outbox, configured)

@@ -416,9 +416,12 @@ class Lease:
         return (await self.session.holders([self.key], [self.outbox])).get(self.key)
 
     async def take_over_if_silent(self, holder: Holder) -> Holder | None:
-        """Terminate `holder` if its session has been silent for `takeover_after`; return it."""
+        """Terminate `holder` if its session has been silent for `takeover_after` and is not
+        this live session (an orphan of this process is ended too); return it."""
         if holder.heartbeat_age is None or holder.heartbeat_age < self.config.takeover_after:
             return None
+        if not self.session.is_other(holder):
+            return None  # this very session: never ended by itself
         return holder if await self.session.terminate(holder) else None
 
     def claimed(self, epoch: int) -> None:

@@ -281,7 +281,7 @@ class EventSource:
 # 64 bits as a float, silently rounding it, and a float reads at most 17 significant digits
 # (`1.123456789012345678` became 1.1234567890123457). So a result that holds a float is
 # checked: if the text has a number of 16 digits or more, or an exponent of 3 digits (1e-400
-# reads as 0.0), or anything that looks like them,
+# reads as 0.0), or anything that looks like them, that a float does not read back the same,
 # the standard decoder reads it again: integers exactly, and a number a float would change
 # as an ExactNumber, which is written out again as the event wrote it. What orjson refuses
 # goes to the standard decoder too, so that the error is worded the same.

@@ -351,7 +351,7 @@ class OutboxReplica:
             if holder is not None and holder.identity != ctx.state.holder:
                 self.log.info("standing by", lane=ctx.name, holder=holder.identity)
             ctx.state.standing_by(holder.identity if holder else None)
-            if holder is not None and self.session.is_other(holder):
+            if holder is not None:
                 took_over |= await self.leases[i].take_over_if_silent(holder) is not None
         return took_over
 
