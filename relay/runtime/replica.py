@@ -356,7 +356,14 @@ class OutboxReplica:
         return took_over
 
     async def _take(self, free: list[int], wanted: int) -> None:
-        """Try the free lanes' locks in one statement, at most `wanted` (and the budget)."""
+        """Try the free lanes' locks in one statement, at most `wanted` (and the budget).
+
+        A lane whose task is still here is left out, though its lock looked free: its
+        holding ended after this pass collected the ended ones (`_reap`), and started
+        again over it, the old task would never be collected, its error never read and
+        its place in the budget never given back. The next pass collects it first.
+        """
+        free = [i for i in free if i not in self._held]
         if not free or wanted <= 0:
             return
         # Reserve the budget first: other outboxes' coordinators share it.
@@ -374,6 +381,7 @@ class OutboxReplica:
         return [(self._first + n) % count for n in range(count)]
 
     def _start(self, index: int) -> None:
+        assert index not in self._held, f"lane {index} started again before it was collected"
         ctx = self.lanes[index]
         ctx.stop.clear()
         holder = LaneHolder(ctx, self.leases[index], self.db)
