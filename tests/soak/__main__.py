@@ -1,5 +1,5 @@
 """The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]
-[--failover] [--dead-paths]`.
+[--failover] [--dead-paths] [--max-per-replica N]`.
 
 Prints the verdict and the faults in order; exits 1 when anything was lost, phantom,
 inverted or regressed, or the outbox did not drain. The same seed replays the same choices.
@@ -38,6 +38,13 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="one connection's network path dies now and then, in the kernel (needs root)",
     )
+    parser.add_argument(
+        "--max-per-replica",
+        type=int,
+        default=None,
+        help="`lease.max_per_replica`: with 3 replicas, 3 leaves the fleet just enough room"
+        " for 5 lanes while one replica is down",
+    )
     parser.add_argument("--keep", type=Path, help="keep logs and data in this directory")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -51,6 +58,7 @@ def main(argv: list[str]) -> int:
         lanes=args.lanes,
         failover=args.failover,
         dead_paths=args.dead_paths,
+        max_per_replica=args.max_per_replica,
         keep=args.keep,
     )
     # SIGTERM (timeout, kill) stops it like Ctrl-C: every private server is stopped on the way.
@@ -58,7 +66,8 @@ def main(argv: list[str]) -> int:
     print(
         f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}"
         + (", failovers" if args.failover else "")
-        + (", dead paths" if args.dead_paths else ""),
+        + (", dead paths" if args.dead_paths else "")
+        + (f", max {args.max_per_replica} lanes a replica" if args.max_per_replica else ""),
         flush=True,
     )
     verdict, origin = asyncio.run(soak(settings))

@@ -327,8 +327,12 @@ class Replicas:
         *,
         lanes: int = 1,
         dead_paths: bool = False,
+        max_per_replica: int | None = None,
     ) -> None:
         self.db = db
+        self.lease = (
+            LEASE if max_per_replica is None else {**LEASE, "max_per_replica": max_per_replica}
+        )
         self.lanes = lanes  # the partitions the fleet's config gives the outbox now
         self.root = root
         self.broker_config = broker_config
@@ -366,7 +370,7 @@ class Replicas:
             "source": source,
             "brokers": {"broker": self.broker_config},
             "outboxes": chosen[outboxes],
-            "lease": LEASE,
+            "lease": self.lease,
             "http": {"port": 0, "host": "127.0.0.1"},
             "logging": {"level": "info", "format": "json"},
             "shutdown": {"grace_period": "2s"},

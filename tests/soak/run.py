@@ -43,6 +43,7 @@ class Settings:
     kinds: tuple[str, ...] = KINDS
     failover: bool = False  # Postgres has a standby, and failovers are among the faults
     dead_paths: bool = False  # replicas reach Postgres over paths a connection can die on
+    max_per_replica: int | None = None  # `lease.max_per_replica` of every replica
     drain_timeout: float = 60.0
     keep: Path | None = None  # keep logs and data here instead of a temporary directory
 
@@ -64,6 +65,7 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
             broker.rule,
             lanes=settings.lanes,
             dead_paths=settings.dead_paths,
+            max_per_replica=settings.max_per_replica,
         )
         await asyncio.to_thread(replicas.migrate)
         replicas.start()
