@@ -302,6 +302,16 @@ class LeaseConfig(Model):
     max_per_replica: Annotated[int, Field(ge=1)] | None = None
     keepalives: KeepaliveConfig = KeepaliveConfig()
 
+    @property
+    def orphan_after(self) -> float:
+        """Seconds after which Postgres itself ends a lease session that has sent nothing.
+
+        A live one never waits that long (it proves its locks every `check_interval`, or
+        looks at the lanes every `retry_interval`); one whose client is gone behind a proxy
+        that keeps the server's side open would otherwise keep its connection slot for good.
+        """
+        return 2 * max(self.takeover_after, self.retry_interval, self.check_interval)
+
     @model_validator(mode="after")
     def _holder_fences_itself_first(self) -> LeaseConfig:
         fenced_by = self.check_interval + self.check_timeout

@@ -170,11 +170,15 @@ class LeaseConnection:
             self.held.clear()  # a new session holds nothing
             self.suspect = False
             # Keepalives on both sides, as on every connection (database.py), the lease
-            # config's; and a check for a vanished client during a statement.
+            # config's; a check for a vanished client during a statement; and, for a client
+            # gone behind a proxy that keeps the server's side open (its keepalives are
+            # answered), an end to the session once it has said nothing for far longer than
+            # a live one ever does.
             self.conn = await self.db.connect(
                 "lease",
                 keepalives=k,
                 client_connection_check_interval=str(int(k.connection_check_interval * 1000)),
+                idle_session_timeout=str(int(self.config.orphan_after * 1000)),
             )
         return self.conn
 

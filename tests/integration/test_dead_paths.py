@@ -33,16 +33,19 @@ pytestmark = pytest.mark.timeout(120)
 Start = Callable[..., RelayProcess]
 
 
-async def port_of(dsn: str, path: DeadPath, role: str) -> int:
-    """The relay's own port of its one connection of `role` (reader, lease, listener)."""
+async def port_of(dsn: str, path: DeadPath, role: str, name: str | None = None) -> int:
+    """The relay's own port of its one connection of `role` (reader, lease, listener)
+    through `path` (of the session whose name is LIKE `name`, if given)."""
     found: list[int] = []
 
     async def just_one() -> bool:
         async with connect(dsn) as conn:
             rows = await conn.fetch(
                 "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
-                " AND application_name LIKE '%:' || $1",
+                " AND application_name LIKE '%:' || $1"
+                " AND ($2::text IS NULL OR application_name LIKE $2)",
                 role,
+                name,
             )
         ports = [path.client_port(r["client_port"]) for r in rows]
         found[:] = [p for p in ports if p is not None]
@@ -145,3 +148,44 @@ async def test_every_connection_keeps_tcp_keepalives_on_both_sides(events_table:
         assert await conn.fetchval("SHOW tcp_user_timeout") in {"19000", "19s"}
     finally:
         await conn.close()
+
+
+async def test_a_standbys_lease_session_left_behind_a_dead_path_is_ended_by_postgres(
+    events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
+) -> None:
+    """A standby holds no lock, so no one judges its lease session. When its path dies, the
+    standby connects again, but the old session lives on behind the proxy, whose side
+    answers Postgres's keepalives: it kept its connection slot for good, one more at each
+    such cut, until the role's connection limit left the relay none. Postgres itself ends a
+    lease session that has said nothing for `lease.orphan_after`: twice takeover_after."""
+    lease = {"check_interval": "500ms", "check_timeout": "500ms", "takeover_after": "2s"}
+    direct = config_dict(events_table, nats_url, stream)
+    direct["lease"] = lease
+    holder, first = await relaying(tmp_path, direct, relay_process, events_table)
+    await delivered(nats_url, stream, first)
+    with DeadPath(*postgres.address(events_table)) as path:
+        behind = config_dict(
+            postgres.with_address(events_table, path.host, path.port), nats_url, stream
+        )
+        behind["lease"] = lease
+        standby = relay_process(["run", "--config", str(save(tmp_path, behind, "behind.yaml"))])
+        await standby.wait_for_log("standing by")
+        name = f"%:{standby.pid}:lease"
+
+        async def sessions() -> set[int]:
+            async with connect(events_table) as conn:
+                rows = await conn.fetch(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1", name
+                )
+            return {r["pid"] for r in rows}
+
+        (left,) = await sessions()
+        path.kill(await port_of(events_table, path, "lease", name))
+
+        async def the_left_one_ended_and_another_took_its_place() -> bool:
+            now = await sessions()
+            return left not in now and len(now) == 1
+
+        await eventually(the_left_one_ended_and_another_took_its_place, timeout=40)
+        assert standby.returncode is None
+        assert holder.returncode is None
