@@ -196,7 +196,9 @@ class LeaseConnection:
             try:
                 yield conn
             except (*CONNECTION_LOST, asyncio.CancelledError) as exc:
-                self._broken(conn, f"lease connection lost: {type(exc).__name__}: {exc}")
+                self._broken(
+                    conn, f"lease connection lost: {type(exc).__name__}: {driver_text(exc)}"
+                )
                 raise
 
     def _broken(self, conn: asyncpg.Connection, reason: str) -> None:
@@ -356,6 +358,11 @@ class LeaseConnection:
                 await self.conn.execute(NOTIFY, LEASE_CHANNEL, channel_key)
         except Exception:  # noqa: BLE001 - any failure here means: drop the socket
             self.abandon("lease connection dropped: unlocking a lease failed")
+        except asyncio.CancelledError:
+            # Cut off part way, the lock may still be held with no lane watching it, or the
+            # connection be mid-statement: either way only dropping the session is sure.
+            self.abandon("lease connection dropped: unlocking a lease was cancelled")
+            raise
 
     def forget(self, key: int) -> None:
         """This lock is known lost (not held); the session itself is healthy."""

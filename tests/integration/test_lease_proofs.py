@@ -39,6 +39,11 @@ LANES = 64
 # still leave the replica's event loop the time to read its proofs' answers (6 in 6).
 WRITERS = 2
 IDENTITY = "relay:test:proofs"
+# Whether any session holds advisory lock $1 (a bigint key shows as classid, objid).
+LOCK_HELD = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND ((classid::bigint << 32) | objid::bigint) = $1::bigint)"
+)
 
 
 @contextlib.asynccontextmanager
@@ -311,4 +316,38 @@ async def test_a_proof_that_times_out_drops_its_connection_before_a_queued_state
         assert pid != old_pid, "the queued statement ran on a new session"
         assert not held.leases[0].held, "the new session holds nothing"
         assert await process.wait() == 0
+        await stopped(watching)
+
+
+async def test_a_release_cut_off_part_way_leaves_no_lock_behind_on_the_live_session(
+    database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """A lane's release waits for the lease connection while another lane's statement runs
+    on it, and is cancelled meanwhile (a replica stopping past its grace period, say). The
+    lane's lock stayed held on the live session with no lane watching it: the replica's own
+    look at the lanes counted it as its own, no standby judged it (the session was alive),
+    and the lane went unrelayed for as long as the session lived. Cut off part way, a
+    release drops the session, and every lock on it goes with it."""
+    async with claimed(database, tmp_path, nats_url, ["loans/0", "loans/1"]) as held:
+        watching = held.watch()
+        key = held.leases[0].key
+
+        async def busy() -> None:
+            async with held.leases[1].statement() as conn:
+                await conn.execute("SELECT pg_sleep(1)")
+
+        other = asyncio.create_task(busy())
+        await eventually(held.session.lock.locked)
+        releasing = asyncio.create_task(held.leases[0].release())
+        for _ in range(3):  # it runs up to its wait for the connection
+            await asyncio.sleep(0)
+        assert not releasing.done()
+        releasing.cancel()
+        await asyncio.gather(releasing, other, return_exceptions=True)
+
+        async def lock_gone() -> bool:
+            async with connect(database) as conn:
+                return not await conn.fetchval(LOCK_HELD, key)
+
+        await eventually(lock_gone, timeout=10)
         await stopped(watching)
