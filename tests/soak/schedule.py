@@ -130,12 +130,13 @@ def plan(
     """
     rng = random.Random(seed)
     faults: list[Planned] = []
+    missing = set(including)  # kinds still to come
     elapsed = 0.0
     while True:
         pause = rng.uniform(*EVERY)
-        missing = set(including) - {f.kind for f in faults}
         if elapsed + pause >= seconds and len(faults) >= at_least and not missing:
             return faults
         fault = Planned(pause, rng.choice(kinds), rng.uniform(0.5, 2.5))
         faults.append(fault)
+        missing.discard(fault.kind)
         elapsed += pause + fault.length
