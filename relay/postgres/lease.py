@@ -190,11 +190,18 @@ class LeaseConnection:
         A statement that failed on the connection, timed out or was cancelled leaves it
         in an unknown state (asyncpg may still be busy with it): the session is dropped
         at once, before anyone else uses it, and every lock on it is then known gone.
+
+        While the session holds no lock, no proof watches it: a statement there gets
+        `takeover_after` to answer. Behind a proxy that stops forwarding but keeps its
+        sockets open (its kernel acknowledging, so no keepalive fails), a standby waited
+        for its look at the lanes for good, Ready and silent, while its lanes had no holder.
         """
         async with self._line, self.lock:
             conn = await self._connection()
+            deadline = None if self.held else self.config.takeover_after
             try:
-                yield conn
+                async with asyncio.timeout(deadline):
+                    yield conn
             except (*CONNECTION_LOST, asyncio.CancelledError) as exc:
                 self._broken(
                     conn, f"lease connection lost: {type(exc).__name__}: {driver_text(exc)}"

@@ -109,6 +109,11 @@ class LaneHolder:
             self.log.info("lease released")
             self._transition("released")
             return None
+        if fenced:
+            # Fenced by the lane's row (its epoch moved on), the lock itself may still be
+            # this session's: forgotten, it stayed held with no lane behind it, and the
+            # replica stood by for itself for as long as the session lived.
+            await self.lease.release()
         self.lease.abandon()
         self.ctx.state.lost(reason)
         self.log.error("lease lost: stopped publishing, back to standby", reason=reason)

@@ -56,6 +56,7 @@ class TcpProxy:
         self._pipes: dict[socket.socket, _Pipe] = {}
         self._from_clients = bytearray()
         self._paused = False
+        self._held: set[int] = set()  # pipes (by id) that forward nothing, for good
         self._running = True
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"TcpProxy:{self.port}")
@@ -106,6 +107,24 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     if upstream.getsockname()[1] == upstream_port:
                         found[0] = pipe.client.getpeername()[1]
+
+        self._call(look)
+        return found[0]
+
+    def hold(self, upstream_port: int) -> bool:
+        """Stop forwarding the one connection the server sees coming from `upstream_port`,
+        keeping both of its sockets open (a half-open path: this side's kernel still
+        acknowledges, so no keepalive fails); the others, and new ones, go on. False if
+        there is no such connection."""
+        found = [False]
+
+        def look() -> None:
+            for pipe in {id(p): p for p in self._pipes.values()}.values():
+                with contextlib.suppress(OSError):
+                    if pipe.peer[pipe.client].getsockname()[1] == upstream_port:
+                        self._held.add(id(pipe))
+                        self._update(pipe)
+                        found[0] = True
 
         self._call(look)
         return found[0]
@@ -228,7 +247,7 @@ class TcpProxy:
         """Read only when the peer has no backlog, write only when there is something to write."""
         for sock, peer in pipe.peer.items():
             events = 0
-            if not self._paused:
+            if not self._paused and id(pipe) not in self._held:
                 if not pipe.outgoing[peer]:
                     events |= selectors.EVENT_READ
                 if pipe.outgoing[sock]:
