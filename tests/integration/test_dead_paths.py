@@ -26,7 +26,13 @@ from tests.support.dead_path import DeadPath
 from tests.support.delivery import append_backlog, book_lent, event_id, wait_for_checkpoint
 from tests.support.lanes import delivered
 from tests.support.relay_process import RelayProcess
-from tests.support.scenario import config_dict, eventually, migrate_cli, save
+from tests.support.scenario import (
+    config_dict,
+    eventually,
+    migrate_cli,
+    save,
+    standing_by_through,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,12 +170,15 @@ async def test_a_standbys_lease_session_left_behind_a_dead_path_is_ended_by_post
     holder, first = await relaying(tmp_path, direct, relay_process, events_table)
     await delivered(nats_url, stream, first)
     with DeadPath(*postgres.address(events_table)) as path:
-        behind = config_dict(
-            postgres.with_address(events_table, path.host, path.port), nats_url, stream
+        standby = await standing_by_through(
+            (path.host, path.port),
+            events_table,
+            nats_url=nats_url,
+            stream=stream,
+            tmp_path=tmp_path,
+            start=relay_process,
+            lease=lease,
         )
-        behind["lease"] = lease
-        standby = relay_process(["run", "--config", str(save(tmp_path, behind, "behind.yaml"))])
-        await standby.wait_for_log("standing by")
         name = f"%:{standby.pid}:lease"
 
         async def sessions() -> set[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import postgres
+from tests.support import postgres, scenario
 from tests.support.db import append_many, connect
 from tests.support.delivery import book_lent, event_id
 from tests.support.lanes import delivered
@@ -50,12 +50,15 @@ async def test_a_standby_behind_a_half_open_path_takes_over_when_the_holder_leav
     first = await written(events_table, "first")
     await delivered(nats_url, stream, first)
     with TcpProxy(*postgres.address(events_table)) as proxy:
-        behind = config_dict(
-            postgres.with_address(events_table, proxy.host, proxy.port), nats_url, stream
+        standby = await scenario.standing_by_through(
+            proxy.address,
+            events_table,
+            nats_url=nats_url,
+            stream=stream,
+            tmp_path=tmp_path,
+            start=relay_process,
+            lease=LEASE,
         )
-        behind["lease"] = LEASE
-        standby = relay_process(["run", "--config", str(save(tmp_path, behind, "behind.yaml"))])
-        await standby.wait_for_log("standing by")
         async with connect(events_table) as conn:
             port = await conn.fetchval(
                 "SELECT client_port FROM pg_stat_activity WHERE application_name LIKE $1",

@@ -17,7 +17,8 @@ from relay.postgres.migrations import migrate_database
 from relay.runtime.runner import Relay
 from tests.support.config import write_config as write_yaml
 from tests.support.db import NewEvent
-from tests.support.relay_process import run_cli
+from tests.support.postgres import with_address
+from tests.support.relay_process import RelayProcess, run_cli
 
 LIBRARY_MESSAGES: dict[str, Any] = {
     "BookLent": {
@@ -177,3 +178,22 @@ def migrate_cli(path: Path) -> None:
     """`relay migrate --config path`, as an operator runs it; it must succeed."""
     result = run_cli(["migrate", "--config", str(path)])
     assert result.returncode == 0, result.stderr
+
+
+async def standing_by_through(
+    address: tuple[str, int],
+    dsn: str,
+    *,
+    nats_url: str,
+    stream: str,
+    tmp_path: Path,
+    start: Callable[..., RelayProcess],
+    lease: dict[str, Any],
+) -> RelayProcess:
+    """A replica that reaches Postgres through `address` (a proxy's, a dead path's), once it
+    stands by: another replica holds the outbox."""
+    data = config_dict(with_address(dsn, *address), nats_url, stream)
+    data["lease"] = lease
+    replica = start(["run", "--config", str(save(tmp_path, data, "behind.yaml"))])
+    await replica.wait_for_log("standing by")
+    return replica
