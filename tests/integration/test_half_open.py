@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import postgres, scenario
-from tests.support.db import append_many, connect
-from tests.support.delivery import book_lent, event_id
+from tests.support.db import connect
+from tests.support.delivery import append_backlog
 from tests.support.lanes import delivered
 from tests.support.proxy import TcpProxy
 from tests.support.relay_process import RelayProcess
@@ -31,14 +31,6 @@ Start = Callable[..., RelayProcess]
 LEASE = {"check_interval": "500ms", "check_timeout": "500ms", "takeover_after": "2s"}
 
 
-async def written(dsn: str, tag: str) -> set[str]:
-    """Forty events over eight books of their own (`tag`-0 to 7); their ids."""
-    events = [book_lent(f"{tag}-{i % 8}", i // 8 + 1) for i in range(40)]
-    async with connect(dsn) as conn:
-        await append_many(conn, events)
-    return {event_id(e.aggregate_id, e.version) for e in events}
-
-
 async def test_a_standby_behind_a_half_open_path_takes_over_when_the_holder_leaves(
     events_table: str, nats_url: str, stream: str, tmp_path: Path, relay_process: Start
 ) -> None:
@@ -47,7 +39,7 @@ async def test_a_standby_behind_a_half_open_path_takes_over_when_the_holder_leav
     config = save(tmp_path, direct, "direct.yaml")
     migrate_cli(config)
     holder = relay_process(["run", "--config", str(config)])
-    first = await written(events_table, "first")
+    first = set((await append_backlog(events_table, 40, 8, "first")).values())
     await delivered(nats_url, stream, first)
     with TcpProxy(*postgres.address(events_table)) as proxy:
         standby = await scenario.standing_by_through(
@@ -67,7 +59,7 @@ async def test_a_standby_behind_a_half_open_path_takes_over_when_the_holder_leav
         assert proxy.hold(port), "the standby's lease connection goes half-open"
         holder.terminate()
         assert await holder.wait_async() == 0
-        later = await written(events_table, "later")
+        later = set((await append_backlog(events_table, 40, 8, "later")).values())
         await delivered(nats_url, stream, first | later)
         assert standby.returncode is None
 
@@ -80,18 +72,18 @@ async def test_a_holder_fenced_by_its_lanes_row_lets_the_lock_go_and_relays_agai
     config = save(tmp_path, data)
     migrate_cli(config)
     replica = relay_process(["run", "--config", str(config)])
-    first = await written(events_table, "first")
+    first = set((await append_backlog(events_table, 40, 8, "first")).values())
     await delivered(nats_url, stream, first)
     async with connect(events_table) as conn:
         await conn.execute(
             "UPDATE relay.checkpoints SET epoch = epoch + 1 WHERE outbox = 'loans/0'"
         )
-    later = await written(events_table, "later")
+    later = set((await append_backlog(events_table, 40, 8, "later")).values())
 
     async def fenced() -> bool:
         return any("matched no row" in str(r.get("reason", "")) for r in replica.logs())
 
     await eventually(fenced, timeout=30)
-    last = await written(events_table, "last")  # after the fence
+    last = set((await append_backlog(events_table, 40, 8, "last")).values())  # after the fence
     await delivered(nats_url, stream, first | later | last)
     assert replica.returncode is None

@@ -40,9 +40,14 @@ def book_lent(aggregate_id: str, version: int) -> NewEvent:
     )
 
 
-async def append_backlog(dsn: str, count: int, aggregates: int) -> dict[int, str]:
-    """Append `count` BookLent events round-robin over `aggregates` books; position -> id."""
-    events = [book_lent(f"book-{i % aggregates + 1}", i // aggregates + 1) for i in range(count)]
+async def append_backlog(
+    dsn: str, count: int, aggregates: int, prefix: str = "book"
+) -> dict[int, str]:
+    """Append `count` BookLent events round-robin over `aggregates` books (`prefix`-1, ...;
+    another prefix for books of their own); position -> id."""
+    events = [
+        book_lent(f"{prefix}-{i % aggregates + 1}", i // aggregates + 1) for i in range(count)
+    ]
     async with db_connect(dsn) as conn:
         positions = await append_many(conn, events)
     return {

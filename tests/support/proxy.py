@@ -28,6 +28,7 @@ class _Pipe:
         self.client = client
         self.peer = {client: upstream, upstream: client}
         self.outgoing = {client: b"", upstream: b""}
+        self.held = False  # forwards nothing, for good (TcpProxy.hold)
 
 
 class TcpProxy:
@@ -56,7 +57,6 @@ class TcpProxy:
         self._pipes: dict[socket.socket, _Pipe] = {}
         self._from_clients = bytearray()
         self._paused = False
-        self._held: set[int] = set()  # pipes (by id) that forward nothing, for good
         self._running = True
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"TcpProxy:{self.port}")
@@ -122,7 +122,7 @@ class TcpProxy:
             for pipe in {id(p): p for p in self._pipes.values()}.values():
                 with contextlib.suppress(OSError):
                     if pipe.peer[pipe.client].getsockname()[1] == upstream_port:
-                        self._held.add(id(pipe))
+                        pipe.held = True
                         self._update(pipe)
                         found[0] = True
 
@@ -247,7 +247,7 @@ class TcpProxy:
         """Read only when the peer has no backlog, write only when there is something to write."""
         for sock, peer in pipe.peer.items():
             events = 0
-            if not self._paused and id(pipe) not in self._held:
+            if not self._paused and not pipe.held:
                 if not pipe.outgoing[peer]:
                     events |= selectors.EVENT_READ
                 if pipe.outgoing[sock]:
