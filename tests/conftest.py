@@ -6,6 +6,7 @@ what it opens.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,17 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for plugin in SERVICE_PLUGINS:
         config.pluginmanager.import_plugin(plugin)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The unit tier's heap, once collected, is set aside from the garbage collector, as
+    the relay sets aside its own start-up heap (relay/runtime/heap.py): collection imports
+    every broker client, and each full collection during the tests walked all of it again
+    to find nothing (the tier took 8.1 s, 7.4 s with the freeze). The integration tier
+    leaves the heap alone: its in-process relays must freeze and thaw it themselves."""
+    if _unit_tier_only(session.config):
+        gc.collect()
+        gc.freeze()
 
 
 def _unit_tier_only(config: pytest.Config) -> bool:

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterator
+
+import pytest
 
 from relay.runtime.heap import YOUNG_THRESHOLD, start_up_heap_frozen
+
+
+@pytest.fixture(autouse=True)
+def heap_of_its_own() -> Iterator[None]:
+    """Each test starts with nothing frozen, as in a relay's own process: the unit tier
+    freezes its heap after collection (tests/conftest.py), and gets it back frozen."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    yield
+    if frozen:
+        gc.freeze()
 
 
 class Node:
