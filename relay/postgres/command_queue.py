@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from relay.core.lanes import Lane
 from relay.errors import RelayError
 from relay.postgres.partitions import Partitions
-from relay.postgres.queries import NOTIFY, CommandQueries
+from relay.postgres.queries import NOTIFY, statements
 from relay.postgres.store import Claim
 
 COMMAND_CHANNEL = "relay_commands"
@@ -124,7 +124,7 @@ class CommandQueue:
     """The commands table, seen from the CLI and from the holder."""
 
     def __init__(self, schema: str) -> None:
-        self.queries = CommandQueries(schema)
+        self.queries = statements("commands", schema)
         self._partitions = Partitions(schema)
 
     async def submit(self, conn: asyncpg.Connection, request: CommandRequest) -> int:
@@ -138,28 +138,28 @@ class CommandQueue:
         """
         async with conn.transaction():
             await self._partitions.hold(conn, request.lane)
-            command_id = await conn.fetchval(self.queries.submit, *request.columns())
+            command_id = await conn.fetchval(self.queries["submit"], *request.columns())
             await conn.execute(NOTIFY, COMMAND_CHANNEL, request.outbox)
         return int(command_id)
 
     async def result(self, conn: asyncpg.Connection, command_id: int) -> CommandState:
-        row = await conn.fetchrow(self.queries.result, command_id)
+        row = await conn.fetchrow(self.queries["result"], command_id)
         outcome = json.loads(row["outcome"]) if row["outcome"] else None
         return CommandState(row["state"], row["executed_by"], outcome)
 
     async def expire(self, conn: asyncpg.Connection, command_id: int) -> bool:
         """Withdraw a command nobody took; False if a holder has started it already."""
-        status = await conn.execute(self.queries.expire, command_id)
+        status = await conn.execute(self.queries["expire"], command_id)
         return bool(status.endswith(" 1"))
 
     async def waiting(self, conn: asyncpg.Connection, outbox: str) -> bool:
         """Whether a command waits for the outbox: a read on any connection, so that the
         holder's polling costs its shared lease connection nothing while none does."""
-        return bool(await conn.fetchval(self.queries.waiting, outbox))
+        return bool(await conn.fetchval(self.queries["waiting"], outbox))
 
     async def take(self, conn: asyncpg.Connection, claim: Claim, by: str) -> Command | None:
         """The oldest pending command of the outbox, marked running; holder only."""
-        row = await conn.fetchrow(self.queries.take, claim.outbox, by, claim.key)
+        row = await conn.fetchrow(self.queries["take"], claim.outbox, by, claim.key)
         if row is None:
             return None
         return Command(
@@ -174,7 +174,7 @@ class CommandQueue:
         self, conn: asyncpg.Connection, command_id: int, ok: bool, outcome: dict[str, Any]
     ) -> None:
         await conn.execute(
-            self.queries.finish,
+            self.queries["finish"],
             command_id,
             "done" if ok else "failed",
             json.dumps(outcome, default=str),
@@ -185,7 +185,7 @@ class CommandQueue:
     ) -> int:
         """A command the CLI carried out itself, under the lease: kept like any other."""
         command_id = await conn.fetchval(
-            self.queries.record,
+            self.queries["record"],
             *request.columns(),
             "done" if ok else "failed",
             json.dumps(outcome, default=str),
@@ -194,4 +194,4 @@ class CommandQueue:
 
     async def abandon_running(self, conn: asyncpg.Connection, outbox: str) -> None:
         """A new holder fails what a previous holder left half-done."""
-        await conn.execute(self.queries.abandon_running, outbox)
+        await conn.execute(self.queries["abandon_running"], outbox)

@@ -37,7 +37,7 @@ import structlog
 from relay.config import LeaseConfig
 from relay.errors import DatabaseError, RelayError
 from relay.postgres.database import CONNECTION_LOST, Database, driver_text
-from relay.postgres.queries import NOTIFY, LeaseQueries
+from relay.postgres.queries import HOLDER_OF, NOTIFY, lock_wait, statements
 
 LEASE_CHANNEL = "relay_lease"
 T = TypeVar("T")
@@ -63,12 +63,12 @@ class Holder:
 
     pid: int
     identity: str
-    heartbeat_age: float | None  # how long its session has been silent (LeaseQueries.holders)
+    heartbeat_age: float | None  # how long its session has been silent (lease.holders)
 
 
 async def holder_identity(conn: asyncpg.Connection, key: int) -> str | None:
     """The identity of the replica (or CLI) whose session holds lock `key`, if any."""
-    row = await conn.fetchrow(LeaseQueries.holder_of, key)
+    row = await conn.fetchrow(HOLDER_OF, key)
     if row is None:
         return None
     return str(row["application_name"]).removesuffix(":lease") or f"pid {row['pid']}"
@@ -161,7 +161,7 @@ class LeaseConnection:
         self._line = asyncio.Lock()
         self._watched: dict[int, _Watched] = {}  # the held locks the proofs cover, by key
         self._prover: asyncio.Task[None] | None = None
-        self.queries = LeaseQueries(schema)
+        self.queries = statements("lease", schema)
         self.log = structlog.get_logger("relay.lease")
 
     async def _connection(self) -> asyncpg.Connection:
@@ -223,7 +223,7 @@ class LeaseConnection:
         if limit <= 0 or not wanted:
             return []
         async with self.statement() as conn:
-            rows = await conn.fetch(self.queries.try_locks, wanted, limit)
+            rows = await conn.fetch(self.queries["try_locks"], wanted, limit)
         taken = [int(r["k"]) for r in rows]
         self.held.update(taken)
         return taken
@@ -234,7 +234,7 @@ class LeaseConnection:
         has not stamped it yet), in one query."""
         namespace = self.config.namespace
         async with self.statement() as conn:
-            rows = await conn.fetch(self.queries.holders, list(keys), list(lanes), namespace)
+            rows = await conn.fetch(self.queries["holders"], list(keys), list(lanes), namespace)
         return {
             int(r["key"]): Holder(
                 r["pid"], str(r["application_name"]).removesuffix(":lease"), r["heartbeat_age"]
@@ -254,7 +254,7 @@ class LeaseConnection:
         """End a silent holder's session (it frees its locks); False without the right."""
         try:
             async with self.statement() as conn:
-                done = bool(await conn.fetchval(self.queries.terminate, holder.pid))
+                done = bool(await conn.fetchval(self.queries["terminate"], holder.pid))
         except asyncpg.InsufficientPrivilegeError as exc:
             self.log.warning("cannot end the silent holder's session", error=str(exc))
             return False
@@ -314,7 +314,7 @@ class LeaseConnection:
             rows = await answered_within(
                 max(0.0, started + self.config.check_timeout - _now()),
                 conn.fetch(
-                    self.queries.heartbeat,
+                    self.queries["heartbeat"],
                     list(watched),
                     [w.lane for w in watched.values()],
                     [w.epoch for w in watched.values()],
@@ -361,7 +361,7 @@ class LeaseConnection:
         self.held.discard(key)
         try:  # ahead of the line, as a proof: a hand-over must not wait for every lane's writes
             async with asyncio.timeout(self.config.check_timeout), self.lock:
-                await self.conn.execute(self.queries.unlock, key)
+                await self.conn.execute(self.queries["unlock"], key)
                 await self.conn.execute(NOTIFY, LEASE_CHANNEL, channel_key)
         except Exception:  # noqa: BLE001 - any failure here means: drop the socket
             self.abandon("lease connection dropped: unlocking a lease failed")
@@ -490,7 +490,7 @@ class Lease:
                 async with conn.transaction():
                     if bounded:
                         wait = self.config.check_timeout * CLAIM_LOCK_WAIT
-                        await conn.execute(self.session.queries.lock_wait(wait))
+                        await conn.execute(lock_wait(wait))
                     yield conn
             except asyncpg.LockNotAvailableError as exc:
                 holder = await self._row_holder(conn, outbox)
@@ -503,7 +503,7 @@ class Lease:
     async def _row_holder(self, conn: asyncpg.Connection, outbox: str) -> str | None:
         """Who locks the outbox's row, if one transaction does and it may be seen."""
         with contextlib.suppress(asyncpg.PostgresError):
-            row = await conn.fetchrow(self.session.queries.row_holder, outbox)
+            row = await conn.fetchrow(self.session.queries["row_holder"], outbox)
             if row is not None:
                 name = str(row["application_name"] or "").removesuffix(":lease")
                 return f"{name or 'a session'} (pid {row['pid']})"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from relay.postgres.queries import MembershipQueries
+from relay.postgres.queries import statements
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ async def live_members(
     conn: asyncpg.Connection, schema: str, namespace: str, stale_after: float
 ) -> list[Member]:
     """Every replica of the namespace whose row is fresh, for `relay status` and the CLI."""
-    members = MembershipQueries(schema).members
+    members = statements("membership", schema)["members"]
     rows = await conn.fetch(members, namespace, "", stale_after)
     return sorted((_member(r) for r in rows), key=lambda m: m.identity)
 
@@ -86,7 +86,7 @@ class Membership:
         *,
         version: str | None = None,
     ) -> None:
-        self.queries = MembershipQueries(schema)
+        self.queries = statements("membership", schema)
         self.namespace = namespace
         self.identity = identity
         self.outboxes = dict(outboxes)
@@ -103,13 +103,15 @@ class Membership:
         included (`connected` says which are live for sharing lanes)."""
         args = (self.namespace, self.identity, stale_after)
         if self.left:
-            rows = await conn.fetch(self.queries.members, *args)
+            rows = await conn.fetch(self.queries["members"], *args)
         else:
             outboxes = json.dumps(self.outboxes)
-            rows = await conn.fetch(self.queries.beat, *args, outboxes, self.room(), self.version)
+            rows = await conn.fetch(
+                self.queries["beat"], *args, outboxes, self.room(), self.version
+            )
         return [self.me, *(_member(r) for r in rows)]
 
     async def leave(self, conn: asyncpg.Connection) -> None:
         """A graceful stop: the others may take this replica's share at once."""
         self.left = True
-        await conn.execute(self.queries.leave, self.identity)
+        await conn.execute(self.queries["leave"], self.identity)

@@ -24,7 +24,7 @@ import asyncpg
 from relay.config import ColumnsConfig
 from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
-from relay.postgres.queries import PartitionQueries, lane_at, published
+from relay.postgres.queries import lane_at, move_parked, published, statements
 from relay.postgres.skipping import Layer, Skip, stacked
 
 # In the outcome of an operator's command that a change of partitions ended.
@@ -98,11 +98,12 @@ def _record(row: asyncpg.Record) -> PartitionSet:
 
 class Partitions:
     def __init__(self, schema: str) -> None:
-        self.queries = PartitionQueries(schema)
+        self.schema = schema
+        self.queries = statements("partitions", schema)
 
     async def read(self, conn: asyncpg.Connection, outbox: str) -> PartitionSet | None:
         """The outbox's record; None before its first claim."""
-        row = await conn.fetchrow(self.queries.read, outbox)
+        row = await conn.fetchrow(self.queries["read"], outbox)
         return None if row is None else _record(row)
 
     async def count(self, conn: asyncpg.Connection, outbox: str, configured: int) -> int:
@@ -114,7 +115,7 @@ class Partitions:
         """In the caller's transaction: refuse (PartitionsChanged) a lane of another count
         than the outbox runs with, and keep the count from changing until the transaction
         ends (a change takes the record FOR UPDATE first). No record yet: any count."""
-        recorded = await conn.fetchval(self.queries.hold, lane.outbox)
+        recorded = await conn.fetchval(self.queries["hold"], lane.outbox)
         if recorded is not None and recorded != lane.count:
             raise PartitionsChanged(
                 f"outbox {lane.outbox!r} runs with {recorded} partition(s) now, not"
@@ -141,7 +142,9 @@ class Partitions:
         CLI claims a lane only to carry a command out, and were that to end the pin, a
         replica still configured with the old count would change the outbox back at once.
         """
-        row = await conn.fetchrow(self.queries.admit, outbox, count, start, start_xmin, by, replica)
+        row = await conn.fetchrow(
+            self.queries["admit"], outbox, count, start, start_xmin, by, replica
+        )
         record = _record(row)
         if record.partitions != count:
             raise PartitionsChanged(mismatch(outbox, record, count), record.partitions, count)
@@ -149,7 +152,7 @@ class Partitions:
 
     async def settle_start(self, conn: asyncpg.Connection, outbox: str, position: int) -> None:
         """`start: end`, once the first claim's barrier passed: where every new lane starts."""
-        await conn.execute(self.queries.settle_start, outbox, position)
+        await conn.execute(self.queries["settle_start"], outbox, position)
 
     async def repartition(
         self,
@@ -169,7 +172,7 @@ class Partitions:
         (PartitionsChanged).
         """
         async with conn.transaction():
-            record = await conn.fetchrow(self.queries.lock, outbox)
+            record = await conn.fetchrow(self.queries["lock"], outbox)
             current = None if record is None else _record(record)
             # No record: the outbox never ran, so any count is its count, with no lane yet.
             before = (expect or 1) if current is None else current.partitions
@@ -179,7 +182,7 @@ class Partitions:
                 )
             if count == before:  # nothing to do: leave checkpoints, epochs and states alone
                 return Repartitioned(outbox, before, count, 0, 0, 0)
-            rows = await conn.fetch(self.queries.lanes, outbox)
+            rows = await conn.fetch(self.queries["lanes"], outbox)
             old = lanes_of(outbox, before)
             moved = 0
             if rows or (current is not None and current.start_position is not None):
@@ -191,7 +194,7 @@ class Partitions:
             # A command for an old lane can no longer be carried out there: the CLI that
             # waits for it reads this outcome and carries it out on the new lanes.
             await conn.execute(
-                self.queries.end_commands,
+                self.queries["end_commands"],
                 outbox,
                 json.dumps(
                     {
@@ -200,7 +203,7 @@ class Partitions:
                     }
                 ),
             )
-            await conn.execute(self.queries.set_count, outbox, count, pinned, by)
+            await conn.execute(self.queries["set_count"], outbox, count, pinned, by)
         return Repartitioned(outbox, before, count, start, 0, moved, skipped)
 
     async def _rewrite(  # noqa: PLR0917 - one transaction's state
@@ -236,9 +239,9 @@ class Partitions:
         older = [Skip.from_json(by_name[lane.name]["skip"]) for lane in old if lane.name in by_name]
         skip = stacked(Layer(len(old), tuple(positions)), older, start)
         skipped = 0 if skip is None else await self._published(conn, skip, start, columns, table)
-        await conn.execute(self.queries.drop_lanes, outbox)
+        await conn.execute(self.queries["drop_lanes"], outbox)
         await conn.executemany(
-            self.queries.new_lane,
+            self.queries["new_lane"],
             [
                 (lane.name, start, epoch, xmin, broker, None if skip is None else skip.as_json())
                 for lane in lanes_of(outbox, count)
@@ -270,7 +273,7 @@ class Partitions:
             if index is None:  # the row is gone: nothing to count
                 continue
             await conn.execute(
-                self.queries.carry_retry,
+                self.queries["carry_retry"],
                 outbox if count == 1 else f"{outbox}/{index}",
                 row["retry_position"],
                 row["attempts"],
@@ -287,5 +290,5 @@ class Partitions:
 
     async def _move_parked(self, conn: asyncpg.Connection, outbox: str, count: int) -> int:
         """Parked messages follow their aggregate to its new lane."""
-        status = await conn.execute(self.queries.move_parked(count), outbox)
+        status = await conn.execute(move_parked(self.schema, count), outbox)
         return int(status.split()[-1])

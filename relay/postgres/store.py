@@ -9,7 +9,7 @@ means this replica has been fenced: FencedError.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +18,7 @@ import asyncpg
 from relay.core.delivery import Parking, RetryCount
 from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.postgres.queries import StoreQueries
+from relay.postgres.queries import statements
 from relay.postgres.skipping import Skip
 from relay.postgres.source import Blocker
 
@@ -82,12 +82,9 @@ class ParkedMessage:
         return f"{self.aggregate_type}/{self.aggregate_id}@{self.version}"
 
 
-_PARKED_COLUMNS = ", ".join(f.name for f in fields(ParkedMessage))
-
-
 class Store:
     def __init__(self, schema: str) -> None:
-        self.queries = StoreQueries(schema, _PARKED_COLUMNS)
+        self.queries = statements("store", schema)
 
     async def claim(
         self,
@@ -106,8 +103,8 @@ class Store:
         `broker` is recorded with each checkpoint written under this claim; the claim says
         which broker the row was last written for.
         """
-        await conn.execute(self.queries.create_checkpoint, outbox, start, start_xmin, broker)
-        row = await conn.fetchrow(self.queries.claim, outbox, holder, key)
+        await conn.execute(self.queries["create_checkpoint"], outbox, start, start_xmin, broker)
+        row = await conn.fetchrow(self.queries["claim"], outbox, holder, key)
         if row is None:
             raise FencedError(f"outbox {outbox!r}: cannot claim it without holding its lease")
         retry = None
@@ -138,7 +135,7 @@ class Store:
         statement: str,
         *values: object,
     ) -> None:
-        """Run one of the fenced writes (queries.fenced) under `claim`, `values` from $4;
+        """Run one of the fenced writes (own_tables.sql says how) under `claim`, `values` from $4;
         FencedError naming `action` if it matched no row."""
         status = await conn.execute(statement, claim.outbox, claim.epoch, claim.key, *values)
         _fenced_unless_updated(status, claim, action)
@@ -146,12 +143,12 @@ class Store:
     async def advance(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """Move the checkpoint forwards and mark the outbox healthy."""
         action = f"moving the checkpoint to {position}"
-        await self._fenced(conn, claim, action, self.queries.advance, position, claim.broker)
+        await self._fenced(conn, claim, action, self.queries["advance"], position, claim.broker)
 
     async def rewind(self, conn: asyncpg.Connection, claim: Claim, position: int) -> int:
         """Move the checkpoint back, for `relay replay` only; returns where it was."""
         previous = await conn.fetchval(
-            self.queries.rewind,
+            self.queries["rewind"],
             claim.outbox,
             claim.epoch,
             position,
@@ -180,7 +177,7 @@ class Store:
             conn,
             claim,
             f"reporting state {state}",
-            self.queries.report,
+            self.queries["report"],
             state,
             attempts,
             last_error,
@@ -191,12 +188,12 @@ class Store:
 
     async def halt(self, conn: asyncpg.Connection, claim: Claim, reason: str) -> None:
         """Stop the outbox until an operator's replay: it stays halted across restarts."""
-        await self._fenced(conn, claim, "halting the outbox", self.queries.halt, reason)
+        await self._fenced(conn, claim, "halting the outbox", self.queries["halt"], reason)
 
     async def settle_start(self, conn: asyncpg.Connection, claim: Claim, position: int) -> None:
         """`start: end`: put the first checkpoint where the first open transaction's events are."""
         action = f"settling the starting position at {position}"
-        await self._fenced(conn, claim, action, self.queries.settle_start, position)
+        await self._fenced(conn, claim, action, self.queries["settle_start"], position)
 
     async def report_blocking(
         self, conn: asyncpg.Connection, claim: Claim, blocker: Blocker | None
@@ -211,7 +208,7 @@ class Store:
             conn,
             claim,
             "reporting a blocking transaction",
-            self.queries.report_blocking,
+            self.queries["report_blocking"],
             value,
         )
 
@@ -221,7 +218,7 @@ class Store:
         """Say why events are held back until standbys have them (source.survive_failover),
         or that they no longer are."""
         await self._fenced(
-            conn, claim, "reporting the standbys", self.queries.report_standbys, held
+            conn, claim, "reporting the standbys", self.queries["report_standbys"], held
         )
 
     async def park(self, conn: asyncpg.Connection, claim: Claim, parking: Parking) -> None:
@@ -232,7 +229,7 @@ class Store:
         event = parking.event
         async with conn.transaction():
             await conn.execute(
-                self.queries.park,
+                self.queries["park"],
                 claim.outbox,
                 event.position,
                 event.type,
@@ -248,7 +245,7 @@ class Store:
             await self.advance(conn, claim, parking.upto)
 
     async def checkpoints(self, conn: asyncpg.Connection) -> list[CheckpointRow]:
-        rows = await conn.fetch(self.queries.checkpoints)
+        rows = await conn.fetch(self.queries["checkpoints"])
         return [
             CheckpointRow(
                 **{**dict(r), "blocking": json.loads(r["blocking"]) if r["blocking"] else None}
@@ -258,7 +255,7 @@ class Store:
 
     async def position(self, conn: asyncpg.Connection, outbox: str) -> int | None:
         """The outbox's checkpoint; None before its first claim."""
-        value = await conn.fetchval(self.queries.position, outbox)
+        value = await conn.fetchval(self.queries["position"], outbox)
         return None if value is None else int(value)
 
     async def parked(
@@ -266,14 +263,14 @@ class Store:
     ) -> list[ParkedMessage]:
         """Parked messages of these lanes in position order; only `ids` when given."""
         chosen = [lanes] if isinstance(lanes, str) else lanes
-        rows = await conn.fetch(self.queries.parked, chosen, ids)
+        rows = await conn.fetch(self.queries["parked"], chosen, ids)
         return [ParkedMessage(**dict(r)) for r in rows]
 
     async def parked_attempts(
         self, conn: asyncpg.Connection, lanes: list[str], ids: list[int] | None = None
     ) -> dict[int, int]:
         """Each parked message's attempts so far (of these lanes; only `ids` when given)."""
-        rows = await conn.fetch(self.queries.parked_attempts, lanes, ids)
+        rows = await conn.fetch(self.queries["parked_attempts"], lanes, ids)
         return {r["id"]: r["attempts"] for r in rows}
 
     async def newest_parked(
@@ -281,33 +278,33 @@ class Store:
     ) -> list[ParkedMessage]:
         """The `limit` last parked of these lanes, newest first, without bodies, each text cut
         to `cut` characters and `…` (`relay parked show` shows it whole)."""
-        rows = await conn.fetch(self.queries.newest_parked, lanes, limit, cut)
+        rows = await conn.fetch(self.queries["newest_parked"], lanes, limit, cut)
         return [ParkedMessage(**dict(r)) for r in rows]
 
     async def parked_by_id(self, conn: asyncpg.Connection, id_: int) -> ParkedMessage | None:
-        row = await conn.fetchrow(self.queries.parked_by_id, id_)
+        row = await conn.fetchrow(self.queries["parked_by_id"], id_)
         return ParkedMessage(**dict(row)) if row else None
 
     async def parked_lanes(
         self, conn: asyncpg.Connection, lanes: list[str], ids: list[int]
     ) -> dict[int, str]:
         """Which of `lanes` parked each of these messages (ids of other outboxes are left out)."""
-        rows = await conn.fetch(self.queries.parked_lanes, ids, lanes)
+        rows = await conn.fetch(self.queries["parked_lanes"], ids, lanes)
         return {int(r["id"]): str(r["outbox"]) for r in rows}
 
     async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
-        return int(await conn.fetchval(self.queries.parked_count, outbox))
+        return int(await conn.fetchval(self.queries["parked_count"], outbox))
 
     async def drop_parked(
         self, conn: asyncpg.Connection, ids: list[int] | None, outboxes: list[str]
     ) -> list[int]:
         """Delete parked messages by id, or all of `outboxes` when `ids` is None."""
-        rows = await conn.fetch(self.queries.drop_parked, ids, outboxes)
+        rows = await conn.fetch(self.queries["drop_parked"], ids, outboxes)
         return sorted(r["id"] for r in rows)
 
     async def unpark(self, conn: asyncpg.Connection, claim: Claim, ids: list[int]) -> None:
         """These parked messages were published: forget them (holder only)."""
-        await conn.execute(self.queries.unpark, ids, claim.outbox, claim.key)
+        await conn.execute(self.queries["unpark"], ids, claim.outbox, claim.key)
 
     async def still_parked(
         self, conn: asyncpg.Connection, claim: Claim, failed: dict[int, tuple[str, str]]
@@ -316,7 +313,7 @@ class Store:
         (`failed` maps each id to them), in one statement (holder only)."""
         ids = list(failed)
         await conn.execute(
-            self.queries.still_parked,
+            self.queries["still_parked"],
             ids,
             [failed[i][0] for i in ids],
             [failed[i][1] for i in ids],

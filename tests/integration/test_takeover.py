@@ -26,7 +26,7 @@ from relay.config import DatabaseConfig, LeaseConfig
 from relay.postgres.database import Database
 from relay.postgres.lease import Holder, Lease, LeaseConnection, lock_key
 from relay.postgres.membership import Membership
-from relay.postgres.queries import LeaseQueries
+from relay.postgres.queries import HOLDER_OF
 from relay.postgres.sql import lane_key
 from relay.postgres.store import Store
 from tests.support import postgres
@@ -66,7 +66,7 @@ def identity_of(replica: RelayProcess) -> str:
 
 async def lock_holder(conn: asyncpg.Connection, key: int) -> tuple[int, str] | None:
     """The backend pid and identity of the session holding lock `key`, as a standby sees it."""
-    row = await conn.fetchrow(LeaseQueries.holder_of, key)
+    row = await conn.fetchrow(HOLDER_OF, key)
     if row is None:
         return None
     return int(row["pid"]), str(row["application_name"]).removesuffix(":lease")

@@ -1,12 +1,13 @@
-"""The relay's statements, named in one package, each built once from the names in the config.
+"""The relay's statements, named in one package.
 
-One class per thing they address: `SourceQueries`, the application's event table (in the
-config's table and column names) and the catalogs the drain barrier reads; then the
-relay's own tables in `database.schema`: `StoreQueries` (checkpoints and parked
-messages), `PartitionQueries` (the partition set), `CommandQueries`, `MembershipQueries`
-and `LeaseQueries`. The class that runs a statement builds its queries once, in its own
-constructor, and uses them by name: EventSource, Store, Partitions, CommandQueue,
-Membership and LeaseConnection.
+The application's event table is read in the config's table and column names, so those
+statements are built in Python: `SourceQueries` (and `ReplicationQueries`, the catalogs the
+drain barrier and the standby check read), in reading.py. The relay's own tables in
+`database.schema` are its own: their statements are written out by name in
+own_tables.sql, in groups (`store`, `partitions`, `commands`, `membership`, `lease`), and
+`statements(group, schema)` gives one group's, filled in for the schema. The class that
+runs them takes its group once, in its own constructor, and uses them by name: Store,
+Partitions, CommandQueue, Membership and LeaseConnection.
 
 Names from the config are quoted here (sql.quote, sql.qualified) as the text is built;
 values never are in the text: each is a $n parameter, listed with its statement. The
@@ -15,12 +16,11 @@ event table and of its rights with those checks (event_table.py, rights.py).
 """
 
 from relay.postgres.queries.own_tables import (
+    HOLDER_OF,
     NOTIFY,
-    CommandQueries,
-    LeaseQueries,
-    MembershipQueries,
-    PartitionQueries,
-    StoreQueries,
+    lock_wait,
+    move_parked,
+    statements,
 )
 from relay.postgres.queries.reading import (
     ReplicationQueries,
@@ -32,16 +32,15 @@ from relay.postgres.queries.reading import (
 )
 
 __all__ = [
+    "HOLDER_OF",
     "NOTIFY",
-    "CommandQueries",
-    "LeaseQueries",
-    "MembershipQueries",
-    "PartitionQueries",
     "ReplicationQueries",
     "SourceQueries",
-    "StoreQueries",
     "lane_at",
     "lane_expression",
     "lane_of",
+    "lock_wait",
+    "move_parked",
     "published",
+    "statements",
 ]
