@@ -1,8 +1,10 @@
 """Prometheus metrics: one registry per relay process, no globals.
 
-Every label value comes from a bounded set: outbox names and destination
-templates come from the config, reasons and lease events from fixed lists.
-A rendered destination (which may contain an aggregate id) is never a label.
+The relay's own families are declared as one table, metrics.toml (type, name, labels and
+help of each); `Metrics` makes them on its registry, each as the attribute the table names.
+Every label value comes from a bounded set: outbox names and destination templates come
+from the config, reasons and lease events from fixed lists. A rendered destination (which
+may contain an aggregate id) is never a label.
 
 Per-outbox series also carry `partition` (`0`..`K-1`) when the outbox is split into
 lanes. For an outbox with one lane it is empty and left out of the output, so that
@@ -15,9 +17,14 @@ counted on the hot path.
 
 from __future__ import annotations
 
+import tomllib
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
+from importlib.resources import files
 from itertools import accumulate
+from types import MappingProxyType
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,9 +46,63 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 LEASE_EVENTS = ("acquired", "released", "lost", "fenced")
 OUTBOX = ("outbox", "partition")
+_BUCKETS = {"latency": _LATENCY_BUCKETS, "batch": _BATCH_BUCKETS}
+
+
+@cache
+def families() -> Mapping[str, Mapping[str, Any]]:
+    """metrics.toml's tables by attribute: each family's type, name, labels and help."""
+    text = files(__package__).joinpath("metrics.toml").read_text(encoding="utf-8")
+    return MappingProxyType(tomllib.loads(text))
+
+
+def _make(family: Mapping[str, Any], registry: CollectorRegistry) -> Collector:
+    kind, name, doc = family["type"], family["name"], family["help"]
+    labels = list(family.get("labels", OUTBOX))
+    buckets = _BUCKETS[family.get("buckets", "latency")]
+    match kind:
+        case "gauge":
+            return Gauge(name, doc, labels, registry=registry)
+        case "counter":
+            return Counter(name, doc, labels, registry=registry)
+        case "histogram":
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+        case "batch_histogram":
+            return BatchHistogram(name, doc, labels, buckets, registry)
+    raise ValueError(f"metrics.toml: {name} is of no type the relay makes ({kind!r})")
 
 
 class Metrics:
+    """The relay's series, one registry per relay process: the families of metrics.toml,
+    each made as the attribute its table names, and the client library's collectors."""
+
+    build_info: Gauge
+    # Leases
+    lease_held: Gauge
+    partitions_mismatch: Gauge
+    lease_transitions: Counter
+    # Reading and publishing
+    events_read: Counter
+    published: Counter
+    skipped: Counter
+    failures: Counter
+    unexpected_duplicates: Counter
+    publish_duration: Histogram
+    batch_messages: Histogram
+    end_to_end: BatchHistogram
+    trace_context_invalid: Counter
+    # How far behind, and what is stuck
+    lag_events: Gauge
+    lag_seconds: Gauge
+    parked: Gauge
+    parked_total: Counter
+    retrying: Gauge
+    halted: Gauge
+    barrier_wait: Histogram
+    # source.survive_failover
+    replication_wait: Histogram
+    standbys_missing: Gauge
+
     def __init__(self) -> None:
         self._series = CollectorRegistry(auto_describe=True)
         # What /metrics shows and tests read: the series, without empty partitions.
@@ -51,108 +112,9 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        self.build_info = self._gauge(
-            "relay_build_info", "The relay's version; always 1.", ["version"]
-        )
+        for attribute, family in families().items():
+            setattr(self, attribute, _make(family, self._series))
         self.build_info.labels(__version__).set(1)
-        # -- leases
-        self.lease_held = self._gauge(
-            "relay_lease_held", "1 while this replica holds the outbox's lease."
-        )
-        self.partitions_mismatch = self._gauge(
-            "relay_partitions_mismatch",
-            "1 while this replica's config gives the outbox another partition count than the"
-            " one it runs with: it relays none of its lanes (see `relay status`).",
-            ["outbox"],
-        )
-        self.lease_transitions = self._counter(
-            "relay_lease_transitions",
-            "Lease acquisitions, releases, losses and fencings.",
-            [*OUTBOX, "event"],
-        )
-        # -- reading and publishing
-        self.events_read = self._counter("relay_events_read", "Events read from the event table.")
-        self.published = self._counter(
-            "relay_messages_published",
-            "Messages acknowledged by the broker.",
-            [*OUTBOX, "destination"],
-        )
-        self.skipped = self._counter(
-            "relay_messages_skipped",
-            "Messages not built because their rule's condition rejected the event, by type.",
-            [*OUTBOX, "type", "reason"],
-        )
-        self.failures = self._counter(
-            "relay_publish_failures",
-            "Failed publish attempts (the batch's first unacknowledged message), by reason.",
-            [*OUTBOX, "reason"],
-        )
-        self.unexpected_duplicates = self._counter(
-            "relay_unexpected_duplicates",
-            "Messages the broker dropped as duplicates of another event's message with the"
-            " same id, sent in the same or the previous batch.",
-            OUTBOX,
-        )
-        self.publish_duration = self._histogram(
-            "relay_publish_duration_seconds", "Time to publish a batch and await its acks."
-        )
-        self.batch_messages = self._histogram(
-            "relay_batch_messages", "Messages per published batch.", _BATCH_BUCKETS
-        )
-        self.end_to_end = BatchHistogram(
-            "relay_end_to_end_latency_seconds",
-            "From the event's created_at (database clock) to the broker's ack.",
-            OUTBOX,
-            _LATENCY_BUCKETS,
-            self._series,
-        )
-        self.trace_context_invalid = self._counter(
-            "relay_trace_context_invalid",
-            "Trace contexts (traceparent, tracestate) dropped as invalid; the message went"
-            " out without them.",
-        )
-        # -- how far behind, and what is stuck
-        self.lag_events = self._gauge(
-            "relay_lag_events", "Positions between the checkpoint and the log's head."
-        )
-        self.lag_seconds = self._gauge(
-            "relay_lag_seconds",
-            "Age of the oldest event not yet relayed, by the database clock; 0 when caught up.",
-        )
-        self.parked = self._gauge("relay_parked_messages", "Messages parked now.")
-        self.parked_total = self._counter(
-            "relay_messages_parked", "Messages parked, by reason.", [*OUTBOX, "reason"]
-        )
-        self.retrying = self._gauge("relay_retrying", "1 while the outbox retries a failed batch.")
-        self.halted = self._gauge(
-            "relay_outbox_halted",
-            "1 while the outbox is halted: its head went below the checkpoint (see status).",
-        )
-        self.barrier_wait = self._histogram(
-            "relay_barrier_wait_seconds",
-            "Time the drain barrier waited for writers' transactions to end.",
-        )
-        # -- source.survive_failover
-        self.replication_wait = self._histogram(
-            "relay_replication_wait_seconds",
-            "Time events were held back until enough standbys had flushed their commits.",
-        )
-        self.standbys_missing = self._gauge(
-            "relay_standbys_missing",
-            "Streaming standbys short of source.survive_failover.standbys; 0 when enough"
-            " stream (events are held back, or published without them, meanwhile).",
-        )
-
-    def _gauge(self, name: str, doc: str, labels: Sequence[str] = OUTBOX) -> Gauge:
-        return Gauge(name, doc, list(labels), registry=self._series)
-
-    def _counter(self, name: str, doc: str, labels: Sequence[str] = OUTBOX) -> Counter:
-        return Counter(name, doc, list(labels), registry=self._series)
-
-    def _histogram(
-        self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
-    ) -> Histogram:
-        return Histogram(name, doc, list(OUTBOX), buckets=buckets, registry=self._series)
 
     def register_lane(self, labels: tuple[str, str]) -> None:
         """Create the lane's series at zero, so alerts see them before the first event."""

@@ -53,7 +53,20 @@ SDIST_TOP = {
 }
 # The status page's files: package data, not modules (runtime/status_page.py serves them).
 PAGE = {f"relay/runtime/page/{name}" for name, _ in FILES.values()}
-SDIST_NEEDS = {"pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "relay/py.typed", *PAGE}
+# The statements of the relay's own tables (postgres/queries/own_tables.py reads them), and
+# its metric families (core/metrics.py makes them).
+STATEMENTS = "relay/postgres/queries/own_tables.sql"
+FAMILIES = "relay/core/metrics.toml"
+SDIST_NEEDS = {
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+    "CHANGELOG.md",
+    "relay/py.typed",
+    STATEMENTS,
+    FAMILIES,
+    *PAGE,
+}
 # A line of the build's output that says something is wrong or about to break. pip's own
 # notes about this machine's extra package index are not the build's business.
 BUILD_WARNING = re.compile(r"warning|deprecat|!!", re.I)
@@ -163,10 +176,13 @@ def test_the_wheel_carries_the_typed_package_and_its_license_only(release: Relea
     assert "relay/py.typed" in names
     assert set(names) >= PAGE, f"the status page's files are missing: {PAGE - set(names)}"
     assert "relay/cli/main.py" in names and "relay/postgres/migrations.py" in names
+    assert STATEMENTS in names, "the statements of the relay's own tables are missing"
+    assert FAMILIES in names, "the relay's metric families are missing"
     assert f"{DIST}.dist-info/licenses/LICENSE" in names
     strays = [n for n in names if not n.startswith(("relay/", f"{DIST}.dist-info/"))]
     assert strays == [], "the wheel holds more than the package"
-    assert not [n for n in names if "migrations/" in n or n.endswith((".pyc", ".sql"))]
+    assert not [n for n in names if "migrations/" in n or n.endswith(".pyc")]
+    assert [n for n in names if n.endswith(".sql")] == [STATEMENTS]
     assert f"\nVersion: {VERSION}\n" in metadata
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
     assert "\nProvides-Extra: nats\n" in metadata

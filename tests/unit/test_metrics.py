@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from relay.core.lanes import lanes_of, metric_labels
-from relay.core.metrics import BatchHistogram, Metrics
+from relay.core.metrics import BatchHistogram, Metrics, families
 
 
 def test_lane_labels() -> None:
@@ -45,3 +47,16 @@ def test_batch_histogram_writes_what_prometheus_histogram_writes() -> None:
         line for line in generate_latest(reference).decode().splitlines() if "_created" not in line
     ]
     assert generate_latest(batched).decode().splitlines() == expected
+
+
+def test_every_family_of_metrics_toml_is_an_attribute_of_the_type_declared() -> None:
+    """metrics.toml and Metrics' attributes are one list: each table is made as the attribute
+    it names, of the class the attribute declares, and no declared attribute lacks a table."""
+    declared = get_type_hints(Metrics)
+    assert list(declared) == list(families())  # in the order /metrics serves them
+    metrics = Metrics()
+    for name, kind in declared.items():
+        assert type(getattr(metrics, name)) is kind, name
+    names = [family["name"] for family in families().values()]
+    assert len(set(names)) == len(names)
+    assert all(name.startswith("relay_") for name in names)
