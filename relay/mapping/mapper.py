@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import structlog
 from jmespath import functions as jmespath_functions
 from jmespath.exceptions import JMESPathError
 
@@ -34,7 +35,10 @@ from relay.mapping.expressions import (
 )
 from relay.mapping.message_schemas import CompiledSchema, compile_schema
 from relay.mapping.rule_code import Values, compile_values
-from relay.mapping.trace_context import TraceContext
+from relay.mapping.trace_context import TraceContext, TraceDrop
+
+# Named as when trace context logged its own drops.
+log = structlog.get_logger("relay.trace_context")
 
 
 class _IsoTimes:
@@ -133,7 +137,9 @@ class Mapper:
         # Metadata that is not JSON fails the event only if the message itself reads it.
         self._needs_metadata = any("metadata" in text for text in sources)
         trace = config.trace_context
-        self._trace = TraceContext(outbox, trace, count_invalid_trace) if trace else None
+        self._trace = TraceContext(trace) if trace else None
+        self._count_invalid_trace = count_invalid_trace
+        self.invalid_trace = 0  # trace contexts dropped so far
         self._structured = config.cloudevents == "structured"
         # Decoding metadata is skipped when no expression could read it.
         self.reads_metadata = self._needs_metadata or (
@@ -210,10 +216,28 @@ class Mapper:
             with headroom():
                 return self.message(event, rule)
         if envelope is not None and self._trace is not None:
-            self._trace.apply(envelope, message, event.metadata_problem)
+            dropped = self._trace.apply(envelope, message, event.metadata_problem)
+            if dropped is not None:
+                self._trace_dropped(message, dropped)
         if self._structured:
             to_structured(message)
         return message
+
+    def _trace_dropped(self, message: Message, dropped: TraceDrop) -> None:
+        self.invalid_trace += 1
+        if self._count_invalid_trace is not None:
+            self._count_invalid_trace()
+        # Every drop is counted; only the first is logged, so that an app writing bad
+        # values does not flood the log (relay_trace_context_invalid_total shows the rest).
+        if self.invalid_trace == 1:
+            log.warning(
+                "invalid trace context dropped; the message goes out without it",
+                outbox=self.outbox,
+                position=message.position,
+                message_id=message.id,
+                field=dropped.field,
+                problem=dropped.problem,
+            )
 
     def _violation(self, event: Event, rule: CompiledRule, found: list[str]) -> SchemaViolation:
         shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")

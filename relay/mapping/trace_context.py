@@ -10,17 +10,15 @@ event back: the message goes out without trace context, and the drop is counted.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from jmespath.exceptions import JMESPathError
 
 from relay.config import TraceContextConfig
 from relay.core.publishing import Message
 from relay.mapping.expressions import compile_expression
-
-log = structlog.get_logger("relay.trace_context")
 
 # version-traceid-parentid-flags, lowercase hex; version ff is invalid. A later version may
 # append fields; the relay forwards only the four it knows (the contract's pattern), so a
@@ -73,25 +71,28 @@ def tracestate_valid(value: Any) -> bool:
     return len(members) <= _MAX_MEMBERS and all(_MEMBER.fullmatch(m) for m in members)
 
 
-class TraceContext:
-    """One outbox's trace-context rule, compiled at start-up; `apply` runs once per event."""
+@dataclass(frozen=True, slots=True)
+class TraceDrop:
+    """A trace-context value dropped from a message: which field, and why."""
 
-    def __init__(
-        self,
-        outbox: str,
-        config: TraceContextConfig,
-        count_invalid: Callable[[], None] | None = None,
-    ) -> None:
-        self.outbox = outbox
+    field: str
+    problem: str
+
+
+class TraceContext:
+    """One outbox's trace-context rule, compiled at start-up; `apply` runs once per event.
+
+    It only sets the message's fields; what is dropped it returns, for the mapper to count.
+    """
+
+    def __init__(self, config: TraceContextConfig) -> None:
         self._traceparent = compile_expression(config.traceparent)
         self._tracestate = compile_expression(config.tracestate) if config.tracestate else None
-        self._count_invalid = count_invalid
         self.reads_metadata = any("metadata" in text for text in config.expressions())
-        self.invalid = 0  # values dropped so far
 
     def apply(
         self, envelope: Mapping[str, Any], message: Message, metadata_problem: str | None = None
-    ) -> None:
+    ) -> TraceDrop | None:
         """Set the message's traceparent and tracestate from the event, when both are valid.
 
         An absent traceparent is normal (an event stored outside any trace). An invalid
@@ -99,40 +100,19 @@ class TraceContext:
         tracestate alone is dropped and the traceparent kept (as W3C asks of a vendor).
         """
         if metadata_problem is not None and self.reads_metadata:
-            self._dropped(message, "metadata", metadata_problem)
-            return
+            return TraceDrop("metadata", metadata_problem)
         try:
             traceparent = self._traceparent(envelope)
             tracestate = self._tracestate(envelope) if self._tracestate else None
         except (JMESPathError, TypeError, ValueError, ArithmeticError, RecursionError) as exc:
             # RecursionError: a JMESPath function walking metadata nested too deeply.
-            self._dropped(message, "trace_context", f"its expression failed: {exc}")
-            return
+            return TraceDrop("trace_context", f"its expression failed: {exc}")
         if traceparent is None:
-            return
+            return None
         if problem := traceparent_problem(traceparent):
-            self._dropped(message, "traceparent", problem)
-            return
+            return TraceDrop("traceparent", problem)
         message.traceparent = traceparent
-        if tracestate is None or tracestate == "":
-            return
-        if tracestate_valid(tracestate):
-            message.tracestate = tracestate
-        else:
-            self._dropped(message, "tracestate", "not a W3C tracestate list")
-
-    def _dropped(self, message: Message, what: str, problem: str) -> None:
-        self.invalid += 1
-        if self._count_invalid is not None:
-            self._count_invalid()
-        # Every drop is counted; only the first is logged, so that an app writing bad
-        # values does not flood the log (relay_trace_context_invalid_total shows the rest).
-        if self.invalid == 1:
-            log.warning(
-                "invalid trace context dropped; the message goes out without it",
-                outbox=self.outbox,
-                position=message.position,
-                message_id=message.id,
-                field=what,
-                problem=problem,
-            )
+        if tracestate is None or tracestate == "" or tracestate_valid(tracestate):
+            message.tracestate = tracestate or None
+            return None
+        return TraceDrop("tracestate", "not a W3C tracestate list")
