@@ -254,6 +254,8 @@ FollowOption = Annotated[
 @app.command()
 def replay(
     outbox: Annotated[str, typer.Argument(help="The outbox to replay.")],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
     from_position: Annotated[
         int | None, typer.Option("--from", min=1, help="Publish again from this position.")
     ] = None,
@@ -265,8 +267,6 @@ def replay(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count the events.")] = False,
     timeout: TimeoutOption = 30.0,
     follow: FollowOption = False,
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
 ) -> None:
     """Move the checkpoint back so events are published again (same ids: consumers dedup)."""
     from relay.cli.operator import Operator, ReplayFrom
@@ -344,12 +344,12 @@ def replay(
 @app.command("retry-parked")
 def retry_parked(
     outbox: Annotated[str, typer.Argument(help="The outbox whose parked messages to retry.")],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
     ids: Annotated[list[int] | None, typer.Option("--id", help="A parked message id.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every parked message.")] = False,
     timeout: TimeoutOption = 30.0,
     follow: FollowOption = False,
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
 ) -> None:
     """Map parked messages again with the current config and publish them, in batches."""
     from relay.cli.operator import Operator
