@@ -34,8 +34,10 @@ HOLDER_OF: Final = lock_holder("$1")  # the session holding lock $1: pid, applic
 _HEADER = re.compile(r"^-- ([a-z_]+\.[a-z_]+) --$", re.MULTILINE)
 
 
+@cache
 def statements(group: str, schema: str) -> Mapping[str, str]:
-    """The statements of `group` in own_tables.sql by name, for the tables in `schema`."""
+    """The statements of `group` in own_tables.sql by name, for the tables in `schema`: made
+    once, read-only, shared by every lane's store, lease session and command queue."""
     prefix = group + "."
     chosen = {
         name.removeprefix(prefix): text
