@@ -83,3 +83,12 @@ class SchemaViolation(MappingError):
 
 class FencedError(RelayError):
     """This replica no longer holds the outbox's lease; it must stop relaying."""
+
+
+class CannotReadBack(UsageError):
+    """An audit asked of a broker, or a destination, that cannot be read back (SQS, SNS,
+    webhooks, a classic RabbitMQ queue): it says so, and never reports a pass there."""
+
+
+class ReadBackError(RelayError):
+    """A broker that can be read back did not answer an audit's read (down, a timeout)."""

@@ -12,7 +12,8 @@ from typing import Any, Protocol, cast
 
 from relay.config import BrokerConfig
 from relay.core.publishing import Message, Publisher
-from relay.errors import ConfigError, PublishError
+from relay.core.readback import Reader
+from relay.errors import CannotReadBack, ConfigError, PublishError
 
 _ADAPTERS: dict[str, tuple[str, str, str]] = {
     # type: (module, class, extra)
@@ -25,6 +26,19 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
     "http": ("relay.brokers.http", "HttpPublisher", "http"),
     "sns": ("relay.brokers.sns", "SnsPublisher", "sns"),
     "kinesis": ("relay.brokers.kinesis", "KinesisPublisher", "kinesis"),
+}
+
+
+# What an audit reads each broker back with (relay/core/readback.py); a type missing here
+# cannot be read back, and the audit says why.
+_READERS: dict[str, tuple[str, str]] = {
+    # type: (module, class); the extra is the publisher's
+    "nats": ("relay.brokers.nats_readback", "NatsReader"),
+}
+_NO_READ_BACK = {
+    "sqs": "an SQS queue hands each message to one consumer: reading it would take them away",
+    "sns": "an SNS topic keeps no message once it has delivered it",
+    "http": "a webhook receiver keeps what it received; the relay cannot ask it",
 }
 
 
@@ -41,6 +55,26 @@ def create_publisher(name: str, config: BrokerConfig) -> Publisher:
     factory: Any = getattr(module, class_name)
     publisher: Publisher = factory(name, config)
     return publisher
+
+
+def create_reader(name: str, config: BrokerConfig) -> Reader:
+    """What an audit reads broker `name` back with, not connected; CannotReadBack (a usage
+    error: exit 2) when its type cannot be read back."""
+    if config.type not in _READERS:
+        why = _NO_READ_BACK.get(config.type, "no reader is written for it yet")
+        raise CannotReadBack(f"broker {name!r} ({config.type}) cannot be read back: {why}")
+    module_name, class_name = _READERS[config.type]
+    extra = _ADAPTERS[config.type][2]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"brokers.{name}: type {config.type!r} needs its client library ({exc.name}); "
+            f"install it with: pip install 'outbox-relay[{extra}]'"
+        ) from exc
+    factory: Any = getattr(module, class_name)
+    reader: Reader = factory(name, config)
+    return reader
 
 
 class Probing(Protocol):

@@ -113,40 +113,7 @@ class NatsPublisher:
 
     async def _open(self) -> Client:
         """A connection, authenticated; TransientPublishError when refused or unreachable."""
-        c = self._config
-        options: dict[str, Any] = {
-            "servers": c.servers,
-            "connect_timeout": c.connect_timeout,
-            "allow_reconnect": False,
-            # Give up on a server after one retry; the outbox's backoff decides when to
-            # try again (nats-py would otherwise try 60 times, 2 s apart, per connect).
-            "max_reconnect_attempts": 1,
-            "reconnect_time_wait": 0.1,
-            "error_cb": _ignore,
-            "name": "outbox-relay",
-            # publish() checks each subject with a stricter rule of its own.
-            "skip_subject_validation": True,
-        }
-        if c.user:
-            options["user"] = c.user
-        if c.password:
-            options["password"] = c.password.get_secret_value()
-        if c.token:
-            options["token"] = c.token.get_secret_value()
-        if c.creds_file:
-            options["user_credentials"] = c.creds_file
-        tls = c.tls is not None or any(urlsplit(url).scheme == "tls" for url in c.servers)
-        if tls:
-            options["tls"] = (c.tls or TlsConfig()).context()
-        nc = _TlsOnlyClient() if tls else Client()
-        try:
-            await nc.connect(**options)
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
-            _drop_transport(nc)
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect: {_text(exc)}"
-            ) from exc
-        return nc
+        return await open_connection(self.name, self._config)
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: connect and authenticate, and find the stream that captures each
@@ -450,6 +417,43 @@ def _read_reply(msg: Msg) -> Reply:
     if isinstance(answer, dict) and answer.get("duplicate") is True:
         return _DUPLICATE
     return _STORED
+
+
+async def open_connection(name: str, config: NatsBrokerConfig) -> Client:
+    """A connection to broker `name`, authenticated, that never reconnects by itself;
+    TransientPublishError when refused or unreachable. The publisher's and the audit's."""
+    c = config
+    options: dict[str, Any] = {
+        "servers": c.servers,
+        "connect_timeout": c.connect_timeout,
+        "allow_reconnect": False,
+        # Give up on a server after one retry; the outbox's backoff decides when to
+        # try again (nats-py would otherwise try 60 times, 2 s apart, per connect).
+        "max_reconnect_attempts": 1,
+        "reconnect_time_wait": 0.1,
+        "error_cb": _ignore,
+        "name": "outbox-relay",
+        # publish() checks each subject with a stricter rule of its own.
+        "skip_subject_validation": True,
+    }
+    if c.user:
+        options["user"] = c.user
+    if c.password:
+        options["password"] = c.password.get_secret_value()
+    if c.token:
+        options["token"] = c.token.get_secret_value()
+    if c.creds_file:
+        options["user_credentials"] = c.creds_file
+    tls = c.tls is not None or any(urlsplit(url).scheme == "tls" for url in c.servers)
+    if tls:
+        options["tls"] = (c.tls or TlsConfig()).context()
+    nc = _TlsOnlyClient() if tls else Client()
+    try:
+        await nc.connect(**options)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        _drop_transport(nc)
+        raise TransientPublishError(f"broker {name!r}: cannot connect: {_text(exc)}") from exc
+    return nc
 
 
 class _TlsOnlyClient(Client):

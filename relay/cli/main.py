@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from relay import __version__
+from relay.cli.audit import register as register_audit
 from relay.cli.common import (
     ConfigOption,
     JsonOption,
@@ -462,6 +463,7 @@ def repartition(
         )
 
 
+register_audit(app)
 app.add_typer(parked_app, name="parked")
 
 

@@ -29,6 +29,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
+from relay.config.audit import AuditConfig
 from relay.config.base import (
     ByteSize,
     Duration,
@@ -247,6 +248,7 @@ class OutboxConfig(Model):
         " lane has its own lease and checkpoint, so replicas share the work. Change it with"
         " `relay repartition`.",
     )
+    audit: AuditConfig = AuditConfig()
 
     @field_validator("key")
     @classmethod

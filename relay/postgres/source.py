@@ -237,6 +237,25 @@ class EventSource:
         cut = bool(rows) and len(rows) < rows[0][event_table.READ_COLUMNS[-1]]
         return [_event(r, names) for r in rows], cut
 
+    async def read_lanes(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        after: int,
+        upto: int,
+        limit: int,
+        aggregates: Sequence[str] | None,
+        types: Sequence[str],
+        count: int,
+    ) -> list[tuple[Event, int]]:
+        """Events in (after, upto] that the outbox maps, in every lane, each with its lane of
+        `count`, in position order: an audit's read of a whole outbox (no barrier: it reads
+        only what the lanes' checkpoints have passed)."""
+        sql = self.queries.with_lanes(count)
+        rows = await conn.fetch(sql, after, upto, limit, aggregates, list(types))
+        names = self.config.columns
+        return [(_event(r, names), r[9]) for r in rows]
+
     async def pending_age(self, conn: asyncpg.Connection, after: int) -> float:
         """Seconds since the oldest event after `after` was written (database clock)."""
         if self.queries.pending_age is None:
@@ -261,6 +280,22 @@ class EventSource:
         """How many events in (after, upto] an outbox would publish."""
         count = await conn.fetchval(self.queries.count, after, upto, aggregates, list(types))
         return int(count)
+
+    async def nth_back(
+        self,
+        conn: asyncpg.Connection,
+        upto: int,
+        count: int,
+        *,
+        aggregates: Sequence[str] | None,
+        types: Sequence[str],
+    ) -> int | None:
+        """The position of the `count`-th event the outbox maps at or below `upto`, counting
+        back (1: the last one); None when there are fewer."""
+        value = await conn.fetchval(
+            self.queries.nth_back, upto, aggregates, list(types), max(count - 1, 0)
+        )
+        return None if value is None else int(value)
 
     async def first_position_since(self, conn: asyncpg.Connection, when: datetime) -> int | None:
         """The first position written at or after `when` (needs a created_at column)."""

@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 
 from relay.core.delivery import Parking, RetryCount
+from relay.core.event import Event
 from relay.core.publishing import Message
 from relay.errors import FencedError
 from relay.postgres.queries import statements
@@ -294,6 +295,40 @@ class Store:
 
     async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
         return int(await conn.fetchval(self.queries["parked_count"], outbox))
+
+    async def parked_keys(
+        self, conn: asyncpg.Connection, lanes: list[str], after: int, upto: int
+    ) -> set[tuple[str, int, str]]:
+        """(lane, position, rule) of what these lanes parked in (after, upto]."""
+        rows = await conn.fetch(self.queries["parked_keys"], lanes, after, upto)
+        return {(str(r["outbox"]), int(r["position"]), str(r["rule"])) for r in rows}
+
+    async def park_missing(
+        self,
+        conn: asyncpg.Connection,
+        lane: str,
+        event: Event,
+        message: Message,
+        *,
+        rule: str,
+        error: str,
+    ) -> int:
+        """Park a message an audit found missing from its broker (reason `missing`), so that
+        retry-parked publishes it again; its parked id (a row already there keeps its own)."""
+        return int(
+            await conn.fetchval(
+                self.queries["park_missing"],
+                lane,
+                event.position,
+                event.type,
+                event.aggregate_type,
+                event.aggregate_id,
+                event.version,
+                *_message_columns(message),
+                error,
+                rule,
+            )
+        )
 
     async def drop_parked(
         self, conn: asyncpg.Connection, ids: list[int] | None, outboxes: list[str]

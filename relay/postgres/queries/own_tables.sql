@@ -145,6 +145,24 @@ WHERE id = ANY($1::bigint[]) AND outbox = ANY($2::text[]);
 -- $1 lane.
 SELECT count(*) FROM {schema}.parked WHERE outbox = $1;
 
+-- store.parked_keys --
+-- What the lanes $1 (text[]) parked in positions ($2, $3]: lane, position, rule (an audit
+-- counts these as parked, not missing).
+SELECT outbox, position, rule FROM {schema}.parked
+WHERE outbox = ANY($1::text[]) AND position > $2 AND position <= $3;
+
+-- store.park_missing --
+-- A message an audit found missing from its broker, parked so that retry-parked publishes
+-- it again: $1 lane, $2 position, $3-$6 the event's type and aggregate, $7-$11 the message's
+-- id, type, destination, key and body, $12 error, $13 rule. A message parked already keeps
+-- its row (and reason): its id either way.
+INSERT INTO {schema}.parked (outbox, position, event_type, aggregate_type, aggregate_id,
+  version, message_id, message_type, destination, message_key, body, reason, error,
+  attempts, rule)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'missing', $12, 0, $13)
+ON CONFLICT (outbox, position, rule) DO UPDATE SET outbox = {schema}.parked.outbox
+RETURNING id;
+
 -- store.drop_parked --
 -- $1 ids (int8[]; NULL: all), $2 lanes (text[]): the ids deleted.
 DELETE FROM {schema}.parked

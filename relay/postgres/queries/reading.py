@@ -166,6 +166,14 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
             f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
             f" AND {quote(cols.type)} = ANY($4::text[])"
         )
+        # The position of the event the outbox maps ($2 aggregate types or NULL, $3 event
+        # types) that is the $4-th (from 0) at or below $1, counting back: where an audit of
+        # the last $4 + 1 events starts.
+        self.nth_back: Final = (
+            f"SELECT {pos} FROM {table} WHERE {pos} <= $1{only}"
+            f" AND ($2::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($2::text[]))"
+            f" AND {quote(cols.type)} = ANY($3::text[]) ORDER BY {pos} DESC OFFSET $4 LIMIT 1"
+        )
         # Seconds since the lane's first event after $1 was written (database clock); None
         # without a created_at column.
         # Not for a time the relay cannot read: infinity cannot be subtracted at all.
@@ -189,6 +197,13 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
             f"SELECT {first}, min({pos}) FROM {table} WHERE {pos} <= $1"
             " AND age(xmin) <= age(($2::int8 % 4294967296)::text::xid)"
         )
+
+    def with_lanes(self, count: int) -> str:
+        """Every lane's page ($1 after, $2 upto, $3 limit, $4 aggregate types or NULL, $5 event
+        types), each row followed by its lane of `count` (0 when the outbox has one): what an
+        audit reads, across every lane of an outbox."""
+        lane = f"({lane_of(self._columns, count)})::int" if count > 1 else "0"
+        return f"SELECT {self._select}, {lane} {self._page()}"
 
     def skipping(self, bounded: bool, layers: int) -> str:
         """The page (`read`, or `read_bounded` when `bounded`) of a lane made by a

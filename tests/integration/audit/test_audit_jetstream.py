@@ -1,0 +1,311 @@
+"""`relay audit` against a real JetStream: losses the relay cannot see, found and repaired.
+
+Each test relays loans with a real `relay run`, then loses messages behind the relay's back
+(deleted from the stream, discarded by a limit, a subject the stream stopped capturing, a
+checkpoint moved forward by hand), and runs `relay audit` as an operator would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nats.js.api import StreamConfig
+
+from tests.support.db import append_many, connect
+from tests.support.jetstream import connect as nats_connect
+from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.operator_cli import (
+    cli,
+    holds,
+    park_huge_loans,
+    relay_then_stop,
+    relayed_up_to,
+    setup_outbox,
+)
+from tests.support.relay_process import run_cli
+from tests.support.scenario import eventually, loans, migrate_cli, write_config
+
+
+async def outbox_on_stream(
+    events_table: str, nats_url: str, tmp_path: Path, **stream: Any
+) -> tuple[Path, str]:
+    """A stream of its own made with these settings (`duplicate_window`, `max_msgs`), and a
+    config relaying to it, migrated."""
+    name = unique_name("audit")
+    async with nats_connect(nats_url) as nc:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=[f"{name}.>"], **stream))
+    config = write_config(tmp_path, events_table, nats_url, name)
+    migrate_cli(config)
+    return config, name
+
+
+async def delete_messages(nats_url: str, stream: str, seqs: list[int]) -> None:
+    async with nats_connect(nats_url) as nc:
+        for seq in seqs:
+            await nc.jetstream().delete_msg(stream, seq)
+
+
+def ids_in(stored: list[Any]) -> list[str]:
+    return [m.headers["Nats-Msg-Id"] for m in stored]
+
+
+def audit(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """`relay audit loans ARGS --json`: its exit code and its report."""
+    result = run_cli(["audit", "loans", *args, "--config", str(config), "--json"])
+    assert result.returncode in (0, 1), result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+async def test_a_message_deleted_from_the_stream_is_found_missing_and_repaired(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(30))
+        await relay_then_stop(relay_process, config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=30)
+        lost = {stored[i].headers["Nats-Msg-Id"]: stored[i].seq for i in (3, 17, 29)}
+        async with nats_connect(nats_url) as nc:
+            for seq in lost.values():
+                await nc.jetstream().delete_msg(stream, seq)
+
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert report["expected"] == 30 and report["found"] == 27
+        assert {m["id"] for m in report["missing"]} == set(lost)
+        assert {m["position"] for m in report["missing"]} == {positions[i] for i in (3, 17, 29)}
+        assert report["duplicates"] == 0 and report["unexplained"] == 0
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_two_subjects_of_one_stream_are_read_in_one_pass(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, [*loans(10), *loans(10, "dvd")])
+        await relay_then_stop(relay_process, config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=20)
+        gone = next(m for m in stored if m.subject.endswith(".dvd"))
+        async with nats_connect(nats_url) as nc:
+            await nc.jetstream().delete_msg(stream, gone.seq)
+
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert [m["id"] for m in report["missing"]] == [gone.headers["Nats-Msg-Id"]]
+        assert report["destinations"][f"{stream}.book"]["found"] == 10
+        assert report["destinations"][f"{stream}.dvd"]["missing"] == 1
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_repair_through_the_holder_puts_back_exactly_the_missing_ones(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path, duplicate_window=0.1)
+    try:
+        holder = relay_process(["run", "--config", str(config)])
+        await eventually(lambda: holds(holder), timeout=20)
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(30))
+        await relayed_up_to(config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=30)
+        lost = [stored[i] for i in (0, 14, 29)]
+        await delete_messages(nats_url, stream, [m.seq for m in lost])
+
+        code, report = audit(config, "--from-start", "--repair", "--timeout", "20")
+        assert code == 0, report
+        assert {m["id"] for m in report["missing"]} == set(ids_in(lost))
+        repair = report["repair"]
+        assert repair["ok"] and repair["direct"] is False
+        assert repair["executed_by"].endswith(f":{holder.pid}")
+        assert len(repair["published"]) == 3 and not repair["still_parked"]
+        after = report["after_repair"]
+        assert after["missing_count"] == 0 and after["found"] == 30 and after["duplicates"] == 0
+        now = await fetch_all(nats_url, stream, expected=30)
+        assert sorted(ids_in(now)) == sorted(ids_in(stored))  # each once: nothing else sent
+        assert cli(config, "parked", "list", "loans") == []
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_repair_the_duplicate_window_drops_is_reported_not_landed(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """JetStream still remembers a deleted message's id for its duplicate window: the re-send
+    is acknowledged as a duplicate and not stored. The command must not call that repaired."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)  # window 2 minutes
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(10))
+        await relay_then_stop(relay_process, config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=10)
+        await delete_messages(nats_url, stream, [stored[4].seq])
+
+        code, report = audit(config, "--from-start", "--repair", "--timeout", "2")
+        assert code == 1
+        assert report["repair"]["duplicate_window"] == 120
+        assert "duplicate window" in report["repair"]["note"]
+        assert [m["id"] for m in report["after_repair"]["missing"]] == ids_in([stored[4]])
+        text = run_cli(["audit", "loans", "--from-start", "--config", str(config)])
+        assert text.returncode == 1 and "1 message(s) missing" in text.stdout
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_repair_waits_out_a_short_duplicate_window(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path, duplicate_window=3)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(10))
+        await relay_then_stop(relay_process, config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=10)
+        await delete_messages(nats_url, stream, [stored[2].seq, stored[7].seq])
+
+        code, report = audit(config, "--from-start", "--repair", "--timeout", "30")
+        assert code == 0, report
+        assert report["repair"]["direct"] is True  # no replica runs: under the lease itself
+        assert report["after_repair"]["missing_count"] == 0
+        assert sorted(ids_in(await fetch_all(nats_url, stream, expected=10))) == sorted(
+            ids_in(stored)
+        )
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_parked_messages_are_counted_as_parked_never_missing(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        await park_huge_loans(events_table, relay_process, config, 2)
+        code, report = audit(config, "--from-start")
+        assert code == 0, report
+        assert report["parked"] == 2 and report["expected"] == 0 and report["missing"] == []
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_replay_shows_as_messages_stored_twice_never_missing(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path, duplicate_window=0.1)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(12))
+        await relay_then_stop(relay_process, config, positions[-1])
+        assert cli(config, "replay", "loans", "--from", str(positions[4]))["ok"]
+        await relay_then_stop(relay_process, config, positions[-1])
+        assert len(await fetch_all(nats_url, stream, expected=20)) == 20
+
+        code, report = audit(config, "--from-start")
+        assert code == 0, report
+        assert report["duplicates"] == 8 and report["missing_count"] == 0
+        assert report["found"] == 12
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_events_a_hand_moved_checkpoint_skipped_are_missing_and_repaired(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(10))
+        await relay_then_stop(relay_process, config, positions[-1])
+        async with connect(events_table) as conn:
+            later = await append_many(conn, loans(5, "dvd"))
+            await conn.execute(
+                "UPDATE relay.checkpoints SET position = $1 WHERE outbox = 'loans'", later[-1]
+            )
+
+        code, report = audit(config, "--from-start", "--repair")
+        assert code == 0, report
+        assert sorted(m["position"] for m in report["missing"]) == later
+        assert all(m["reason"] == "not found" for m in report["missing"])
+        assert report["after_repair"]["found"] == 15
+        assert len(await fetch_all(nats_url, stream, expected=15)) == 15
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_stream_limit_that_discarded_is_named_and_repaired_once_raised(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await outbox_on_stream(
+        events_table, nats_url, tmp_path, max_msgs=20, duplicate_window=0.1
+    )
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(30))
+        await relay_then_stop(relay_process, config, positions[-1])
+
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert sorted(m["position"] for m in report["missing"]) == positions[:10]
+        assert all("max_msgs 20" in m["reason"] for m in report["missing"])
+        assert report["expired_count"] == 0
+
+        async with nats_connect(nats_url) as nc:  # the operator raises the limit first
+            info = await nc.jetstream().stream_info(stream)
+            info.config.max_msgs = 1000
+            await nc.jetstream().update_stream(info.config)
+        code, report = audit(config, "--from-start", "--repair")
+        assert code == 0, report
+        assert report["after_repair"]["found"] == 30
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_subject_the_stream_stopped_capturing_is_missing_there(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """The operator's stream (brokers.nats.stream) is what its consumers read: messages that
+    another stream captured instead are missing from it, whatever else holds them."""
+    name, other = unique_name("audit"), unique_name("thief")
+    await create_stream(nats_url, name, [f"{name}.>"], duplicate_window=0.1)
+    stream_config = {"name": name, "subjects": [f"{name}.>"], "create": False}
+    config = write_config(tmp_path, events_table, nats_url, name, broker={"stream": stream_config})
+    migrate_cli(config)
+    try:
+        async with connect(events_table) as conn:
+            first = await append_many(conn, loans(6))
+        await relay_then_stop(relay_process, config, first[-1])
+        async with nats_connect(nats_url) as nc:
+            js = nc.jetstream()
+            info = await js.stream_info(name)
+            info.config.subjects = [f"{name}.bike"]
+            await js.update_stream(info.config)
+            await js.add_stream(StreamConfig(name=other, subjects=[f"{name}.book"]))
+        async with connect(events_table) as conn:
+            later = await append_many(conn, loans(4, "bike"))
+            later += await append_many(conn, [("book", "late", 1, "BookLent", {"loanId": "x"})])
+        await relay_then_stop(relay_process, config, later[-1])
+
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert [m["position"] for m in report["missing"]] == [later[4]]
+        assert "does not capture subject" in report["missing"][0]["reason"]
+        assert report["destinations"][f"{name}.book"]["found"] == 6
+        assert report["destinations"][f"{name}.bike"]["found"] == 4
+
+        async with nats_connect(nats_url) as nc:  # the operator mends the streams
+            js = nc.jetstream()
+            await js.delete_stream(other)
+            info = await js.stream_info(name)
+            info.config.subjects = [f"{name}.>"]
+            await js.update_stream(info.config)
+        code, report = audit(config, "--from-start", "--repair")
+        assert code == 0, report
+        assert report["after_repair"]["found"] == 11
+    finally:
+        await delete_stream(nats_url, name)
+        await delete_stream(nats_url, other)
