@@ -34,6 +34,11 @@ _ADAPTERS: dict[str, tuple[str, str, str]] = {
 _READERS: dict[str, tuple[str, str]] = {
     # type: (module, class); the extra is the publisher's
     "nats": ("relay.brokers.nats_readback", "NatsReader"),
+    "kafka": ("relay.brokers.kafka_readback", "KafkaReader"),
+    "redis": ("relay.brokers.redis_readback", "RedisReader"),
+    "kinesis": ("relay.brokers.kinesis_readback", "KinesisReader"),
+    "pubsub": ("relay.brokers.pubsub_readback", "PubSubReader"),
+    "rabbitmq": ("relay.brokers.rabbitmq_readback", "RabbitMqReader"),
 }
 _NO_READ_BACK = {
     "sqs": "an SQS queue hands each message to one consumer: reading it would take them away",

@@ -21,15 +21,16 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import pytest
 from pydantic import TypeAdapter
 
-from relay.brokers import create_publisher
+from relay.brokers import create_publisher, create_reader
 from relay.config.brokers import BrokerConfig
 from relay.core.publishing import Message, Publisher
+from relay.core.readback import Reader, Stored
 from relay.errors import PermanentPublishError, TransientPublishError
 from tests.contract.harness import BrokerHarness, Consumed
 from tests.support.proxy import TcpProxy
@@ -85,6 +86,7 @@ class PublisherKit(ABC, Generic[H]):
     time_attribute: ClassVar[str]  # where the CloudEvents `time` goes
     timed_attributes: ClassVar[Mapping[str, str]]  # all `carried` holds for `message("b1", 1)`
     missing_destination_says: ClassVar[str] = ""  # MissingDestinationTestcase
+    duplicate_window: ClassVar[float | None] = None  # ReadBackTestcase: the destination's
     counts_duplicates: ClassVar[bool] = False  # DeduplicationTestcase: `duplicates` tells
 
     def __init__(self, harness: H, request: pytest.FixtureRequest) -> None:
@@ -112,9 +114,21 @@ class PublisherKit(ABC, Generic[H]):
             await kit.harness.close()
 
     def publisher(self, **options: Any) -> Publisher:
+        return create_publisher(self.name, self.broker_config(**options))
+
+    def broker_config(self, **options: Any) -> Any:
         raw = {**self.harness.broker_config(), **self.options, **options}
-        config: Any = TypeAdapter(BrokerConfig).validate_python(raw)
-        return create_publisher(self.name, config)
+        return TypeAdapter(BrokerConfig).validate_python(raw)
+
+    @contextlib.asynccontextmanager
+    async def reading(self, **options: Any) -> AsyncIterator[Reader]:
+        """The broker's audit reader (ReadBackTestcase), connected, closed after."""
+        reader = create_reader(self.name, self.broker_config(**options))
+        try:
+            await reader.connect()
+            yield reader
+        finally:
+            await reader.close()
 
     @contextlib.asynccontextmanager
     async def publishing(self, **options: Any) -> AsyncIterator[Publisher]:
@@ -334,3 +348,72 @@ class MissingDestinationTestcase:
             await kit.harness.prepare()
             assert await pub.publish(batch) == [None, None]
         assert [c.id for c in await kit.consume(expected=2)] == ["book/k@1", "book/k@2"]
+
+
+async def read_back(reader: Reader, destination: str, since: datetime | None) -> list[Stored]:
+    return [stored async for stored in reader.read([destination], since)]
+
+
+class ReadBackTestcase:
+    """For a broker an audit can read back (relay/core/readback.py): what every reader does,
+    written once. The kit's `duplicate_window` is the window its destination was prepared
+    with (None: the broker drops no re-sent id)."""
+
+    async def test_every_message_is_read_back_with_its_id_in_order_and_none_taken(
+        self, kit: PublisherKit[Any]
+    ) -> None:
+        (batch,) = lending(kit, (60,))
+        began = datetime.now(UTC)
+        async with kit.publishing() as pub:
+            assert await pub.publish(batch) == [None] * len(batch)
+        async with kit.reading() as reader:
+            got = await read_back(reader, kit.destination, began - timedelta(minutes=1))
+            again = await read_back(reader, kit.destination, None)  # from the oldest held
+        assert [s.id for s in again] == [s.id for s in got]
+        keys = {m.id: m.key for m in batch}
+        if kit.total_order:
+            assert [s.id for s in got] == [m.id for m in batch]
+        else:  # each key's in the order sent
+            assert per_key([(s.id, keys.get(s.id or "")) for s in got]) == per_key(
+                [(m.id, m.key) for m in batch]
+            )
+        assert {s.destination for s in got} == {kit.destination}
+        assert all(s.time is not None and abs(s.time - began) < timedelta(minutes=1) for s in got)
+        assert all(s.where for s in got)
+        # Reading took nothing from the consumers: they still get every message.
+        assert len(await kit.consume(expected=len(batch))) == len(batch)
+
+    async def test_a_read_from_a_time_leaves_out_what_was_stored_before_it(
+        self, kit: PublisherKit[Any]
+    ) -> None:
+        early = [kit.message("a", v) for v in range(1, 6)]
+        late = [kit.message("b", v) for v in range(1, 6)]
+        async with kit.publishing() as pub, kit.reading() as reader:
+            assert await pub.publish(early) == [None] * 5
+            stored = await read_back(reader, kit.destination, None)
+            after = max(s.time for s in stored if s.time is not None) + timedelta(milliseconds=1)
+            await eventually(lambda: datetime.now(UTC) > after + timedelta(milliseconds=20))
+            assert await pub.publish(late) == [None] * 5
+            got = await read_back(reader, kit.destination, after)
+        assert [s.id for s in got] == [m.id for m in late]
+
+    async def test_the_horizon_names_the_oldest_message_held(self, kit: PublisherKit[Any]) -> None:
+        sent = [kit.message("h", v) for v in range(1, 4)]
+        async with kit.reading() as reader:
+            empty = await reader.horizon(kit.destination)
+            async with kit.publishing() as pub:
+                assert await pub.publish(sent) == [None] * 3
+            await kit.consume(expected=3)
+            horizon = await reader.horizon(kit.destination)
+            window = await reader.duplicate_window(kit.destination)
+        assert empty.first is None
+        assert horizon.first is not None and horizon.where
+        assert horizon.first_id in (None, sent[0].id)
+        assert window == kit.duplicate_window
+
+    async def test_a_destination_nothing_was_published_to_reads_empty(
+        self, kit: PublisherKit[Any]
+    ) -> None:
+        async with kit.reading() as reader:
+            assert await read_back(reader, kit.destination, None) == []
+            assert (await reader.horizon(kit.destination)).first is None

@@ -57,6 +57,7 @@ class NatsKit(base.PublisherKit[NatsHarness]):
     }
     missing_destination_says = "no stream"
     counts_duplicates = True
+    duplicate_window = 120.0
     start = staticmethod(nats_harness.start)
 
     def unreachable(self) -> dict[str, Any]:
@@ -73,7 +74,10 @@ class NatsKit(base.PublisherKit[NatsHarness]):
 
 
 class TestNatsPublisher(
-    base.PublisherTestcase, base.DeduplicationTestcase, base.MissingDestinationTestcase
+    base.PublisherTestcase,
+    base.DeduplicationTestcase,
+    base.MissingDestinationTestcase,
+    base.ReadBackTestcase,
 ):
     Kit = NatsKit
 
