@@ -1,10 +1,11 @@
-"""Reading JetStream back for an audit: an ephemeral ordered consumer per stream.
+"""Reading JetStream back for an audit: an ephemeral pull consumer per stream.
 
 Each destination subject is looked up in the stream that captures it; each stream is read
 once, from the audit's start time (`deliver_policy: by_start_time`), headers only (the id
 is in `Nats-Msg-Id`, in both CloudEvents modes), without acknowledgements, up to the last
-message stored when the read began. The consumer is ephemeral and takes nothing from any
-other consumer. Core NATS (`jetstream: false`) keeps nothing, and cannot be read back.
+message stored when the read began. The consumer is ephemeral (the server deletes it 30 s
+after the audit stops asking) and takes nothing from any other consumer. Core NATS
+(`jetstream: false`) keeps nothing, and cannot be read back.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamInfo
 
 from relay.brokers.nats import captures, open_connection
 from relay.config.brokers import NatsBrokerConfig
 from relay.core.readback import Horizon, Stored
 from relay.errors import CannotReadBack, ReadBackError, TransientPublishError
 
-READ_TIMEOUT = 10.0  # seconds a read waits for the next message the stream said it holds
+READ_TIMEOUT = 10.0  # seconds a read waits for the next messages the stream said it holds
+FETCH = 1_000  # messages asked for at a time
+INACTIVE_AFTER = 30.0  # the server deletes the audit's consumer if the audit went away
 
 
 class NatsReader:
@@ -171,36 +174,38 @@ class NatsReader:
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME,
             opt_start_time=None if since is None else since.astimezone(UTC),
+            ack_policy=AckPolicy.NONE,
             headers_only=True,
+            inactive_threshold=INACTIVE_AFTER,
         )
         try:
-            sub = await js.subscribe(
-                only or ">", stream=stream, ordered_consumer=True, config=config
-            )
+            sub = await js.pull_subscribe(only or ">", stream=stream, config=config)
+            if (await sub.consumer_info()).num_pending == 0:
+                await sub.unsubscribe()
+                return
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             raise self._failed(f"cannot read stream {stream!r}", exc) from exc
         try:
-            if (await sub.consumer_info()).num_pending == 0:
-                return
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=READ_TIMEOUT)
+                    batch = await sub.fetch(FETCH, timeout=READ_TIMEOUT)
                 except (OSError, TimeoutError, nats.errors.Error) as exc:
                     raise self._failed(f"reading stream {stream!r} stopped", exc) from exc
-                meta = msg.metadata
-                sequence = meta.sequence.stream
-                if sequence > last:
-                    return
-                if only is not None or msg.subject in subjects:
-                    headers = msg.headers or {}
-                    yield Stored(
-                        headers.get("Nats-Msg-Id"),
-                        msg.subject,
-                        _utc(meta.timestamp) if meta.timestamp else None,
-                        f"stream {stream} seq {sequence}",
-                    )
-                if sequence >= last or meta.num_pending == 0:
-                    return
+                for msg in batch:
+                    meta = msg.metadata
+                    sequence = meta.sequence.stream
+                    if sequence > last:
+                        return
+                    if only is not None or msg.subject in subjects:
+                        headers = msg.headers or {}
+                        yield Stored(
+                            headers.get("Nats-Msg-Id"),
+                            msg.subject,
+                            _utc(meta.timestamp) if meta.timestamp else None,
+                            f"stream {stream} seq {sequence}",
+                        )
+                    if sequence >= last or meta.num_pending == 0:
+                        return
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

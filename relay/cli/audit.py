@@ -176,7 +176,8 @@ async def _repair(
     from relay.postgres.command_queue import CommandKind, RetryParkedArgs
 
     async with db.one_shot("cli") as conn:
-        ids = await auditor.park_missing(conn, missing)
+        by_lane = await auditor.park_missing(conn, missing)
+    ids = sorted(i for lane_ids in by_lane.values() for i in lane_ids)
     recorded, _ = await as_recorded(cfg, [auditor.outbox])
     outcome = await Operator(recorded, auditor.outbox, identity()).run(
         CommandKind.RETRY_PARKED, RetryParkedArgs(ids=ids).as_row(), wait

@@ -34,6 +34,7 @@ class Expected:
     rule: str  # the rule's name ("" for an event type's single rule)
     event: str  # `aggregate_type/aggregate_id@version`, for a report
     time: datetime | None  # the event's created_at; None without that column
+    template: str = ""  # the rule's destination as the config writes it: a metric's label
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class Finding:
     rule: str
     event: str
     reason: str
+    template: str = ""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -217,6 +219,7 @@ class Chunk:
                     message.rule,
                     message.event,
                     reason,
+                    message.template,
                 )
                 if expired:
                     counts.expired += 1

@@ -102,6 +102,11 @@ class Metrics:
     # source.survive_failover
     replication_wait: Histogram
     standbys_missing: Gauge
+    # The continuous audit
+    audit_checked: Counter
+    audit_missing: Counter
+    audit_position: Gauge
+    audit_lag: Gauge
 
     def __init__(self) -> None:
         self._series = CollectorRegistry(auto_describe=True)

@@ -146,6 +146,11 @@ class Auditor:
         self.partitions = Partitions(config.database.schema_)
         self._types = list(self.outbox_config.messages)
         self._aggregates = self.outbox_config.aggregates
+        self._templates = {  # (event type, rule) -> its destination as the config writes it
+            (event_type, rule.name): rule.config.destination
+            for event_type, rules in self.outbox_config.rules(outbox).items()
+            for rule in rules
+        }
 
     async def outbox_as_it_runs(self, conn: asyncpg.Connection) -> Outbox:
         record = await self.partitions.read(conn, self.outbox)
@@ -275,6 +280,7 @@ class Auditor:
                     rule.name,
                     f"{event.aggregate_type}/{event.aggregate_id}@{event.version}",
                     event.created_at,
+                    self._templates.get((event.type, rule.name), ""),
                 )
             )
 
@@ -301,13 +307,15 @@ class Auditor:
             horizons[destination] = await self.reader.horizon(destination)
         report.tally.merge(chunk.settle(horizons, datetime.now(UTC), self.listed))
 
-    async def park_missing(self, conn: asyncpg.Connection, found: list[Finding]) -> list[int]:
+    async def park_missing(
+        self, conn: asyncpg.Connection, found: list[Finding]
+    ) -> dict[str, list[int]]:
         """Park each missing message (reason `missing`) so that retry-parked, carried out by
-        its lane's holder, publishes it again with the same id; the parked ids."""
+        its lane's holder, publishes it again with the same id; the parked ids, by lane."""
         events = {
             e.position: e for e in await self.source.events_at(conn, [f.position for f in found])
         }
-        ids = []
+        ids: dict[str, list[int]] = {}
         for finding in found:
             event = events.get(finding.position)
             rule = (
@@ -320,7 +328,7 @@ class Auditor:
             message = self.mapper.message(event, rule)
             if message is None:
                 continue
-            ids.append(
+            ids.setdefault(finding.lane, []).append(
                 await self.store.park_missing(
                     conn,
                     finding.lane,

@@ -78,6 +78,9 @@ def _replicas(members: list[Member], lanes: list[OutboxStatus]) -> list[ReplicaS
 def _redacted(row: dict[str, Any]) -> dict[str, Any]:
     if row["last_error"] is not None:
         row["last_error"] = redact(row["last_error"])
+    audit = row.get("audit")
+    if audit is not None and audit["last_error"] is not None:
+        row["audit"] = {**audit, "last_error": redact(audit["last_error"])}
     return row
 
 

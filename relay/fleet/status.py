@@ -15,6 +15,7 @@ import asyncpg
 from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.fleet.identity import identity
+from relay.postgres.audits import AuditLog, AuditRow
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.membership import Member, live_members
@@ -43,6 +44,9 @@ class OutboxStatus:
     partitions: int  # the outbox's lanes, as it runs (its config's count before the first claim)
     configured_partitions: int  # what this command's config says
     waiting_replicas: list[str]  # why each live replica configured with another count waits
+    # The outbox's continuous audit (relay.audits), on its first lane's row; null elsewhere
+    # and for an outbox never audited.
+    audit: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,7 +56,8 @@ class OutboxStatus:
 TABLE_COLUMNS = [
     f.name
     for f in fields(OutboxStatus)
-    if f.name not in ("partition", "partitions", "configured_partitions", "waiting_replicas")
+    if f.name
+    not in ("partition", "partitions", "configured_partitions", "waiting_replicas", "audit")
 ]
 
 
@@ -81,6 +86,7 @@ async def read(
         conn, config.database.schema_, config.lease.namespace, config.lease.takeover_after
     )
     partitions = Partitions(config.database.schema_)
+    audits = {a.outbox: a for a in await AuditLog(config.database.schema_).all(conn)}
     out = []
     for name, outbox in config.outboxes.items():
         record = await partitions.read(conn, name)
@@ -113,6 +119,7 @@ async def read(
                     partitions=count,
                     configured_partitions=outbox.partitions,
                     waiting_replicas=waiting,
+                    audit=_audit(audits.get(name), lane.index, outbox.audit.enabled),
                 )
             )
     return out, members
@@ -141,7 +148,36 @@ def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
                 " (docs/scaling.md: changing K)"
             )
         lines += [f"{name}: waiting: {why}" for why in lanes[0].waiting_replicas]
+        if lanes[0].audit is not None:
+            lines.append(audit_line(name, lanes[0].audit))
     return lines
+
+
+def _audit(row: AuditRow | None, index: int, enabled: bool) -> dict[str, Any] | None:
+    if row is None or index != 0:
+        return None
+    return {**row.as_json(), "enabled": enabled}
+
+
+def audit_line(name: str, audit: dict[str, Any]) -> str:
+    """`relay status`'s line for an outbox's continuous audit."""
+    line = (
+        f"{name}: audit: checked up to position {audit['position']}"
+        f" ({audit['since_audit']:.0f}s ago), {audit['checked']} message(s) checked,"
+        f" {audit['missing']} missing"
+    )
+    if audit["missing"] and audit["last_missing_at"]:
+        line += f" (last found {audit['last_missing_at']}"
+        shown = audit["last_missing"] or []
+        if shown:
+            first = shown[0]
+            line += f": {first['id']} at position {first['position']} -> {first['destination']}"
+        line += ")"
+    if audit["last_error"]:
+        line += f"; last round failed: {audit['last_error']}"
+    if not audit["enabled"]:
+        line += "; audit.enabled is off in this config"
+    return line
 
 
 def _state(row: CheckpointRow | None, holder: str | None, standbys: int) -> str:

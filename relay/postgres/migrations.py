@@ -163,6 +163,22 @@ STEPS: tuple[str, ...] = (
     """
     ALTER TABLE {schema}.replicas ADD COLUMN version text;
     """,
+    # The continuous audit's place per outbox (docs/delivery.md, Proving delivery): where it
+    # has read the broker back to, so that a restart or a takeover resumes there; and what
+    # it found, for `relay status` and the status page. A new table: releases before it run on.
+    """
+    CREATE TABLE {schema}.audits (
+      outbox           text        PRIMARY KEY,
+      position         bigint      NOT NULL CHECK (position >= 0),
+      audited_at       timestamptz NOT NULL DEFAULT now(),
+      checked          bigint      NOT NULL DEFAULT 0,
+      missing          bigint      NOT NULL DEFAULT 0,
+      last_missing     jsonb,
+      last_missing_at  timestamptz,
+      last_error       text,
+      auditor          text
+    );
+    """,
 )
 
 LATEST = len(STEPS)

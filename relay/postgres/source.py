@@ -297,6 +297,23 @@ class EventSource:
         )
         return None if value is None else int(value)
 
+    async def nth_after(
+        self,
+        conn: asyncpg.Connection,
+        after: int,
+        upto: int,
+        count: int,
+        *,
+        aggregates: Sequence[str] | None,
+        types: Sequence[str],
+    ) -> int | None:
+        """The position of the `count`-th event the outbox maps in (after, upto]; None when
+        there are fewer."""
+        value = await conn.fetchval(
+            self.queries.nth_after, after, upto, aggregates, list(types), max(count - 1, 0)
+        )
+        return None if value is None else int(value)
+
     async def first_position_since(self, conn: asyncpg.Connection, when: datetime) -> int | None:
         """The first position written at or after `when` (needs a created_at column)."""
         if self.queries.first_since is None:

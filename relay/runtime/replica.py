@@ -47,6 +47,7 @@ from relay.postgres.lease import Holder, Lease, LeaseBudget, LeaseConnection, Ro
 from relay.postgres.membership import Member, Membership, change_coming
 from relay.postgres.partitions import PartitionsChanged, PartitionSet, mismatch
 from relay.runtime import holding
+from relay.runtime.auditing import ContinuousAudit
 from relay.runtime.context import OutboxContext
 from relay.runtime.outbox import Hold, OutboxRelay
 
@@ -67,6 +68,9 @@ class LaneHolder:
         self.db = db
         self.relay = OutboxRelay(context)
         self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)
+        # The outbox's continuous audit runs on the holder of its first lane.
+        audited = context.config.audit.enabled and context.lane.index == 0
+        self.audit = ContinuousAudit(context, lease, db) if audited else None
 
     async def hold(self) -> str | None:
         """Relay until stopped or handed over (None), or until the lease is lost (why)."""
@@ -156,12 +160,32 @@ class LaneHolder:
             held = await holding.while_held(
                 self.lease,
                 hold.claimed.claim.epoch,
-                self.relay.run(hold),
+                self._work(hold),
                 on_lost=stop_publishing,
             )
             return held.lost
         finally:
             await _close(hold.reader)
+
+    async def _work(self, hold: Hold) -> None:
+        """The lane's loop and, on an audited outbox's first lane, its audit beside it: the
+        audit ends with the loop, and an error of its own is logged at once."""
+        if self.audit is None:
+            return await self.relay.run(hold)
+        stop = asyncio.Event()
+        claimed_at = hold.claimed.claim.position
+        auditing = asyncio.create_task(self.audit.run(stop, claimed_at), name=f"audit:{self.name}")
+        auditing.add_done_callback(self._audit_ended)
+        try:
+            return await self.relay.run(hold)
+        finally:
+            stop.set()
+            auditing.cancel()
+            await asyncio.gather(auditing, return_exceptions=True)
+
+    def _audit_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log.error("the continuous audit stopped on an error", exc_info=exc)
 
     def _transition(self, event: str) -> None:
         """Count the lease change; only a holder reports lag and parked gauges."""

@@ -377,3 +377,37 @@ UPDATE {schema}.checkpoints c SET heartbeat = now()
 FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS w(key, lane, epoch)
 WHERE c.outbox = w.lane AND c.epoch = w.epoch AND w.key IN ({held_keys})
 RETURNING w.key;
+
+
+-- audits.read --
+-- $1 outbox: its continuous audit's row.
+SELECT outbox, position, extract(epoch FROM now() - audited_at)::float8 AS since_audit,
+  checked, missing, last_missing::text, last_missing_at, last_error, auditor
+FROM {schema}.audits WHERE outbox = $1;
+
+-- audits.all --
+-- Every outbox's continuous audit, for `relay status`.
+SELECT outbox, position, extract(epoch FROM now() - audited_at)::float8 AS since_audit,
+  checked, missing, last_missing::text, last_missing_at, last_error, auditor
+FROM {schema}.audits ORDER BY outbox;
+
+-- audits.begin --
+-- The audit's first place: $1 outbox, $2 position, $3 auditor, $4 lock key (the holder of the
+-- outbox's first lane only). A row already there stays as it is.
+INSERT INTO {schema}.audits (outbox, position, auditor)
+SELECT $1, $2, $3 WHERE {holds_lock:$4}
+ON CONFLICT (outbox) DO NOTHING;
+
+-- audits.record --
+-- A round done: $1 outbox, $2 position reached, $3 messages checked, $4 found missing, $5
+-- some of them (JSON), $6 auditor, $7 lock key (the holder of the outbox's first lane only).
+UPDATE {schema}.audits SET position = $2, audited_at = now(), checked = checked + $3,
+  missing = missing + $4, last_missing = coalesce($5::jsonb, last_missing),
+  last_missing_at = CASE WHEN $4 > 0 THEN now() ELSE last_missing_at END,
+  last_error = NULL, auditor = $6
+WHERE outbox = $1 AND {holds_lock:$7};
+
+-- audits.failed --
+-- A round that could not finish: $1 outbox, $2 why, $3 auditor, $4 lock key.
+UPDATE {schema}.audits SET last_error = $2, auditor = $3
+WHERE outbox = $1 AND {holds_lock:$4};

@@ -174,6 +174,12 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
             f" AND ($2::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($2::text[]))"
             f" AND {quote(cols.type)} = ANY($3::text[]) ORDER BY {pos} DESC OFFSET $4 LIMIT 1"
         )
+        # The same, counting forward: the $5-th (from 0) after $1, up to $2.
+        self.nth_after: Final = (
+            f"SELECT {pos} FROM {table} WHERE {pos} > $1 AND {pos} <= $2{only}"
+            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
+            f" AND {quote(cols.type)} = ANY($4::text[]) ORDER BY {pos} OFFSET $5 LIMIT 1"
+        )
         # Seconds since the lane's first event after $1 was written (database clock); None
         # without a created_at column.
         # Not for a time the relay cannot read: infinity cannot be subtracted at all.

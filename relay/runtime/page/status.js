@@ -123,6 +123,24 @@ function drawParked(data) {
   (data.parked || []).forEach((p, i) => { rows[i].dataset.parked = String(p.id); });
 }
 
+function drawAudits(data) {
+  const audited = data.lanes === null ? null : data.lanes.filter((l) => l.audit);
+  const rows = fill("audits", audited, (l) => {
+    const a = l.audit;
+    const last = (a.last_missing || [])[0];
+    return [
+      ["outbox", outboxOf(l.name), "word"],
+      ["position", a.position, "num"],
+      ["since_audit", a.since_audit, "num"],
+      ["checked", a.checked, "num"],
+      ["missing", a.missing, "num"],
+      ["last_missing", last ? `${last.id} at ${last.position} -> ${last.destination}` : ""],
+      ["last_error", a.last_error],
+    ];
+  }, "No outbox is audited (audit.enabled).");
+  (audited || []).forEach((l, i) => { rows[i].dataset.outbox = outboxOf(l.name); });
+}
+
 function drawReplicas(data) {
   const rows = fill("replicas", data.replicas, (r) => [
     ["identity", r.identity],
@@ -223,6 +241,7 @@ async function refresh() {
     drawCharts(data);
     drawBlocking(data);
     drawParked(data);
+    drawAudits(data);
     drawReplicas(data);
     showError(data.error ? `The last read of the fleet failed: ${data.error}` +
       (data.taken_at ? " (the tables show the last good read)" : "") : "");
