@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Collection
 from typing import Any, Protocol, cast
 
-from relay.config import BrokerConfig
+from relay.config import UNREADABLE_BROKERS, BrokerConfig
 from relay.core.publishing import Message, Publisher
 from relay.core.readback import Reader
 from relay.errors import CannotReadBack, ConfigError, PublishError
@@ -40,11 +40,6 @@ _READERS: dict[str, tuple[str, str]] = {
     "pubsub": ("relay.brokers.pubsub_readback", "PubSubReader"),
     "rabbitmq": ("relay.brokers.rabbitmq_readback", "RabbitMqReader"),
 }
-_NO_READ_BACK = {
-    "sqs": "an SQS queue hands each message to one consumer: reading it would take them away",
-    "sns": "an SNS topic keeps no message once it has delivered it",
-    "http": "a webhook receiver keeps what it received; the relay cannot ask it",
-}
 
 
 def create_publisher(name: str, config: BrokerConfig) -> Publisher:
@@ -66,7 +61,7 @@ def create_reader(name: str, config: BrokerConfig) -> Reader:
     """What an audit reads broker `name` back with, not connected; CannotReadBack (a usage
     error: exit 2) when its type cannot be read back."""
     if config.type not in _READERS:
-        why = _NO_READ_BACK.get(config.type, "no reader is written for it yet")
+        why = UNREADABLE_BROKERS.get(config.type, "no reader is written for it yet")
         raise CannotReadBack(f"broker {name!r} ({config.type}) cannot be read back: {why}")
     module_name, class_name = _READERS[config.type]
     extra = _ADAPTERS[config.type][2]

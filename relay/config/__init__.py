@@ -357,6 +357,14 @@ class ShutdownConfig(Model):
     grace_period: Duration = 10.0
 
 
+# The broker types an audit cannot read back, and why (relay/brokers/__init__.py's readers).
+UNREADABLE_BROKERS = {
+    "sqs": "a queue hands each message to one consumer",
+    "sns": "a topic keeps no message once delivered",
+    "http": "a webhook receiver keeps what it received",
+}
+
+
 class RelayConfig(BaseSettings):
     """The whole file. Built only through `load_config`, which adds file context."""
 
@@ -405,6 +413,12 @@ class RelayConfig(BaseSettings):
                 raise ValueError(
                     f"outboxes.{name}.broker: unknown broker {outbox.broker!r}"
                     f" (configured: {known})"
+                )
+            kind = self.brokers[outbox.broker].type
+            if outbox.audit.enabled and kind in UNREADABLE_BROKERS:
+                raise ValueError(
+                    f"outboxes.{name}.audit.enabled: broker {outbox.broker!r} ({kind}) cannot be"
+                    f" read back ({UNREADABLE_BROKERS[kind]}): no audit can prove its delivery"
                 )
         return self
 

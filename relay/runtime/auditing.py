@@ -81,6 +81,9 @@ class ContinuousAudit:
         auditor = Auditor(config, self.outbox, reader, skew=self.settings.clock_skew, listed=SHOWN)
         metrics = self.ctx.metrics
         metrics.audit_checked.labels(self.outbox)
+        for rules in self.ctx.config.rules(self.outbox).values():  # at 0: alerts see them
+            for rule in rules:
+                metrics.audit_missing.labels(self.outbox, rule.config.destination)
         try:
             while True:
                 await self._round_or_say_why(auditor, reader)

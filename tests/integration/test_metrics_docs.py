@@ -104,6 +104,8 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
     stream = unique_name("docs")
     await create_stream(nats_url, stream, [f"{stream}.>"])
     data = config_dict(events_table, nats_url, stream, aggregates=["book"])
+    # The continuous audit's series exist on the holder of an audited outbox.
+    data["outboxes"]["loans"]["audit"] = {"enabled": True, "delay": "100ms", "every": "100ms"}
     # Its series exist; no standby streams here, so events go out without one.
     data["source"]["survive_failover"] = {"standbys": 1, "without_standbys": "publish"}
     nowhere = unique_name("nostream")  # no stream captures it: retried for ever
@@ -141,6 +143,7 @@ async def test_docs_and_chart_name_only_served_metrics_and_every_metric_is_docum
             now = await scrape()
             return (
                 now.value("relay_parked_messages", outbox="loans") == 1
+                and now.value("relay_audit_position", outbox="loans") is not None
                 and 1.0 in now.values("relay_retrying", outbox="stuck")
                 and max(now.values("relay_lag_seconds", outbox="stuck"), default=0) > 2.0
             )

@@ -695,3 +695,30 @@ def test_a_bad_override_of_a_secret_does_not_show_its_value(
     message = error_of(tmp_path, GOOD)
     assert "environment variable RELAY_DATABASE__URL: database.url:" in message
     assert "hunter2" not in message
+
+
+def test_audit_defaults_off_and_takes_its_keys(tmp_path: Path) -> None:
+    plain = load_config(write(tmp_path, GOOD)).outboxes["loans-outbox"].audit
+    assert plain.enabled is False and plain.repair is False
+    assert (plain.delay, plain.every, plain.clock_skew) == (60.0, 60.0, 60.0)
+    audited = GOOD + "    audit: {enabled: true, delay: 30s, every: 10s, repair: true}\n"
+    audit = load_config(write(tmp_path, audited)).outboxes["loans-outbox"].audit
+    assert (audit.enabled, audit.delay, audit.every, audit.repair) == (True, 30.0, 10.0, True)
+
+
+def test_an_audit_of_a_broker_that_cannot_be_read_back_is_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    text = GOOD.replace(
+        'type: nats\n    servers: ["nats://127.0.0.1:4222"]', "type: sqs\n    region: eu-west-1"
+    )
+    assert "type: sqs" in text
+    load_config(write(tmp_path, text))  # without an audit it is fine
+    said = error_of(tmp_path, text + "    audit: {enabled: true}\n")
+    assert "outboxes.loans-outbox.audit.enabled" in said
+    assert "cannot be read back" in said
+
+
+def test_an_audit_setting_out_of_range_names_the_key(tmp_path: Path) -> None:
+    said = error_of(tmp_path, GOOD + "    audit: {enabled: true, every: 0s}\n")
+    assert "outboxes.loans-outbox.audit.every" in said

@@ -20,9 +20,9 @@ from relay.postgres.queries.own_tables import move_parked
 
 # One of the relay's tables, named without its schema.
 _UNQUALIFIED = re.compile(
-    r"\b(?:FROM|INTO|UPDATE|JOIN)\s+(?:checkpoints|parked|outboxes|commands|replicas)\b"
+    r"\b(?:FROM|INTO|UPDATE|JOIN)\s+(?:checkpoints|parked|outboxes|commands|replicas|audits)\b"
 )
-GROUPS = ("store", "partitions", "commands", "membership", "lease")
+GROUPS = ("store", "partitions", "commands", "membership", "lease", "audits")
 ODD_SCHEMA = 'out"box'  # quoted as "out""box"
 
 

@@ -37,7 +37,7 @@ def test_alert_rules_pass_promtool(chart: Any, tmp_path: Path) -> None:
 
     checked = run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 12 rules found" in checked.stdout
+    assert "SUCCESS: 14 rules found" in checked.stdout
 
     tested = run(promtool, "test", "rules", str(tmp_path / "alerts.test.yaml"))
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -63,6 +63,8 @@ def test_every_alert_has_a_unit_test() -> None:
         "RelayPublishErrors",
         "RelayBarrierStuck",
         "RelayStandbysMissing",
+        "RelayAuditMissing",
+        "RelayAuditStuck",
     }
     assert firing == alerts
     assert quiet == alerts
