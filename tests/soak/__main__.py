@@ -1,5 +1,5 @@
 """The long soak: `python -m tests.soak --minutes 10 --broker nats [--seed S] [--lanes K]
-[--failover] [--dead-paths] [--max-per-replica N]`.
+[--failover] [--dead-paths] [--max-per-replica N] [--audit report|repair]`.
 
 Prints the verdict and the faults in order; exits 1 when anything was lost, phantom,
 inverted or regressed, or the outbox did not drain. The same seed replays the same choices.
@@ -45,6 +45,13 @@ def main(argv: list[str]) -> int:
         help="`lease.max_per_replica`: with 3 replicas, 3 leaves the fleet just enough room"
         " for 5 lanes while one replica is down",
     )
+    parser.add_argument(
+        "--audit",
+        choices=["report", "repair"],
+        default=None,
+        help="the continuous audit in every replica, and the broker losing messages among the"
+        " faults: `report` must find each one, `repair` must also put it back",
+    )
     parser.add_argument("--keep", type=Path, help="keep logs and data in this directory")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -59,6 +66,7 @@ def main(argv: list[str]) -> int:
         failover=args.failover,
         dead_paths=args.dead_paths,
         max_per_replica=args.max_per_replica,
+        audit=args.audit,
         keep=args.keep,
     )
     # SIGTERM (timeout, kill) stops it like Ctrl-C: every private server is stopped on the way.
@@ -67,7 +75,8 @@ def main(argv: list[str]) -> int:
         f"soak: seed {seed}, {args.minutes:g} min, broker {args.broker}, lanes {args.lanes}"
         + (", failovers" if args.failover else "")
         + (", dead paths" if args.dead_paths else "")
-        + (f", max {args.max_per_replica} lanes a replica" if args.max_per_replica else ""),
+        + (f", max {args.max_per_replica} lanes a replica" if args.max_per_replica else "")
+        + (f", audit ({args.audit})" if args.audit else ""),
         flush=True,
     )
     verdict, origin = asyncio.run(soak(settings))

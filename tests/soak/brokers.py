@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import nats
+import nats.js.errors
 from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
@@ -123,6 +124,40 @@ class NatsSoakBroker:
         finally:
             await nc.close()
         return out
+
+    async def recent(self, count: int) -> list[tuple[int, Delivery]]:
+        """The newest `count` stored messages, with their stream sequences: for LOSE."""
+        nc = await nats.connect(self.server.url, allow_reconnect=False)
+        try:
+            js = nc.jetstream()
+            last = (await js.stream_info(STREAM)).state.last_seq
+            out = []
+            for seq in range(max(last - count + 1, 1), last + 1):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    msg = await js.get_msg(STREAM, seq=seq)
+                    stored = msg.time or datetime.now()
+                    out.append(
+                        (
+                            seq,
+                            Delivery(
+                                id=(msg.headers or {}).get("Nats-Msg-Id", ""),
+                                uid=str(json.loads(msg.data or b"{}")["uid"]),
+                                destination=msg.subject or "",
+                                stored_at=stored.timestamp(),
+                            ),
+                        )
+                    )
+            return out
+        finally:
+            await nc.close()
+
+    async def delete(self, seq: int) -> None:
+        """Lose one stored message: the broker acknowledged it, and does not hold it now."""
+        nc = await nats.connect(self.server.url, allow_reconnect=False)
+        try:
+            await nc.jetstream().delete_msg(STREAM, seq)
+        finally:
+            await nc.close()
 
     def stop(self) -> None:
         self.server.kill()

@@ -58,6 +58,11 @@ LEASE = {
     },
 }
 TAKEOVER_AFTER = 2.0
+# The continuous audit, fast: a window once 3 s old (a LOSE fault deletes a message stored
+# within the last second, before any round can have read it), a round every second.
+AUDIT = {"enabled": True, "delay": "3s", "every": "1s", "clock_skew": "5s"}
+# Where the audit has read the broker back to, and the messages it found missing, by id.
+AUDITED = "SELECT position FROM relay.audits WHERE outbox = $1"
 
 _COLUMNS = """
   aggregate_type text        NOT NULL,
@@ -299,6 +304,14 @@ class Replica:
         with contextlib.suppress(ProcessLookupError):
             send()
 
+    def audit_findings(self) -> list[str]:
+        """The message ids this replica's audits logged as missing, every run of it."""
+        return [
+            str(r.get("message_id"))
+            for r in self.logs()
+            if r.get("event") == "audit: message missing from the broker"
+        ]
+
     def logs(self) -> Iterator[dict[str, Any]]:
         for run in range(1, self.starts + 1):
             path = self.log_root / f"replica-{self.index}-run-{run}" / "stderr.log"
@@ -328,8 +341,11 @@ class Replicas:
         lanes: int = 1,
         dead_paths: bool = False,
         max_per_replica: int | None = None,
+        audit: str | None = None,
     ) -> None:
         self.db = db
+        # The continuous audit: "report" finds, "repair" also puts back (None: off).
+        self.audit = audit
         self.lease = (
             LEASE if max_per_replica is None else {**LEASE, "max_per_replica": max_per_replica}
         )
@@ -360,6 +376,8 @@ class Replicas:
             "park_after": 3,
             "partitions": lanes,
         }
+        if self.audit is not None:
+            soak["audit"] = AUDIT | {"repair": self.audit == "repair"}
         side = {**soak, "messages": {"NeverWritten": rule}}
         chosen = {"soak": {OUTBOX: soak}, "both": {OUTBOX: soak, SIDE: side}, "side": {SIDE: side}}
         source: dict[str, Any] = {"poll_interval": "100ms", "barrier_report_after": "500ms"}

@@ -11,12 +11,14 @@ import asyncio
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import asyncpg
+import nats.errors
 
 from tests.soak.brokers import SoakBroker
-from tests.soak.cluster import Database, Replica, Replicas
+from tests.soak.cluster import OUTBOX, Database, Replica, Replicas
 from tests.soak.rollouts import Rollouts
 from tests.soak.schedule import (
     BLACK_HOLE,
@@ -25,6 +27,7 @@ from tests.soak.schedule import (
     FAILOVER,
     KILL,
     LEAVE,
+    LOSE,
     ROLLOUT_KINDS,
     STOP,
     TERM,
@@ -53,6 +56,15 @@ class Fault:
         )
 
 
+@dataclass(frozen=True)
+class Lost:
+    """A message a LOSE fault deleted from the broker: the audit must find it."""
+
+    id: str
+    uid: str
+    position: int
+
+
 class Chaos:
     """Injects the planned faults in order, each after its pause.
 
@@ -69,6 +81,7 @@ class Chaos:
         self.broker = broker
         self.rollouts = Rollouts(rng, replicas)
         self.log: list[Fault] = []
+        self.lost: list[Lost] = []  # what LOSE faults deleted
 
     async def run(self, schedule: list[Planned]) -> list[Fault]:
         for planned in schedule:
@@ -88,6 +101,8 @@ class Chaos:
             return await self._on_replica(kind, target, lasting)
         if kind == TERMINATE:
             return await self._terminate_sessions()
+        if kind == LOSE:
+            return await self._lose()
         if kind == FAILOVER:
             return await self.db.failover(frozen_for(lasting))
         if kind == DEAD_PATH:
@@ -161,6 +176,42 @@ class Chaos:
         await asyncio.sleep(dead)
         path.revive(port)
         return f"{who}, its {role} connection's path dead {dead:.1f}s"
+
+    async def _lose(self) -> str:
+        """Delete one message the broker stored in the last second, of an event past the
+        audit's place: with `audit.delay` of a few seconds, no round has read it yet."""
+        rows = await self._ask("SELECT position FROM relay.audits WHERE outbox = $1", OUTBOX)
+        if rows is None:
+            return "database unreachable"
+        if not rows:
+            return "the audit has not begun"
+        audited = int(rows[0][0])
+        try:
+            recent = await self.broker.recent(300)  # type: ignore[attr-defined]
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            return f"broker unreachable: {exc!r}"
+        copies = Counter(d.id for _, d in recent)
+        now = time.time()
+        fresh = {
+            d.uid: (seq, d) for seq, d in recent if copies[d.id] == 1 and now - d.stored_at < 1
+        }
+        found = await self._ask(
+            "SELECT payload->>'uid', position FROM events WHERE payload->>'uid' = ANY($1::text[])",
+            list(fresh),
+        )
+        if found is None:
+            return "database unreachable"
+        candidates = sorted((int(p), uid) for uid, p in found if int(p) > audited)
+        if not candidates:
+            return f"no message stored in the last second past the audit's place ({audited})"
+        position, uid = self.rng.choice(candidates)
+        seq, delivery = fresh[uid]
+        try:
+            await self.broker.delete(seq)  # type: ignore[attr-defined]
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            return f"broker unreachable: {exc!r}"
+        self.lost.append(Lost(delivery.id, uid, position))
+        return f"{delivery.id} (position {position}, stream seq {seq}; audit at {audited})"
 
     async def _terminate_sessions(self) -> str:
         rows = await self._ask(

@@ -14,18 +14,19 @@ from pathlib import Path
 import asyncpg
 
 from tests.soak.brokers import SoakBroker, make_broker
-from tests.soak.cluster import CHECKPOINTS, OUTBOX, RECORDED, Database, Replicas
+from tests.soak.cluster import AUDITED, CHECKPOINTS, OUTBOX, RECORDED, Database, Replicas
 from tests.soak.faults import Chaos
 from tests.soak.schedule import (
     DEAD_PATH,
     FAILOVER,
     KINDS,
     LEAVE,
+    LOSE,
     ROLLOUT_KINDS,
     Planned,
     plan,
 )
-from tests.soak.verdict import Verdict, judge
+from tests.soak.verdict import AuditCheck, Verdict, judge
 from tests.soak.writers import Coordinator, Ledger, Writer
 
 
@@ -44,6 +45,9 @@ class Settings:
     failover: bool = False  # Postgres has a standby, and failovers are among the faults
     dead_paths: bool = False  # replicas reach Postgres over paths a connection can die on
     max_per_replica: int | None = None  # `lease.max_per_replica` of every replica
+    # The continuous audit in every replica: "report" (finds) or "repair" (finds and puts
+    # back); either adds the fault "the broker loses a message". None: off.
+    audit: str | None = None
     drain_timeout: float = 60.0
     keep: Path | None = None  # keep logs and data here instead of a temporary directory
 
@@ -66,6 +70,7 @@ async def soak(settings: Settings) -> tuple[Verdict, float]:
             lanes=settings.lanes,
             dead_paths=settings.dead_paths,
             max_per_replica=settings.max_per_replica,
+            audit=settings.audit,
         )
         await asyncio.to_thread(replicas.migrate)
         replicas.start()
@@ -105,6 +110,8 @@ async def _exercise(
         stop_writing.set()
         await asyncio.gather(*writing, background[0])
         drained = await _drained(db, settings.lanes, settings.drain_timeout)
+        if settings.audit is not None:
+            drained = drained and await _audited(db, settings.drain_timeout)
     finally:
         stop_writing.set()
         stop_watching.set()
@@ -120,6 +127,13 @@ async def _exercise(
         drained=drained,
         restarts=sum(r.starts - 1 for r in replicas.members),
         unreplicated=db.unreplicated,
+        audit=None
+        if settings.audit is None
+        else AuditCheck(
+            repairs=settings.audit == "repair",
+            deleted=chaos.lost,
+            reported={i for r in replicas.members for i in r.audit_findings()},
+        ),
     )
     return verdict, origin
 
@@ -135,6 +149,8 @@ def schedule(settings: Settings) -> list[Planned]:
         kinds = (*kinds, FAILOVER)
     if settings.dead_paths:
         kinds = (*kinds, DEAD_PATH)
+    if settings.audit is not None:
+        kinds = (*kinds, LOSE)
     return plan(
         settings.seed,
         settings.seconds,
@@ -155,6 +171,19 @@ async def _drained(db: Database, lanes: int, timeout: float) -> bool:  # noqa: A
                 count = await conn.fetchval(RECORDED, OUTBOX) or lanes
                 rows = await conn.fetch(CHECKPOINTS, OUTBOX)
                 if len(rows) == count and all(row["position"] >= head for row in rows):
+                    return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def _audited(db: Database, timeout: float) -> bool:  # noqa: ASYNC109
+    """True once the continuous audit has read the broker back up to the head."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, TimeoutError, asyncpg.PostgresError):
+            async with db.connection() as conn:
+                head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
+                if (await conn.fetchval(AUDITED, OUTBOX) or 0) >= head:
                     return True
         await asyncio.sleep(0.2)
     return False

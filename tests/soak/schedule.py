@@ -41,7 +41,11 @@ FAILOVER = "postgres failover"
 # the kernel for a while, then gets it back: shorter or longer than the keepalives allow.
 # Only with `--dead-paths` (it needs root), so that older seeds replay as before.
 DEAD_PATH = "one connection's path dies"
-ALL_KINDS = (*SPLIT_KINDS, FAILOVER, DEAD_PATH)
+# The broker loses a message it acknowledged (one is deleted from the stream behind the
+# relay's back): the continuous audit must find it, and put it back when it repairs. Only
+# with `--audit`, so that older seeds replay as before.
+LOSE = "broker loses a message"
+ALL_KINDS = (*SPLIT_KINDS, FAILOVER, DEAD_PATH, LOSE)
 EVERY = (1.5, 4.0)  # the pause before each fault, in seconds
 
 

@@ -3,6 +3,8 @@
 The seed is random unless RELAY_SOAK_SEED is set; a failure prints it with the faults in
 order, and `RELAY_SOAK_SEED=<seed>` (or `python -m tests.soak --seed <seed>`) replays the
 same choices. Odd seeds use a partitioned table whose writers also insert into a partition.
+The first two also run the continuous audit in every replica while the broker loses
+messages: it must report each one (and, in the second, put it back), and nothing else.
 The second soak splits the outbox into four lanes and also scales replicas away and back.
 The third gives Postgres a streaming standby and fails over to it.
 Each asks for the faults it asserts: the schedule goes on past its seconds until it has
@@ -17,21 +19,46 @@ import random
 import pytest
 
 from tests.soak.run import Settings, soak
-from tests.soak.schedule import BLACK_HOLE, DEAD_PATH, FAILOVER, KILL, POSTGRES, TERM, TERMINATE
+from tests.soak.schedule import (
+    BLACK_HOLE,
+    DEAD_PATH,
+    FAILOVER,
+    KILL,
+    LOSE,
+    POSTGRES,
+    TERM,
+    TERMINATE,
+)
 
 pytestmark = pytest.mark.integration  # it starts its own Postgres, broker and replicas
 
 
 def short(seed: int) -> Settings:
-    """One outbox, 50 s of faults, at least 10 of them."""
+    """One outbox, 50 s of faults, at least 10 of them, the broker losing a message among
+    them: the continuous audit in every replica must report exactly the messages lost."""
     return Settings(
-        seed=seed, seconds=50, faults_at_least=10, broker="nats", partitioned=seed % 2 == 1
+        seed=seed,
+        seconds=50,
+        faults_at_least=10,
+        faults_including=(LOSE,),
+        broker="nats",
+        partitioned=seed % 2 == 1,
+        audit="report",
     )
 
 
 def split(seed: int) -> Settings:
-    """`partitions: 4` over three replicas: 40 s of faults, at least 8 of them."""
-    return Settings(seed=seed, seconds=40, faults_at_least=8, broker="nats", lanes=4)
+    """`partitions: 4` over three replicas: 40 s of faults, at least 8 of them; the audit
+    of every lane by the first one's holder puts back what the broker lost."""
+    return Settings(
+        seed=seed,
+        seconds=40,
+        faults_at_least=8,
+        faults_including=(LOSE,),
+        broker="nats",
+        lanes=4,
+        audit="repair",
+    )
 
 
 def failovers(seed: int) -> Settings:

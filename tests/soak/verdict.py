@@ -16,9 +16,19 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from tests.soak.brokers import Delivery
-from tests.soak.faults import Fault
+from tests.soak.faults import Fault, Lost
 from tests.soak.schedule import ALL_KINDS
 from tests.soak.writers import Ledger
+
+
+@dataclass(frozen=True)
+class AuditCheck:
+    """What the continuous audit must have seen: every message a LOSE fault deleted (unless
+    the relay had stored it again by itself), and nothing else."""
+
+    repairs: bool
+    deleted: list[Lost]
+    reported: set[str]  # message ids the replicas' audits logged as missing
 
 
 @dataclass
@@ -40,6 +50,9 @@ class Verdict:
     restarts: int
     writer_kinds: dict[str, int] = field(default_factory=dict)
     taken_back: list[str] = field(default_factory=list)
+    audit: AuditCheck | None = None
+    undetected: list[str] = field(default_factory=list)  # deleted, not found by the audit
+    false_alarms: list[str] = field(default_factory=list)  # reported, never deleted
 
     @property
     def ok(self) -> bool:
@@ -47,6 +60,7 @@ class Verdict:
             not (self.lost or self.phantoms or self.inversions or self.regressions)
             and self.drained
             and not self.ledger_problems
+            and not (self.undetected or self.false_alarms)
         )
 
     def report(self, origin: float) -> str:
@@ -60,6 +74,7 @@ class Verdict:
             f" drained {self.drained}",
             f"  uncertain commits: {self.uncertain[0]} appeared, {self.uncertain[1]} did not",
             f"  acknowledged commits that failovers took back: {len(self.taken_back)}",
+            *self._audit_lines(),
             "  fault                     count  re-sent  resumed p50 / max (s)",
         ]
         for kind in (*ALL_KINDS, "before any fault"):
@@ -76,12 +91,24 @@ class Verdict:
             ("inversions", self.inversions),
             ("regressions", self.regressions),
             ("ledger", self.ledger_problems),
+            ("undetected by the audit", self.undetected),
+            ("audit false alarms", self.false_alarms),
         ):
             if items:
                 lines.append(f"  {name}: {items[:10]}")
         lines.append("  faults in order:")
         lines += [f"    {f.describe(origin)}" for f in self.faults]
         return "\n".join(lines)
+
+    def _audit_lines(self) -> list[str]:
+        if self.audit is None:
+            return []
+        mode = "repairing" if self.audit.repairs else "reporting"
+        return [
+            f"  continuous audit ({mode}): {len(self.audit.deleted)} message(s) deleted by"
+            f" faults, {len(self.audit.reported)} reported missing, undetected"
+            f" {len(self.undetected)}, false alarms {len(self.false_alarms)}"
+        ]
 
 
 def judge(
@@ -96,17 +123,31 @@ def judge(
     drained: bool,
     restarts: int,
     unreplicated: list[tuple[float, float]],
+    audit: AuditCheck | None = None,
 ) -> Verdict:
     delivered = {d.uid for d in deliveries}
     taken_back = _taken_back(ledger, table, unreplicated)
+    lost = table - delivered
+    undetected: list[str] = []
+    false_alarms: list[str] = []
+    if audit is not None:
+        deleted = {m.id for m in audit.deleted}
+        # A deleted message the relay stored again by itself (a takeover's re-send) is not
+        # missing: the audit need not have reported it. Any other must have been reported.
+        stored = {d.id for d in deliveries}
+        undetected = sorted(i for i in deleted - audit.reported if i not in stored)
+        false_alarms = sorted(audit.reported - deleted)
+        if not audit.repairs:  # reported and left missing, as asked: not lost to the judge
+            lost -= {m.uid for m in audit.deleted if m.id in audit.reported}
     return Verdict(
         seed=seed,
         broker=broker,
         committed=len(table),
         delivered=len(deliveries),
-        lost=sorted(table - delivered),
+        lost=sorted(lost),
         phantoms=sorted(delivered - table),
-        inversions=_inversions(deliveries),
+        # A message put back by a repair is published after later versions, by nature.
+        inversions=_inversions(deliveries, {m.id for m in audit.deleted} if audit else set()),
         regressions=regressions,
         drained=drained,
         ledger_problems=_ledger_problems(ledger, table, set(taken_back)),
@@ -117,11 +158,14 @@ def judge(
         restarts=restarts,
         writer_kinds=dict(ledger.kinds),
         taken_back=taken_back,
+        audit=audit,
+        undetected=undetected,
+        false_alarms=false_alarms,
     )
 
 
-def _inversions(deliveries: list[Delivery]) -> list[str]:
-    seen: set[str] = set()
+def _inversions(deliveries: list[Delivery], put_back: set[str]) -> list[str]:
+    seen: set[str] = set(put_back)
     last: dict[tuple[str, str], int] = {}
     out = []
     for d in deliveries:
