@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import jsonschema
 
+from relay.runtime.status_page import page_file
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.delivery import wait_for_count
 from tests.support.jetstream import create_stream, unique_name
@@ -173,5 +175,152 @@ async def test_commands_a_newer_release_wrote_are_left_to_it_then_failed(
     assert "kind 'pause'" in pause and "no replica that knows it took it" in pause, pause
     assert "'dry_run'" in extra and "no replica that knows it took it" in extra, extra
     assert [rows[i]["state"] for i in [*waiting, queued]] == ["pending", "pending", "queued"]
+    await fleet.still_relaying()
+    assert fleet.status()[0]["state"] in ("relaying", "caught up")
+
+
+async def test_heartbeats_of_a_shape_it_does_not_know_are_not_read_as_its_own(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Live replicas whose `outboxes` is another shape (a list, an object per outbox, a
+    string), or whose room is NULL: this replica shares no lane with what it cannot read,
+    changes no count for it, and `relay status` and the status page still read the fleet."""
+    fleet = await relaying(events_table, nats_url, tmp_path, relay_process)
+    shapes = {
+        "newer-list": '["loans"]',
+        "newer-object": '{"loans": {"partitions": 1, "weight": 2}}',
+        "newer-text": '"loans"',
+    }
+    async with connect(events_table) as conn:
+        for identity, outboxes in shapes.items():
+            await conn.execute(
+                "INSERT INTO relay.replicas (identity, namespace, pid, seen_at, outboxes, room)"
+                " VALUES ($1, 'relay', pg_backend_pid(), now() + interval '1 hour', $2::jsonb,"
+                " NULL)",
+                identity,
+                outboxes,
+            )
+        await fleet.passes()
+        await fleet.still_relaying()
+        rows = fleet.status()
+        page = fleet.status_page()
+    assert rows[0]["waiting_replicas"] == [], rows
+    assert rows[0]["holder"] is not None
+    assert {r["identity"] for r in page["replicas"]} >= set(shapes)
+
+
+async def test_a_partition_count_it_cannot_run_leaves_that_outbox_to_a_newer_release(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """A partition set of 0 or NULL partitions (its CHECK and NOT NULL dropped): this replica
+    lets go of that outbox's lanes, says why, and never changes the record over; its other
+    outbox goes on. Once the record holds a count it can run, it relays the outbox again."""
+    fleet = await relaying(events_table, nats_url, tmp_path, relay_process, returns=True)
+    async with connect(events_table) as conn:
+        await conn.execute(
+            "ALTER TABLE relay.outboxes DROP CONSTRAINT outboxes_partitions_check,"
+            " ALTER COLUMN partitions DROP NOT NULL"
+        )
+    for written, shown in [("0", "0"), ("NULL", "NULL")]:
+        async with connect(events_table) as conn:
+            await conn.execute(
+                f"UPDATE relay.outboxes SET partitions = {written} WHERE outbox = 'loans'"
+            )
+
+        async def let_go() -> bool:
+            assert fleet.relay.returncode is None, fleet.relay.output()
+            return fleet.status()[0]["holder"] is None
+
+        await eventually(let_go, timeout=30)
+        loans, returns = fleet.status()
+        assert f"holds {shown} partitions, a count this release cannot run" in str(
+            loans["waiting_replicas"]
+        ), loans
+        assert returns["holder"] is not None, returns
+        await fleet.passes()
+        await fleet.still_relaying("magazine")
+        async with connect(events_table) as conn:
+            recorded = "SELECT partitions::text FROM relay.outboxes WHERE outbox = 'loans'"
+            assert await conn.fetchval(recorded) == (None if written == "NULL" else written)
+        replay = run_cli(["replay", "loans", "--from-start", "--config", str(fleet.config)])
+        assert replay.returncode == 1, replay.stdout + replay.stderr
+        assert "a count this release cannot run" in replay.stderr, replay.stderr
+    async with connect(events_table) as conn:
+        await conn.execute("UPDATE relay.outboxes SET partitions = 1 WHERE outbox = 'loans'")
+    await fleet.still_relaying()
+
+
+async def test_parked_messages_with_an_unknown_reason_and_nulls_are_listed_and_retried(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """A reason this release does not know, and NULL in every column a newer release might
+    leave empty (their NOT NULL dropped): `relay status`, `relay parked list` and `show` and
+    the status page read them, and `retry-parked` publishes them again through the holder."""
+    fleet = await relaying(events_table, nats_url, tmp_path, relay_process)
+    async with connect(events_table) as conn:
+        await conn.execute(
+            "ALTER TABLE relay.parked ALTER COLUMN reason DROP NOT NULL,"
+            " ALTER COLUMN error DROP NOT NULL, ALTER COLUMN attempts DROP NOT NULL,"
+            " ALTER COLUMN rule DROP NOT NULL, ALTER COLUMN parked_at DROP NOT NULL"
+        )
+        ids = [
+            await conn.fetchval(
+                "INSERT INTO relay.parked (outbox, position, reason, error, attempts, rule,"
+                " parked_at) VALUES ('loans', $1, $2, $3, $4, $5, $6) RETURNING id",
+                *row,
+            )
+            for row in [
+                (1, "quarantined", "held by a newer release's rule", 1, "", None),
+                (2, None, None, None, None, None),
+            ]
+        ]
+        await conn.execute("UPDATE relay.parked SET parked_at = now() WHERE id = $1", ids[0])
+    rows = fleet.status()
+    assert rows[0]["parked"] == 2, rows
+    listed = cli(fleet.config, "parked", "list", "loans")
+    assert [(p["id"], p["reason"]) for p in listed] == [(ids[0], "quarantined"), (ids[1], None)]
+    for id_ in ids:
+        assert cli(fleet.config, "parked", "show", str(id_))["id"] == id_
+        shown = run_cli(["parked", "show", str(id_), "--config", str(fleet.config)])
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+    table = run_cli(["parked", "list", "loans", "--config", str(fleet.config)])
+    assert table.returncode == 0, table.stdout + table.stderr
+    page = fleet.status_page()
+    jsonschema.validate(page, json.loads(page_file("status.schema.json")))
+    assert {p["id"] for p in page["parked"]} == set(ids)
+    retried = cli(fleet.config, "retry-parked", "loans", "--all")
+    assert retried["ok"] is True and sorted(retried["detail"]["published"]) == sorted(ids)
+    await fleet.still_relaying()
+    assert fleet.status()[0]["parked"] == 0
+
+
+async def test_a_checkpoint_with_a_state_and_a_skip_of_a_newer_shape(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """A skip of another shape: a replica that claims the lane (here, after a restart) reads
+    it as none, says so, and relays on (what it covers goes out again: a duplicate, never a
+    loss). A state and a `blocking` of another shape: `relay status` and the status page
+    show the state as written and leave out the detail they cannot read."""
+    fleet = await relaying(events_table, nats_url, tmp_path, relay_process)
+    fleet.relay.terminate()
+    assert await fleet.relay.wait_async(30) == 0, fleet.relay.output()
+    async with connect(events_table) as conn:
+        await conn.execute(
+            "UPDATE relay.checkpoints"
+            """ SET skip = '{"layers": [{"partitions": 2, "positions": [100, 200]}]}'"""
+        )
+    fleet.relay = relay_process(["run", "--config", str(fleet.config)])
+    await fleet.relay.wait_for_log(lambda r: "the checkpoint's skip" in r.get("event", ""))
+    await fleet.still_relaying()
+    for blocking in ['["newer"]', '{"pid": 7, "transaction_age": "long"}']:
+        async with connect(events_table) as conn:
+            await conn.execute(
+                "UPDATE relay.checkpoints SET state = 'draining', blocking = $1::jsonb", blocking
+            )
+        (row,) = fleet.status()
+        assert row["state"] == "draining", row
+        shown = row["blocking_transaction"]
+        assert shown is None if blocking.startswith("[") else shown["pid"] == 7, row
+        assert fleet.status_page()["lanes"][0]["state"] == "draining"
     await fleet.still_relaying()
     assert fleet.status()[0]["state"] in ("relaying", "caught up")
