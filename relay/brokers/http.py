@@ -1,7 +1,9 @@
 """Webhooks: a POST per message, signed as Standard Webhooks say, with aiohttp.
 
 The URL is the config's `url` with `{destination}` (as written), `{key}` and `{type}`
-(percent-encoded) filled in. Every request carries `webhook-id` (the message id, which the
+(percent-encoded) filled in; a URL whose path would step elsewhere (`..`, `.`, encoded or
+not) or holds a `#` is refused before sending, so that no value of an event moves a request
+to another endpoint (`_unusable`). Every request carries `webhook-id` (the message id, which the
 receiver deduplicates on), `webhook-timestamp` and, with `signing_keys`, `webhook-signature`:
 `v1,<base64 HMAC-SHA256 of "id.timestamp.body">` per key, space separated, so that a receiver
 holding either key of a rotation verifies it. CloudEvents travel in the HTTP binding: `ce-`
@@ -43,6 +45,7 @@ import aiohttp
 
 from relay.brokers._batch import Accepted, not_sent, ready
 from relay.brokers._header_values import altered
+from relay.config.base import path_step
 from relay.config.brokers import HttpBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError
@@ -286,16 +289,31 @@ class HttpPublisher:
         return "".join(parts)
 
     def _unusable(self, url: str) -> str | None:
-        """Why `url` cannot be sent to (not http(s), no host, a space); None when it can."""
+        """Why `url` cannot be sent to (not http(s), no host, a space, a path step or a
+        fragment that would send it elsewhere); None when it can.
+
+        A value of the event inside the URL must not move the request to another endpoint.
+        `{key}` and `{type}` are percent-encoded, but aiohttp (yarl) and most receivers decode
+        `%2E` and resolve `.` and `..` whatever the encoding, and `{destination}` is inserted
+        as written: so a URL whose path holds such a step is refused, before sending, as is
+        a `#`, after which nothing reaches the receiver."""
         if url in self._urls:
             return self._urls[url]
         why = None
+        parts = urlsplit(url)
         if not _HTTP_URL.match(url):
             why = f"{_shown(url)} is not an http:// or https:// URL"
-        elif not urlsplit(url).hostname:
+        elif not parts.hostname:
             why = f"{_shown(url)} has no host"
         elif not url.isprintable() or " " in url:
             why = f"{_shown(url)} holds a space or a control character"
+        elif (step := path_step(parts.path)) is not None:
+            why = (
+                f"{_shown(url)} holds the path step {printable(step)!r}, which would be resolved"
+                " to another endpoint: a value of the event may not leave its place in the URL"
+            )
+        elif "#" in url:
+            why = f"{_shown(url)} holds a '#': the receiver would not get what follows it"
         if len(self._urls) < 10_000:
             self._urls[url] = why
         return why

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from relay.brokers._aws import MESSAGE_FAULT
 from relay.brokers._aws_batch import BatchService, EntryBatchPublisher, Target
+from relay.config.base import path_step
 from relay.errors import PermanentPublishError
 
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
@@ -67,18 +68,25 @@ class SqsPublisher(EntryBatchPublisher):
 
     async def _lookup(self, destination: str) -> Any:
         """GetQueueUrl of a queue name, GetQueueAttributes of a queue URL."""
+        if (problem := self.name_problem(destination)) is not None:
+            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
         if destination.startswith(("https://", "http://")):
             return self._client.get_queue_attributes(
                 QueueUrl=destination, AttributeNames=["QueueArn"]
             )
-        if _QUEUE_NAME.fullmatch(destination):
-            return self._client.get_queue_url(QueueName=destination)
-        raise PermanentPublishError(
-            f"broker {self.name!r}: {destination!r} is neither a queue URL nor a queue name"
-        )
+        return self._client.get_queue_url(QueueName=destination)
 
     def name_problem(self, destination: str) -> str | None:
-        if destination.startswith(("https://", "http://")) or _QUEUE_NAME.fullmatch(destination):
+        """A queue URL's path names the queue: a value of the event in it must not step out
+        of its place (`.../123/x/../other` reaches `other`: see relay.config.base.path_step)."""
+        if destination.startswith(("https://", "http://")):
+            if (step := path_step(urlsplit(destination).path)) is not None:
+                return (
+                    f"{destination!r} holds the path step {step!r}, which would be resolved to"
+                    " another queue"
+                )
+            return None
+        if _QUEUE_NAME.fullmatch(destination):
             return None
         return (
             f"{destination!r} is neither a queue URL nor a queue name (1-80 letters, digits,"
@@ -86,18 +94,16 @@ class SqsPublisher(EntryBatchPublisher):
         )
 
     async def _find(self, destination: str) -> Target:
+        if (problem := self.name_problem(destination)) is not None:
+            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
         if destination.startswith(("https://", "http://")):
             name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
-            queue = Target(name, destination, name.endswith(".fifo"))
-        elif _QUEUE_NAME.fullmatch(destination):
-            try:
-                response = await self._client.get_queue_url(QueueName=destination)
-            except Exception as exc:
-                raise self.call_error(exc, destination) from exc
-            queue = Target(destination, response["QueueUrl"], destination.endswith(".fifo"))
-        else:
-            raise PermanentPublishError(f"broker {self.name!r}: {self.name_problem(destination)}")
-        return queue
+            return Target(name, destination, name.endswith(".fifo"))
+        try:
+            response = await self._client.get_queue_url(QueueName=destination)
+        except Exception as exc:
+            raise self.call_error(exc, destination) from exc
+        return Target(destination, response["QueueUrl"], destination.endswith(".fifo"))
 
     async def _batch_call(self, target: Target, requests: list[dict[str, Any]]) -> Any:
         return await self._client.send_message_batch(QueueUrl=target.address, Entries=requests)

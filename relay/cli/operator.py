@@ -282,6 +282,7 @@ class Operator:
             except PartitionsChanged as exc:
                 raise PartitionsMoved(str(exc)) from exc
             holding.warn_if_broker_changed(log, self.outbox, claimed.claim)
+            holding.warn_if_skip_unreadable(log, claimed.claim)
             log.info(
                 "no holder: carrying out the command under the lease",
                 kind=kind,

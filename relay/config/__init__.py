@@ -8,7 +8,6 @@ written here. Every error names the file, the line and the dotted key.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,11 +22,9 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
-    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
-from pydantic_settings.exceptions import SettingsError
 
 from relay.config.audit import AuditConfig
 from relay.config.base import (
@@ -51,6 +48,7 @@ from relay.config.brokers import (
     SnsBrokerConfig,
     SqsBrokerConfig,
 )
+from relay.config.overrides import NotJson, read_overrides
 from relay.config.rules import (
     MessageConfig,
     Messages,
@@ -63,7 +61,7 @@ from relay.config.rules import (
     duplicate_ids,
     rules_of,
 )
-from relay.config.yaml_file import Overrides, YamlDocument, load_yaml
+from relay.config.yaml_file import load_yaml
 from relay.errors import ConfigError
 
 __all__ = [
@@ -395,8 +393,9 @@ class RelayConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Environment beats the file, so an operator can override one key.
-        return env_settings, init_settings
+        # The environment beats the file, but load_config applies it (relay.config.overrides):
+        # a variable replaces the key it names, where pydantic-settings would merge into it.
+        return (init_settings,)
 
     def outbox(self, name: str) -> OutboxConfig:
         """The named outbox; a ConfigError naming the configured ones otherwise."""
@@ -535,32 +534,10 @@ def load_config(path: str | Path | None = None) -> RelayConfig:
     doc = load_yaml(config_path(path))
     absolute_schema_paths(doc.data, doc.path.parent)
     try:
-        return RelayConfig(**doc.data)
+        overrides = read_overrides(RelayConfig, doc.data)
+    except NotJson as exc:
+        raise ConfigError(f"{doc.path}: {exc}") from None
+    try:
+        return RelayConfig(**overrides.merged)
     except ValidationError as exc:
-        raise ConfigError(doc.describe(exc, _overrides())) from None
-    except SettingsError as exc:
-        raise ConfigError(_override_error(exc, doc)) from None
-
-
-def _overrides() -> Overrides:
-    """The RELAY_* variables' values as the settings read them, and their names."""
-    names = sorted(name for name in os.environ if name.upper().startswith("RELAY_"))
-    return Overrides(EnvSettingsSource(RelayConfig)(), names)
-
-
-def _override_error(exc: SettingsError, doc: YamlDocument) -> str:
-    """A RELAY_* override that is not JSON where a list or a mapping goes; never its value."""
-    found = re.search(r'field "([^"]+)"', str(exc))
-    field = found.group(1) if found else ""
-    prefix = f"RELAY_{field.upper()}"
-    names = sorted(
-        name
-        for name in os.environ
-        if name.upper() == prefix or name.upper().startswith(prefix + "__")
-    )
-    which = ", ".join(names) or f"a {prefix}__* variable"
-    return (
-        f"{doc.path}: {which}: a RELAY_* override of a list or a mapping must be JSON, for "
-        """example RELAY_BROKERS__NATS__SERVERS='["nats://nats-1:4222"]' """
-        "(see configuration.md, RELAY_* overrides)"
-    )
+        raise ConfigError(doc.describe(exc, overrides)) from None

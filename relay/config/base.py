@@ -8,7 +8,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 from pydantic import (
     AfterValidator,
@@ -135,6 +135,23 @@ def header_text(value: str) -> str:
 
 
 HeaderText = Annotated[str, AfterValidator(header_text)]
+
+# Where a client or a server may end one step of a path: `/`, and `\` on some servers; also
+# percent-encoded, since some decode the path before they resolve it.
+_STEP_END = re.compile(r"/|\\|%2[Ff]|%5[Cc]")
+
+
+def path_step(path: str) -> str | None:
+    """The first step of `path` that a client or a server resolves rather than sends on, as
+    written (`..`, `.`, `%2E%2E`, ...); None when there is none.
+
+    An address with a value of an event in it must hold none: `in/hooks/../admin` reaches
+    `in/admin`. Encoding does not help, since yarl (aiohttp), nginx and most servers decode
+    `%2E` back to a dot before they resolve the path: such an address is refused instead."""
+    for step in _STEP_END.split(path):
+        if step and unquote(step) in (".", ".."):
+            return step
+    return None
 
 
 def _existing_file(path: str) -> str:

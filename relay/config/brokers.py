@@ -33,6 +33,7 @@ from relay.config.base import (
     TlsConfig,
     UrlError,
     check_nats_url,
+    path_step,
 )
 
 _NATS_SCHEMES = ("nats", "tls", "ws", "wss")
@@ -397,9 +398,14 @@ class HttpBrokerConfig(TlsCapable):
                     f"{{{name}}} is not a field of a message; use"
                     f" {', '.join('{' + f + '}' for f in HTTP_URL_FIELDS)}"
                 )
+        rendered = urlsplit(_URL_FIELD.sub("x", url))
+        if (step := path_step(rendered.path)) is not None or "#" in url:
+            # Every request would be refused for it (relay.brokers.http).
+            what = f"the path step {step!r}" if step is not None else "a '#'"
+            raise ValueError(f"holds {what}: write the URL the requests go to as it is")
         if url.startswith("{destination}"):
             return url  # the destination brings the scheme and host: checked per message
-        if not (_HTTP.match(url) and urlsplit(_URL_FIELD.sub("x", url)).hostname):
+        if not (_HTTP.match(url) and rendered.hostname):
             raise ValueError("must be an http:// or https:// URL with a host, or {destination}")
         return url
 

@@ -30,6 +30,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+from relay.config.overrides import Overrides
 from relay.errors import ConfigError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -70,27 +71,8 @@ class YamlDocument:
 
     def describe(self, exc: ValidationError, overrides: Overrides | None = None) -> str:
         """The models' errors, each pointing at its key's line, or at the RELAY_* variable
-        that set the key."""
-        return _described(exc, self, overrides or Overrides({}, ()))
-
-
-@dataclass(frozen=True)
-class Overrides:
-    """What the RELAY_* environment variables set: their values as pydantic reads them
-    (nested), and the variables' names, so that an error can name the one at fault."""
-
-    data: dict[str, Any]
-    names: Sequence[str]
-
-    def variable(self, loc: Sequence[str | int]) -> str | None:
-        """The variable that set the value at `loc`: the one naming the longest part of it."""
-        wanted = [str(part).lower() for part in loc]
-        best: tuple[int, str] | None = None
-        for name in self.names:
-            parts = name[len("RELAY_") :].lower().split("__")
-            if parts == wanted[: len(parts)] and (best is None or len(parts) > best[0]):
-                best = (len(parts), name)
-        return best[1] if best else None
+        that set the key (or made the section it is missing from)."""
+        return _described(exc, self, overrides or Overrides(self.data, self.data, {}))
 
 
 def load_yaml(path: Path, environ: Mapping[str, str] | None = None) -> YamlDocument:
@@ -290,11 +272,11 @@ def _render(
 def _described(exc: ValidationError, doc: YamlDocument, overrides: Overrides) -> str:
     """A ValidationError as `file:line: dotted.key: message` lines, one a problem."""
     lines = []
-    merged = _merged(doc.data, overrides.data)
+    merged = overrides.merged
     for error in exc.errors(include_url=False):
         loc = _clean_loc(error["loc"], merged)
         msg = error["msg"].removeprefix("Value error, ")
-        loc, msg = _point_at_field(loc, msg, doc)
+        loc, msg = _point_at_field(loc, msg, merged)
         if error["type"] == "extra_forbidden":
             msg = "unknown key"
         elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
@@ -305,8 +287,11 @@ def _described(exc: ValidationError, doc: YamlDocument, overrides: Overrides) ->
         elif error["type"] == "missing":
             msg = "required key is missing"
         key = ".".join(str(p) for p in loc)
-        variable = overrides.variable(loc)
-        where = f"environment variable {variable}" if variable else doc.where(loc)
+        variables = overrides.variables(loc)
+        plural = "s" if len(variables) > 1 else ""
+        where = (
+            f"environment variable{plural} {', '.join(variables)}" if variables else doc.where(loc)
+        )
         lines.append(f"{where}: {key}: {msg}" if key else f"{doc.path}: {msg}")
     count = len(lines)
     head = f"invalid config ({count} error{'s' if count > 1 else ''}):\n  "
@@ -314,20 +299,20 @@ def _described(exc: ValidationError, doc: YamlDocument, overrides: Overrides) ->
 
 
 def _point_at_field(
-    loc: tuple[str | int, ...], msg: str, doc: YamlDocument
+    loc: tuple[str | int, ...], msg: str, data: Any
 ) -> tuple[tuple[str | int, ...], str]:
     """`payload: loanId: bad` becomes `payload.loanId: bad` when loanId is a key there.
 
     A whole-file check has no location of its own; its message starts with the dotted key it
     is about (`outboxes.x.broker: ...`), which is found in the file so that it gets a line.
     """
-    node: Any = doc.data
+    node: Any = data
     for part in loc:
         node = _child(node, part)
     field, sep, rest = msg.partition(": ")
     if sep and isinstance(node, dict) and field in node:
         return (*loc, field), rest
-    if sep and not loc and (path := _dotted(doc.data, field)):
+    if sep and not loc and (path := _dotted(data, field)):
         return path, rest
     return loc, msg
 
@@ -364,16 +349,6 @@ def _child(node: Any, part: str | int) -> Any:
     if isinstance(node, list) and isinstance(part, int) and part < len(node):
         return node[part]
     return _ABSENT
-
-
-def _merged(file: Any, overrides: Any) -> Any:
-    """The config pydantic saw: the file's keys, with the environment's over them."""
-    if not isinstance(file, dict) or not isinstance(overrides, dict):
-        return overrides
-    out = dict(file)
-    for key, value in overrides.items():
-        out[key] = _merged(file[key], value) if key in file else value
-    return out
 
 
 def _clean_loc(loc: tuple[str | int, ...], data: Any) -> tuple[str | int, ...]:

@@ -85,5 +85,7 @@ def _redacted(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parked(p: ParkedMessage) -> dict[str, Any]:
-    """`relay parked list --json`'s columns, the error redacted."""
-    return {**summary(p), "parked_at": p.parked_at.isoformat(), "error": redact(p.error)}
+    """`relay parked list --json`'s columns, the error redacted; a NULL a newer release left
+    stays null."""
+    at = None if p.parked_at is None else p.parked_at.isoformat()
+    return {**summary(p), "parked_at": at, "error": None if p.error is None else redact(p.error)}

@@ -90,11 +90,16 @@ async def read(
     out = []
     for name, outbox in config.outboxes.items():
         record = await partitions.read(conn, name)
-        count = outbox.partitions if record is None else record.partitions
-        waiting = [
+        unreadable = record.unreadable if record is not None else None
+        count = outbox.partitions if record is None or unreadable else record.partitions
+        waiting = [unreadable] if unreadable else []
+        waiting += [
             mismatch(name, record, m.outboxes[name], m.identity)
             for m in members
-            if record is not None and name in m.outboxes and m.outboxes[name] != count
+            if record is not None
+            and not unreadable
+            and name in m.outboxes
+            and m.outboxes[name] != count
         ]
         for lane in lanes_of(name, count):
             row = rows.get(lane.name)
@@ -197,8 +202,13 @@ def _last_error(row: CheckpointRow | None) -> str | None:
 
 
 def _blocking(row: CheckpointRow | None) -> dict[str, Any] | None:
-    if row is None or not row.blocking:
+    """The transaction the barrier waits for. A value of another shape (a newer release's,
+    docs/upgrading.md) is not shown: nothing but the detail is lost."""
+    if row is None or not isinstance(row.blocking, dict) or not row.blocking:
         return None
     value = dict(row.blocking)
-    value["age_seconds"] = round(value.pop("transaction_age", 0.0) + row.since_update, 1)
+    age = value.pop("transaction_age", 0.0)
+    if not isinstance(age, int | float) or isinstance(age, bool):
+        age = 0.0
+    value["age_seconds"] = round(age + row.since_update, 1)
     return value

@@ -15,11 +15,13 @@ from typing import Annotated, Any
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from relay import __version__
 from relay.core.lanes import Lane
 from relay.errors import RelayError
 from relay.postgres.partitions import Partitions
 from relay.postgres.queries import NOTIFY, statements
 from relay.postgres.store import Claim
+from relay.printable import excerpt
 
 COMMAND_CHANNEL = "relay_commands"
 _BIGINT = 2**63 - 1
@@ -57,6 +59,40 @@ _MODELS: dict[CommandKind, type[_Arguments]] = {
     CommandKind.REPLAY: ReplayArgs,
     CommandKind.RETRY_PARKED: RetryParkedArgs,
 }
+
+
+# What this release can carry out, as commands.waiting and commands.take read it: each kind
+# and the keys its args may hold. A pending row of another kind, or with another key, is a
+# newer release's (docs/upgrading.md): it is left to a replica that knows it.
+KNOWN = json.dumps({kind.value: sorted(model.model_fields) for kind, model in _MODELS.items()})
+# How long such a row waits for a replica that knows it before the holder fails it: longer
+# than a CLI waits for its command (`--timeout`, 30 s by default), after which the CLI
+# withdraws it itself, so only a command nobody waits for any more is failed.
+UNREADABLE_WAIT = 600.0
+
+
+def unreadable(kind: str, args: str) -> str:
+    """Why this release cannot carry out a pending command (a newer release's, say)."""
+    known = ", ".join(k.value for k in CommandKind)
+    if kind not in {k.value for k in CommandKind}:
+        what = f"kind {excerpt(kind)} is not one this release knows ({known})"
+    else:
+        keys = json.loads(args)
+        extra = sorted(set(keys) - set(_MODELS[CommandKind(kind)].model_fields))
+        what = f"its args hold {', '.join(map(excerpt, extra))}, unknown to {kind} here"
+    return (
+        f"{what}, and no replica that knows it took it within {UNREADABLE_WAIT / 60:g} minutes"
+        f" (this replica runs relay {__version__}): a newer release's command, written during"
+        " a rolling upgrade? Ask again once the upgrade is done"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """What the holder finds in the commands table for its lane."""
+
+    ready: bool  # a command this release can carry out waits
+    stale: bool  # one it cannot read has waited UNREADABLE_WAIT: fail it (`fail_unreadable`)
 
 
 class BadArguments(RelayError):
@@ -152,14 +188,16 @@ class CommandQueue:
         status = await conn.execute(self.queries["expire"], command_id)
         return bool(status.endswith(" 1"))
 
-    async def waiting(self, conn: asyncpg.Connection, outbox: str) -> bool:
+    async def waiting(self, conn: asyncpg.Connection, outbox: str) -> Waiting:
         """Whether a command waits for the outbox: a read on any connection, so that the
         holder's polling costs its shared lease connection nothing while none does."""
-        return bool(await conn.fetchval(self.queries["waiting"], outbox))
+        row = await conn.fetchrow(self.queries["waiting"], outbox, KNOWN, UNREADABLE_WAIT)
+        return Waiting(bool(row["ready"]), bool(row["stale"]))
 
     async def take(self, conn: asyncpg.Connection, claim: Claim, by: str) -> Command | None:
-        """The oldest pending command of the outbox, marked running; holder only."""
-        row = await conn.fetchrow(self.queries["take"], claim.outbox, by, claim.key)
+        """The oldest pending command of the outbox that this release can read, marked
+        running; holder only. Those it cannot read stay pending for a replica that can."""
+        row = await conn.fetchrow(self.queries["take"], claim.outbox, by, claim.key, KNOWN)
         if row is None:
             return None
         return Command(
@@ -169,6 +207,23 @@ class CommandQueue:
             json.loads(row["args"]),
             row["requested_by"],
         )
+
+    async def fail_unreadable(
+        self, conn: asyncpg.Connection, claim: Claim, by: str
+    ) -> list[tuple[int, str]]:
+        """Fail the pending commands this release cannot read that no replica took within
+        UNREADABLE_WAIT, each saying why; (id, why) of each (holder only)."""
+        rows = await conn.fetch(self.queries["unreadable"], claim.outbox, KNOWN, UNREADABLE_WAIT)
+        failed = []
+        for row in rows:
+            why = unreadable(row["kind"], row["args"])
+            outcome = json.dumps({"error": why})
+            status = await conn.execute(
+                self.queries["fail_pending"], row["id"], by, outcome, claim.key
+            )
+            if status.endswith(" 1"):
+                failed.append((int(row["id"]), why))
+        return failed
 
     async def finish(
         self, conn: asyncpg.Connection, command_id: int, ok: bool, outcome: dict[str, Any]

@@ -35,6 +35,13 @@ class Member:
     room: int | None  # more lanes it may take, of any outbox; None: no cap
     connected: bool = True  # the session that wrote its row is still there
     version: str | None = None  # its release (None: one before replicas said it)
+    # Outboxes its row names in a way this release cannot read (a newer release's shape:
+    # `outboxes` above holds only the counts it can); "*" when the whole of it is so.
+    unreadable: frozenset[str] = frozenset()
+
+    def speaks_for(self, outbox: str) -> bool:
+        """Whether its row says something of `outbox` that this release cannot read."""
+        return bool(self.unreadable) and (outbox in self.unreadable or "*" in self.unreadable)
 
 
 def change_coming(
@@ -50,20 +57,35 @@ def change_coming(
     CLI waits for it (a command it carried out on an old lane would be redone on the new).
     """
     counts = {m.outboxes[outbox] for m in members if outbox in m.outboxes}
-    if pinned or len(counts) != 1:
+    if pinned or len(counts) != 1 or recorded < 1 or any(m.speaks_for(outbox) for m in members):
+        # A record or a replica whose word this release cannot read (a newer release's)
+        # may say another count: nothing is changed over it.
         return None
     (count,) = counts
     return None if count == recorded else count
 
 
 def _member(row: asyncpg.Record) -> Member:
+    counts, unreadable = outboxes_of(row["outboxes"])
     return Member(
-        row["identity"],
-        json.loads(row["outboxes"]),
-        row["room"],
-        row["connected"],
-        row["version"],
+        row["identity"], counts, row["room"], row["connected"], row["version"], unreadable
     )
+
+
+def outboxes_of(text: str) -> tuple[dict[str, int], frozenset[str]]:
+    """A row's outboxes and counts (`{"loans": 3}`), and what it says that this release
+    cannot read: a newer release may write another shape (docs/upgrading.md). That replica
+    shares no lane of those outboxes with this one, and no count of them is changed while
+    it is live (`change_coming`)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        return {}, frozenset({"*"})
+    counts = {
+        name: count
+        for name, count in value.items()
+        if type(count) is int and count >= 1  # not a bool, a float or an object
+    }
+    return counts, frozenset(value) - frozenset(counts)
 
 
 async def live_members(

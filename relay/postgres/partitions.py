@@ -25,10 +25,14 @@ from relay.config import ColumnsConfig
 from relay.core.lanes import Lane, lanes_of
 from relay.errors import RelayError
 from relay.postgres.queries import lane_at, move_parked, published, statements
-from relay.postgres.skipping import Layer, Skip, stacked
+from relay.postgres.skipping import Layer, Skip, skip_of, stacked
 
 # In the outcome of an operator's command that a change of partitions ended.
 PARTITIONS_CHANGED = "partitions_changed"
+
+
+class UnreadablePartitions(RelayError):
+    """The outbox's record holds a count this release cannot run (a newer release's)."""
 
 
 class PartitionsChanged(RelayError):
@@ -50,6 +54,20 @@ class PartitionSet:
     start_xmin: int | None  # `start: end` not settled yet (see EventSource.start_point)
     pinned: bool  # set by `relay repartition`: replicas never change it back on their own
     changed_by: str | None
+    written: str | None = None  # the count as written, when it is none this release can run
+
+    @property
+    def unreadable(self) -> str | None:
+        """Why this release cannot run the outbox by this record, None when it can. A newer
+        release may write a count this one does not know (docs/upgrading.md): this replica
+        then holds none of the outbox's lanes and never changes the record over."""
+        if self.written is None:
+            return None
+        return (
+            f"the outbox's partition set (relay.outboxes) holds {self.written} partitions, a"
+            " count this release cannot run (written by a newer release?): this replica"
+            " relays none of its lanes until the record holds a count of 1 or more"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +84,8 @@ class Repartitioned:
 def mismatch(outbox: str, recorded: PartitionSet, configured: int, who: str | None = None) -> str:
     """Why a replica configured with `configured` partitions does not relay the outbox
     (`who`: that replica, when it is not the one saying it)."""
+    if recorded.unreadable:
+        return recorded.unreadable
     said = (
         f"{who} is configured with {configured}"
         if who
@@ -86,13 +106,16 @@ def mismatch(outbox: str, recorded: PartitionSet, configured: int, who: str | No
 
 
 def _record(row: asyncpg.Record) -> PartitionSet:
+    count = row["partitions"]
+    runnable = isinstance(count, int) and count >= 1
     return PartitionSet(
         row["outbox"],
-        int(row["partitions"]),
+        count if runnable else 0,
         row["start_position"],
         row["start_xmin"],
         bool(row["pinned"]),
         row["changed_by"],
+        None if runnable else ("NULL" if count is None else str(count)),
     )
 
 
@@ -107,8 +130,11 @@ class Partitions:
         return None if row is None else _record(row)
 
     async def count(self, conn: asyncpg.Connection, outbox: str, configured: int) -> int:
-        """The count the outbox runs with; the configured one before its first claim."""
+        """The count the outbox runs with; the configured one before its first claim.
+        UnreadablePartitions when the record holds a count this release cannot run."""
         record = await self.read(conn, outbox)
+        if record is not None and record.unreadable:
+            raise UnreadablePartitions(f"outbox {outbox!r}: {record.unreadable}")
         return configured if record is None else record.partitions
 
     async def hold(self, conn: asyncpg.Connection, lane: Lane) -> None:
@@ -116,6 +142,11 @@ class Partitions:
         than the outbox runs with, and keep the count from changing until the transaction
         ends (a change takes the record FOR UPDATE first). No record yet: any count."""
         recorded = await conn.fetchval(self.queries["hold"], lane.outbox)
+        if recorded is not None and recorded < 1:
+            raise UnreadablePartitions(
+                f"outbox {lane.outbox!r} runs with a partition set this release cannot read"
+                f" ({recorded} partitions): the command was not queued"
+            )
         if recorded is not None and recorded != lane.count:
             raise PartitionsChanged(
                 f"outbox {lane.outbox!r} runs with {recorded} partition(s) now, not"
@@ -174,6 +205,8 @@ class Partitions:
         async with conn.transaction():
             record = await conn.fetchrow(self.queries["lock"], outbox)
             current = None if record is None else _record(record)
+            if current is not None and current.unreadable:  # a newer release's: left alone
+                raise UnreadablePartitions(f"outbox {outbox!r}: {current.unreadable}")
             # No record: the outbox never ran, so any count is its count, with no lane yet.
             before = (expect or 1) if current is None else current.partitions
             if expect is not None and before != expect:
@@ -236,7 +269,8 @@ class Partitions:
         xmin = unsettled[0] if unsettled else None
         epoch = max((int(r["epoch"]) for r in rows), default=0) + 1  # never back, per name
         broker = next((r["broker"] for r in rows if r["broker"] is not None), None)
-        older = [Skip.from_json(by_name[lane.name]["skip"]) for lane in old if lane.name in by_name]
+        # A skip this release cannot read (a newer one's) is carried as none: sent again.
+        older = [skip_of(by_name[lane.name]["skip"])[0] for lane in old if lane.name in by_name]
         skip = stacked(Layer(len(old), tuple(positions)), older, start)
         skipped = 0 if skip is None else await self._published(conn, skip, start, columns, table)
         await conn.execute(self.queries["drop_lanes"], outbox)

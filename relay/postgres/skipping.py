@@ -54,10 +54,45 @@ class Skip:
 
     @classmethod
     def from_json(cls, text: str | None) -> Skip | None:
+        """As `as_json` writes it; raises UnreadableSkip for any other shape."""
         if not text:
             return None
-        layers = tuple(Layer(int(k), tuple(int(p) for p in ps)) for k, ps in json.loads(text))
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(_is_layer(layer) for layer in value):
+            raise UnreadableSkip(text)
+        layers = tuple(Layer(k, tuple(ps)) for k, ps in value)
         return cls(layers) if layers else None
+
+
+class UnreadableSkip(ValueError):
+    """A checkpoint's skip in a shape this release does not write: a newer release's."""
+
+
+def skip_of(text: str | None) -> tuple[Skip | None, bool]:
+    """A checkpoint row's skip, and whether it held one this release cannot read (a newer
+    release's shape, docs/upgrading.md). That one is read as none: what it covers is sent
+    again, a duplicate, never a loss."""
+    try:
+        return Skip.from_json(text), False
+    except UnreadableSkip:
+        return None, True
+
+
+def _is_layer(layer: object) -> bool:
+    """`[count, [position, ...]]`, every number an integer (not a bool nor a float)."""
+    if not (isinstance(layer, list) and len(layer) == 2 and isinstance(layer[1], list)):
+        return False
+    count, positions = layer
+    return (
+        _integer(count)
+        and count >= 1
+        and len(positions) == count
+        and all(_integer(p) for p in positions)
+    )
+
+
+def _integer(value: object) -> bool:
+    return type(value) is int
 
 
 def stacked(new: Layer, older: Iterable[Skip | None], start: int) -> Skip | None:

@@ -20,7 +20,7 @@ from relay.core.event import Event
 from relay.core.publishing import Message
 from relay.errors import FencedError
 from relay.postgres.queries import statements
-from relay.postgres.skipping import Skip
+from relay.postgres.skipping import Skip, skip_of
 from relay.postgres.source import Blocker
 
 
@@ -38,6 +38,7 @@ class Claim:
     broker: str | None = None  # the broker's identity, written with each checkpoint
     recorded_broker: str | None = None  # the one the checkpoint was last written for
     skip: Skip | None = None  # made by a repartition: what the old lanes had published
+    skip_unreadable: bool = False  # the row's skip is a newer release's: read as none
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,11 @@ class CheckpointRow:
 
 @dataclass(frozen=True, slots=True)
 class ParkedMessage:
-    """A message set aside; the event's fields may be NULL when the row was malformed."""
+    """A message set aside; the event's fields may be NULL when the row was malformed.
+
+    This release writes every row with a rule, a reason, an error, its attempts and when.
+    A newer one may leave them NULL or write a reason this one does not know
+    (docs/upgrading.md): they are read and shown as they are."""
 
     id: int
     outbox: str
@@ -72,11 +77,11 @@ class ParkedMessage:
     destination: str | None
     message_key: str | None
     body: bytes | None
-    rule: str  # which of the event type's rules ("" for the single-rule form)
-    reason: str
-    error: str
-    attempts: int
-    parked_at: datetime
+    rule: str | None  # which of the event type's rules ("" for the single-rule form)
+    reason: str | None
+    error: str | None
+    attempts: int | None
+    parked_at: datetime | None
 
     @property
     def event(self) -> str:
@@ -113,7 +118,7 @@ class Store:
             retry = RetryCount(
                 row["retry_position"], row["attempts"], row["rejections"], row["retry_rule"]
             )
-        skip = Skip.from_json(row["skip"])
+        skip, unreadable = skip_of(row["skip"])
         skip = None if skip is None else skip.past(row["position"])
         return Claim(
             outbox,
@@ -126,6 +131,7 @@ class Store:
             broker,
             row["broker"],
             skip,
+            unreadable,
         )
 
     async def _fenced(

@@ -100,6 +100,18 @@ def warn_if_broker_changed(log: Any, outbox: str, claim: Claim) -> None:
     )
 
 
+def warn_if_skip_unreadable(log: Any, claim: Claim) -> None:
+    """Say so when the lane's skip (what a repartition's old lanes had published) is in a
+    shape this release cannot read, a newer release's: it is read as none, so those events
+    go out again (duplicates; consumers drop them by id), never lost."""
+    if claim.skip_unreadable:
+        log.warning(
+            "the checkpoint's skip was written by a newer release and this one cannot read it:"
+            " the events it covers that an old lane had published go out again (same ids)",
+            checkpoint=claim.position,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Held(Generic[T]):
     """The work's result, or why the lease was lost first (then `result` is None)."""

@@ -315,8 +315,15 @@ class OutboxRelay:
         self.ctx.wakes.commands.clear()
         self._commands_checked = time.monotonic()
         claim, queue, moved = s.claimed.claim, self.ctx.commands, False
-        if not await queue.waiting(s.reader, claim.outbox):
-            return False  # asked on the reader: the lease connection is every lane's
+        # Asked on the reader: the lease connection is every lane's.
+        waiting = await queue.waiting(s.reader, claim.outbox)
+        if waiting.stale:  # a newer release's command nobody took: fail it, saying why
+            async with s.claimed.writer.statement() as conn:
+                failed = await queue.fail_unreadable(conn, claim, self.ctx.identity)
+            for command_id, why in failed:
+                self.log.warning("command failed", command=command_id, error=why)
+        if not waiting.ready:
+            return False
         while not (self.ctx.stop.is_set() or self.ctx.shutdown.is_set()):
             async with s.claimed.writer.statement() as conn:
                 command = await queue.take(conn, claim, self.ctx.identity)

@@ -147,6 +147,7 @@ class LaneHolder:
         ctx.state.holding(self.lease.identity, claim.epoch, claim.position)
         self.log.info("lease acquired: relaying", epoch=claim.epoch, checkpoint=claim.position)
         holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
+        holding.warn_if_skip_unreadable(self.log, claim)
         self._transition("acquired")
         ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
         return Hold(reader=reader, claimed=claimed)
@@ -324,6 +325,11 @@ class OutboxReplica:
             if m.identity != self.me and self.name in m.outboxes
         )
         dissent = tuple(f"{who} ({count})" for who, count in others if count != self.count)
+        dissent += tuple(
+            f"{m.identity} (a heartbeat this release cannot read)"
+            for m in members
+            if m.speaks_for(self.name)
+        )
         for ctx in self.lanes:
             ctx.state.mismatched(reason)
         self.lanes[0].metrics.partitions_mismatch.labels(self.name).set(1)

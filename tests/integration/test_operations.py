@@ -235,6 +235,8 @@ async def test_two_operators_at_once_are_serialised_by_the_lease(
         await delete_stream(nats_url, stream)
 
 
+# Args of a known shape that this release can tell are wrong. A key it does not know is a
+# newer release's: left pending for a replica that knows it (test_newer_rows.py).
 HOSTILE_ARGS = [
     ("replay", '{"to": "abc"}', "to: Input should be a valid integer"),
     ("replay", '{"to": -5}', "to: Input should be greater than or equal to 0"),
@@ -242,7 +244,6 @@ HOSTILE_ARGS = [
     ("replay", '{"to": 99999999999999999999}', "to: Input should be less than or equal to"),
     ("replay", "{}", "to: Field required"),
     ("replay", '"abc"', "args: Input should be an object"),
-    ("replay", '{"to": 1, "also": "x"}', "also: Extra inputs are not permitted"),
     ("retry-parked", '{"ids": "abc"}', "ids: Input should be a valid array"),
     ("retry-parked", '{"ids": [1, "x"]}', "ids.1: Input should be a valid integer"),
     ("retry-parked", '{"ids": [0]}', "ids.0: Input should be greater than or equal to 1"),

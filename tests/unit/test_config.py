@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -686,6 +687,65 @@ def test_a_bad_override_names_its_variable_and_whole_key(
     message = error_of(tmp_path, GOOD)
     assert expected in message
     assert str(tmp_path) not in message.splitlines()[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("RELAY_OUTBOXES", "null", "outboxes: Input should be a valid dictionary"),
+        ("RELAY_DATABASE", "null", "database: Input should be a valid dictionary"),
+        ("RELAY_LEASE", "null", "lease: Input should be a valid dictionary"),
+        ("RELAY_OUTBOXES", "{}", "outboxes: Dictionary should have at least 1 item"),
+        ("relay_brokers", "{}", "brokers: Dictionary should have at least 1 item"),
+    ],
+)
+def test_an_override_of_a_whole_section_is_applied_not_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, expected: str
+) -> None:
+    """The variable sets the section to its value, as it does any other key: `null` is
+    null, `{}` is empty (not merged into the file's section, which would change nothing)."""
+    monkeypatch.setenv(name, value)
+    message = error_of(tmp_path, GOOD)
+    assert f"environment variable {name}: {expected}" in message
+    assert "relay.yaml" not in message
+
+
+def test_a_mapping_override_replaces_the_files_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A section given as JSON is the whole section; deeper variables then set keys in it."""
+    other = {"broker": "nats", "messages": {"BookReturned": {"type": "t.v1", "destination": "d"}}}
+    monkeypatch.setenv("RELAY_OUTBOXES", json.dumps({"returns": other}))
+    monkeypatch.setenv("RELAY_OUTBOXES__RETURNS__PARK_AFTER", "3")
+    monkeypatch.setenv("RELAY_LOGGING", '{"format": "json"}')
+    config = load_config(write(tmp_path, GOOD + "logging:\n  level: debug\n"))
+    assert list(config.outboxes) == ["returns"]
+    assert config.outboxes["returns"].park_after == 3
+    assert (config.logging.format, config.logging.level) == ("json", "info")
+
+
+def test_an_override_reaches_a_key_written_in_another_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Variable names are not case-sensitive, so `...__BOOKLENT__TYPE` is the file's
+    `BookLent`, not a rule of its own for an event type `booklent`."""
+    monkeypatch.setenv("RELAY_OUTBOXES__LOANS-OUTBOX__MESSAGES__BOOKLENT__TYPE", "t.v2")
+    config = load_config(write(tmp_path, GOOD))
+    rules = config.outboxes["loans-outbox"].rules("loans-outbox")
+    assert list(rules) == ["BookLent"]
+    assert rules["BookLent"][0].config.type == "t.v2"
+
+
+def test_a_key_missing_from_a_section_an_override_made_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the line of `outboxes:` in the file, which has no such outbox."""
+    monkeypatch.setenv("RELAY_OUTBOXES__RETURNS__PARK_AFTER", "3")
+    message = error_of(tmp_path, GOOD)
+    expected = "environment variable RELAY_OUTBOXES__RETURNS__PARK_AFTER: outboxes.returns"
+    assert f"{expected}.broker: required key is missing" in message
+    assert f"{expected}.messages: required key is missing" in message
+    assert "relay.yaml" not in message
 
 
 def test_a_bad_override_of_a_secret_does_not_show_its_value(

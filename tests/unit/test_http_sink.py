@@ -67,6 +67,15 @@ def test_a_url_names_only_fields_of_a_message() -> None:
     assert http(url="https://h.example.com/{type}/{key}").url.endswith("{key}")
 
 
+def test_a_url_whose_own_path_steps_elsewhere_is_refused_at_load() -> None:
+    """Every request would be refused for it (a step the client resolves, a fragment never
+    sent), so the file is: the error names the key and the step."""
+    assert "url: holds the path step '..'" in refused(url="https://h.example.com/in/../{key}")
+    assert "holds the path step '%2E'" in refused(url="https://h.example.com/{type}/%2E/x")
+    assert "holds a '#'" in refused(url="{destination}#{key}")
+    assert http(url="https://h.example.com/.well-known/{key}/...").url.endswith("...")
+
+
 def test_signing_keys_are_standard_webhooks_secrets_and_never_quoted() -> None:
     assert "starts with whsec_" in refused(signing_keys=["hunter2-hunter2-hunter2-hunter2"])
     said = refused(signing_keys=["whsec_not base64!"])

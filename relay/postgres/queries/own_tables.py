@@ -57,6 +57,21 @@ def of_outbox(column: str) -> str:
     return f"({column} = $1 OR left({column}, length($1) + 1) = $1 || '/')"
 
 
+def readable(known: str) -> str:
+    """The command row `c` is one this release can read: its kind is a key of `known` (JSON:
+    each kind and the keys its args may hold), and its args, when an object, hold no other
+    key. A newer release's kind or key is left to a replica that knows it; args of another
+    shape are a mistake, taken and failed as bad args (relay.postgres.command_queue)."""
+    keys = (
+        "jsonb_object_keys(CASE jsonb_typeof(c.args) WHEN 'object' THEN c.args"
+        " ELSE jsonb_build_object() END)"
+    )
+    return (
+        f"({known}::jsonb ? c.kind AND NOT EXISTS (SELECT 1 FROM {keys} AS k"
+        f" WHERE NOT ({known}::jsonb -> c.kind) ? k))"
+    )
+
+
 def move_parked(schema: str, count: int) -> str:
     """$1 outbox: the parked messages of its lanes, each to its aggregate's lane of `count`."""
     if count == 1:
@@ -114,6 +129,7 @@ class _Filler(string.Formatter):
             "advisory_locks": lambda _: advisory_locks(),
             "held_keys": lambda _: held_keys(),
             "cut": _cut,
+            "readable": readable,
         }
 
     def statement(self, name: str) -> str:

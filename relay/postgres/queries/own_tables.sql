@@ -9,6 +9,8 @@
 --   {advisory_locks}         every advisory lock granted in this database: (pid, key)
 --   {held_keys}              the keys of the advisory locks this connection holds
 --   {cut:a, b}               the text columns a and b, cut to $3 characters and an ellipsis
+--   {readable:$2}            the command row `c` is one this release can read, by $2 (JSON:
+--                            each kind it knows, and the keys its args may hold)
 --   {<group>.<name>}         another statement of this file, as it stands
 -- Values are never in the text: each is a $n parameter.
 --
@@ -176,7 +178,8 @@ WHERE id = ANY($1::bigint[]) AND outbox = $2 AND {holds_lock:$3};
 
 -- store.still_parked --
 -- $1 ids, $2 their errors, $3 their reasons, $4 lane, $5 lock key (holder only).
-UPDATE {schema}.parked p SET attempts = p.attempts + 1, error = f.error, reason = f.reason
+UPDATE {schema}.parked p SET attempts = coalesce(p.attempts, 0) + 1, error = f.error,
+  reason = f.reason
 FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, error, reason)
 WHERE p.id = f.id AND p.outbox = $4 AND {holds_lock:$5};
 
@@ -263,17 +266,39 @@ UPDATE {schema}.commands SET state = 'expired', finished_at = now()
 WHERE id = $1 AND state = 'pending';
 
 -- commands.waiting --
--- $1 lane.
-SELECT EXISTS (SELECT 1 FROM {schema}.commands WHERE outbox = $1 AND state = 'pending');
+-- $1 lane, $2 the commands this release knows (JSON: each kind's args' keys), $3 seconds:
+-- whether one it can read waits (ready), and one it cannot has waited longer than $3 (stale).
+SELECT
+  EXISTS (SELECT 1 FROM {schema}.commands c WHERE c.outbox = $1 AND c.state = 'pending'
+    AND {readable:$2}) AS ready,
+  EXISTS (SELECT 1 FROM {schema}.commands c WHERE c.outbox = $1 AND c.state = 'pending'
+    AND NOT {readable:$2} AND c.requested_at < now() - make_interval(secs => $3)) AS stale;
 
 -- commands.take --
--- $1 lane, $2 executed_by, $3 lock key (holder only): the oldest pending one.
+-- $1 lane, $2 executed_by, $3 lock key (holder only), $4 the commands this release knows
+-- (JSON, as commands.waiting): the oldest pending one it can read; the others are left to
+-- a replica that can.
 UPDATE {schema}.commands SET state = 'running', executed_by = $2
 WHERE id = (
-  SELECT id FROM {schema}.commands WHERE outbox = $1 AND state = 'pending'
-  ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
+  SELECT c.id FROM {schema}.commands c WHERE c.outbox = $1 AND c.state = 'pending'
+    AND {readable:$4}
+  ORDER BY c.id LIMIT 1 FOR UPDATE SKIP LOCKED
 ) AND {holds_lock:$3}
 RETURNING id, outbox, kind, args, requested_by;
+
+-- commands.unreadable --
+-- $1 lane, $2 the commands this release knows (JSON, as commands.waiting), $3 seconds: up
+-- to 100 pending ones it cannot read that have waited longer than $3, oldest first.
+SELECT c.id, c.kind, c.args::text AS args FROM {schema}.commands c
+WHERE c.outbox = $1 AND c.state = 'pending' AND NOT {readable:$2}
+  AND c.requested_at < now() - make_interval(secs => $3)
+ORDER BY c.id LIMIT 100;
+
+-- commands.fail_pending --
+-- $1 id, $2 executed_by, $3 outcome (JSON), $4 lock key (holder only): if still pending.
+UPDATE {schema}.commands SET state = 'failed', executed_by = $2, outcome = $3::jsonb,
+  finished_at = now()
+WHERE id = $1 AND state = 'pending' AND {holds_lock:$4};
 
 -- commands.finish --
 -- $1 id, $2 state, $3 outcome (JSON).

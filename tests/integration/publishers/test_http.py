@@ -152,6 +152,37 @@ async def test_the_url_template_names_destination_key_and_type(server: WebhookSe
     assert server.requests[0].headers["ce-partitionkey"] == "a%20b/c"
 
 
+async def test_a_key_or_destination_never_moves_a_webhook_to_another_endpoint(
+    server: WebhookServer,
+) -> None:
+    """`.` and `..` (raw or encoded), and a `#`, from the event are refused before sending:
+    the client and the receiver would resolve them to another path. Everything else stays
+    in its place, a `/` or `%` of the key encoded."""
+    by_key = f"{server.url}/x/{{key}}/{{type}}"
+    refused_keys = ["..", ".", "a/.."]
+    kept_keys = ["...", ".a", "%2E%2E"]  # not a step; `%` encoded, so it stays a name
+    async with publishing(server, url=by_key) as pub:
+        batch = [message("ignored", key) for key in refused_keys + kept_keys]
+        outcomes = await pub.publish(batch)
+    for key, outcome in zip(refused_keys, outcomes, strict=False):
+        assert isinstance(outcome, PermanentPublishError), key
+        assert "path step" in str(outcome) and "another endpoint" in str(outcome)
+    assert outcomes[len(refused_keys) :] == [None] * len(kept_keys)
+    kept = [f"/x/{key}/library.book-lent.v1" for key in kept_keys]
+    assert sorted(r.path for r in server.requests) == sorted(kept)
+
+    refused_destinations = ["hooks/../admin", "hooks/%2e%2E/admin", "hooks/..\\admin", "b1#x"]
+    async with publishing(server) as pub:  # url: .../in/{destination}
+        batch = [message(d, f"k{i}") for i, d in enumerate(refused_destinations)]
+        outcomes = await pub.publish(batch)
+        assert all(isinstance(o, PermanentPublishError) for o in outcomes), outcomes
+        assert "'..'" in str(outcomes[0]) and "'%2e%2E'" in str(outcomes[1])
+        assert "'#'" in str(outcomes[3])
+        assert pub.refusal(batch[0]) == str(outcomes[0])
+        assert await pub.publish([message("hooks/b1", "k")]) == [None]
+    assert sorted(r.path for r in server.requests) == sorted([*kept, "/in/hooks/b1"])
+
+
 @pytest.mark.parametrize("status", [408, 429, 500, 502, 503])
 async def test_transient_statuses_are_retried_and_then_delivered(
     server: WebhookServer, status: int
@@ -440,3 +471,43 @@ async def test_the_receiver_down_mid_drain_loses_nothing_and_keeps_each_keys_ord
             await second.close()
     check_per_key_order(received)
     assert second.overlaps == [] and first.overlaps == []
+
+
+async def test_an_aggregate_id_in_the_destination_never_leaves_its_path(
+    events_table: str, tmp_path: Path
+) -> None:
+    """`destination: hooks/{aggregate_id}` under `url: .../in/{destination}`: ids that would
+    step out of `hooks/` (`../admin`, `..`, encoded or not) are parked, naming the step,
+    and never reach the receiver; the checkpoint goes past them and the others arrive."""
+    server = await WebhookServer().start()
+    harness = HttpHarness(server)
+    raw = relay_config(events_table, harness)
+    raw["brokers"]["under-test"]["url"] = f"{server.url}/in/{{destination}}"
+    rules = raw["outboxes"]["loans"]["messages"]
+    for rule in rules.values():
+        rule["destination"] = "hooks/{aggregate_id}"
+    raw["outboxes"]["loans"]["park_after"] = 1
+    config = await load_and_migrate(tmp_path, raw)
+    escaping = {"../admin": "'..'", "..": "'..'", "%2E%2E": "'%2E%2E'", "x/./y": "'.'"}
+    events = [("book", book, 1, "BookLent", {"loanId": "l"}) for book in ["b1", *escaping, "b2"]]
+    try:
+        async with connect(events_table) as conn:
+            await append_many(conn, events)
+        async with running(config):
+
+            async def settled() -> bool:
+                async with connect(events_table) as conn:
+                    parked = await conn.fetchval("SELECT count(*) FROM relay.parked")
+                return parked == len(escaping) and len(server.delivered()) == 2
+
+            await eventually(settled, timeout=30)
+        async with connect(events_table) as conn:
+            rows = await conn.fetch("SELECT aggregate_id, error FROM relay.parked ORDER BY id")
+            position = await conn.fetchval("SELECT position FROM relay.checkpoints")
+    finally:
+        await harness.close()
+    assert [r.path for r in server.requests] == ["/in/hooks/b1", "/in/hooks/b2"]
+    assert [row["aggregate_id"] for row in rows] == list(escaping)
+    for row, step in zip(rows, escaping.values(), strict=True):
+        assert f"holds the path step {step}" in row["error"], row["error"]
+    assert position == len(events)

@@ -233,6 +233,23 @@ async def test_queue_url_is_a_destination(sqs_endpoint: str) -> None:
         assert attribute(standard, "ce_id") == "book/k@1"
 
 
+async def test_a_queue_url_that_steps_out_of_its_path_is_refused(sqs_endpoint: str) -> None:
+    """`.../<account>/{aggregate_id}` with `x/../other`: SQS (moto here) reads the queue from
+    the URL's path, so the message would land in `other`. Refused before sending."""
+    async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
+        other = unique_queue("adapter", fifo=False)
+        other_url = await create_queue(sqs, other)
+        account = other_url.rstrip("/").rsplit("/", 2)[1]
+        escaping = [f"{sqs_endpoint}/{account}/x/{step}/{other}" for step in ("..", "%2E%2E")]
+        outcomes = await pub.publish([message(url, "k", 1) for url in escaping])
+        assert all(isinstance(o, PermanentPublishError) for o in outcomes), outcomes
+        assert "holds the path step '..'" in str(outcomes[0])
+        assert pub.refusal(message(escaping[1], "k", 1)) is not None
+        assert await pub.publish([message(other_url, "k", 2)]) == [None]
+        received = await receive_all(sqs, other_url, expected=1)
+        assert [attribute(m, "ce_id") for m in received] == ["book/k@2"]
+
+
 async def test_missing_queue_is_transient_until_created(sqs_endpoint: str) -> None:
     async with sqs_client(sqs_endpoint) as sqs, publisher(sqs_endpoint) as pub:
         queue = unique_queue("adapter")
