@@ -419,9 +419,15 @@ def _read_reply(msg: Msg) -> Reply:
     return _STORED
 
 
-async def open_connection(name: str, config: NatsBrokerConfig) -> Client:
+async def open_connection(
+    name: str,
+    config: NatsBrokerConfig,
+    clients: tuple[type[Client], type[Client]] | None = None,
+) -> Client:
     """A connection to broker `name`, authenticated, that never reconnects by itself;
-    TransientPublishError when refused or unreachable. The publisher's and the audit's."""
+    TransientPublishError when refused or unreachable. The publisher's and the audit's;
+    `clients`: the client classes to use without and with TLS (the second must refuse a
+    server without TLS, as TlsOnlyClient does)."""
     c = config
     options: dict[str, Any] = {
         "servers": c.servers,
@@ -447,7 +453,8 @@ async def open_connection(name: str, config: NatsBrokerConfig) -> Client:
     tls = c.tls is not None or any(urlsplit(url).scheme == "tls" for url in c.servers)
     if tls:
         options["tls"] = (c.tls or TlsConfig()).context()
-    nc = _TlsOnlyClient() if tls else Client()
+    plain, secure = clients or (Client, TlsOnlyClient)
+    nc = secure() if tls else plain()
     try:
         await nc.connect(**options)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
@@ -456,7 +463,7 @@ async def open_connection(name: str, config: NatsBrokerConfig) -> Client:
     return nc
 
 
-class _TlsOnlyClient(Client):
+class TlsOnlyClient(Client):
     """A nats-py client that sends CONNECT only over TLS.
 
     nats-py upgrades to TLS only when the server's INFO says `tls_required`; any other

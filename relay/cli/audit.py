@@ -12,6 +12,7 @@ it, and the command waits the window out when `--timeout` allows, or says so.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from relay.fleet.audit import Auditor, AuditRange, AuditReport
     from relay.postgres.database import Database
 
+NICENESS = 10  # added to the command's own: a lower CPU priority than the relay's
 REPAIR_AT_MOST = 100_000  # missing messages one `--repair` puts back; more: `relay replay`
 
 
@@ -78,6 +80,10 @@ def audit(
     cfg = load_config_or_exit(config)
     from relay.fleet.audit import AuditRange as Range
 
+    # An audit is a background check: on a machine it shares with a relay (or Postgres,
+    # or the broker), it yields the CPU to them.
+    os.nice(NICENESS)
+
     asked = Range(from_position, from_start, from_time, last, to)
     view = None if as_json or not sys.stderr.isatty() else _bar(outbox)
     result = run_or_exit(lambda: _work(cfg, outbox, asked, repair, timeout, view))
@@ -125,7 +131,8 @@ async def _work(
             await ensure_migrated(conn, cfg.database.schema_)
             running = await auditor.outbox_as_it_runs(conn)
             after, upto = await auditor.resolve(conn, asked, running)
-            report = await auditor.audit(conn, after, upto, running, view.show if view else None)
+            progress = view.show if view else None
+            report = await auditor.audit(conn, after, upto, running, on_progress=progress)
         result: dict[str, Any] = report.as_json()
         if not repair or not report.missing:
             return result

@@ -16,7 +16,7 @@ was acknowledged before they were written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -118,6 +118,10 @@ class AuditReport:
 
 
 OnProgress = Callable[[int, int], None]  # (events done, events in the range)
+Pace = Callable[[], Awaitable[None]]
+"""Awaited after each step of an audit (a page of events, a thousand stored messages): where
+the continuous audit rests, so that it leaves the relay's event loop to the relay."""
+STEP = 1_000  # stored messages seen between two calls of `pace`
 
 
 class Auditor:
@@ -130,7 +134,7 @@ class Auditor:
         reader: Reader,
         *,
         skew: float = 60.0,
-        chunk: int = 20_000,
+        chunk: int = 50_000,
         listed: int = 1_000,
     ) -> None:
         self.config = config
@@ -144,6 +148,7 @@ class Auditor:
         self.source = EventSource(config.source, metadata=self.mapper.reads_metadata)
         self.store = Store(config.database.schema_)
         self.partitions = Partitions(config.database.schema_)
+        self._pace: Pace | None = None
         self._types = list(self.outbox_config.messages)
         self._aggregates = self.outbox_config.aggregates
         self._templates = {  # (event type, rule) -> its destination as the config writes it
@@ -196,9 +201,12 @@ class Auditor:
         after: int,
         upto: int,
         outbox: Outbox,
+        *,
         on_progress: OnProgress | None = None,
+        pace: Pace | None = None,
     ) -> AuditReport:
         """Audit the events in (after, upto] of the outbox as it runs."""
+        self._pace = pace
         began = time.monotonic()
         report = AuditReport(
             self.outbox, self.outbox_config.broker, after, upto, dict(outbox.checkpoints)
@@ -236,6 +244,8 @@ class Auditor:
             report.events += len(page)
             if on_progress is not None:
                 on_progress(report.events, max(total, report.events))
+            if pace is not None:
+                await pace()
         if pending or previous is None:
             previous = await self._next_chunk(previous, pending, report)
         await self._settle(previous, report)
@@ -294,8 +304,12 @@ class Auditor:
         if previous is not None:
             previous.explain(chunk.ids())
         if chunk.size:
+            seen = 0
             async for stored in self.reader.read(chunk.destinations, chunk.since):
                 chunk.see(stored)
+                seen += 1
+                if self._pace is not None and seen % STEP == 0:
+                    await self._pace()
         if previous is not None:
             chunk.explain(previous.ids())
             await self._settle(previous, report)

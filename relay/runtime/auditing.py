@@ -28,6 +28,7 @@ import structlog
 from relay.brokers import create_reader
 from relay.config.audit import AuditConfig
 from relay.core.audit import Finding
+from relay.core.lane_state import OutboxState
 from relay.core.readback import Reader
 from relay.core.waiting import sleep_unless
 from relay.errors import CannotReadBack, RelayError
@@ -40,6 +41,8 @@ from relay.runtime.context import OutboxContext
 
 T = TypeVar("T")
 SHOWN = 5  # findings a round keeps in relay.audits for `relay status`
+SHARE = 0.1  # of the event loop the audit takes while the first lane relays
+MAX_REST = 1.0  # seconds it rests after one step, at most
 REPORTED_KEPT = 100_000  # missing ids remembered while a repair is verified
 
 
@@ -60,6 +63,7 @@ class ContinuousAudit:
         self._reported: set[str] = set()  # missing ids counted already (a repair pending)
         self._behind_since: float | None = None  # when it last fell behind the checkpoints
         self._failing = False
+        self._pace = _Pacer(context.state)
 
     async def run(self, stop: asyncio.Event, claimed_at: int) -> None:
         """Audit round after round until `stop` is set (or the task is cancelled).
@@ -145,7 +149,7 @@ class ContinuousAudit:
                     types=list(auditor.outbox_config.messages),
                 )
                 upto = settled if upto is None else upto
-                report = await auditor.audit(conn, position, upto, running)
+                report = await auditor.audit(conn, position, upto, running, pace=self._pace)
                 position = await self._settle(conn, auditor, report, running, (position, upto))
             await self._measure(conn, auditor, lowest, position)
 
@@ -263,3 +267,20 @@ class ContinuousAudit:
             if quiet:
                 return None
             raise
+
+
+class _Pacer:
+    """While the first lane relays (a backlog, a retry), the audit rests after each step
+    for nine times as long as the step took, so that it takes about a tenth of the event
+    loop the relay runs on; once the lane is idle, it runs free. A step's time counts
+    whatever else the loop ran meanwhile, so under load it rests more, never less."""
+
+    def __init__(self, state: OutboxState) -> None:
+        self.state = state
+        self.mark = time.monotonic()
+
+    async def __call__(self) -> None:
+        busy = time.monotonic() - self.mark
+        rest = busy * (1 - SHARE) / SHARE if self.state.activity != "idle" else 0.0
+        await asyncio.sleep(min(rest, MAX_REST))
+        self.mark = time.monotonic()

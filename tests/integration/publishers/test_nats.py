@@ -553,3 +553,26 @@ def connected_max_payload(pub: NatsPublisher) -> int:
     nc = pub._nc
     assert nc is not None
     return int(nc.max_payload)
+
+
+async def test_the_audit_reader_leaves_the_cloudevents_headers_unparsed(
+    nats_url: str,
+) -> None:
+    """The reader overrides nats-py's private header parser (half the cost of a read back):
+    if nats-py stops calling it, this fails, and the audit is only slower."""
+    from relay.brokers.nats_readback import _ReadingClient
+
+    stream = unique_name("ids")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    client = _ReadingClient()
+    try:
+        await client.connect(nats_url)
+        sub = await client.subscribe(f"{stream}.x")
+        headers = {"Nats-Msg-Id": "book/b1@1", "ce-id": "book/b1@1", "content-type": "a/b"}
+        async with connect(nats_url) as nc:
+            await nc.publish(f"{stream}.x", b"{}", headers=headers)
+        msg = await sub.next_msg(timeout=5)
+        assert msg.headers == {"Nats-Msg-Id": "book/b1@1"}
+    finally:
+        await client.close()
+        await delete_stream(nats_url, stream)
