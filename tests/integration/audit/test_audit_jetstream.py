@@ -309,3 +309,29 @@ async def test_a_subject_the_stream_stopped_capturing_is_missing_there(
     finally:
         await delete_stream(nats_url, name)
         await delete_stream(nats_url, other)
+
+
+async def test_bad_input_exits_2_naming_what_is_wrong(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        never = run_cli(["audit", "loans", "--config", str(config)])
+        assert never.returncode == 2 and "has never relayed" in never.stderr
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(5))
+        await relay_then_stop(relay_process, config, positions[-1])
+        cases = {
+            ("nosuch",): "unknown outbox 'nosuch'",
+            ("loans", "--from", str(positions[-1] + 10)): "after its end",
+            ("loans", "--from", "3", "--last", "2"): "at most one of",
+            ("loans", "--from", "4", "--to", "2"): "after its end",
+        }
+        for args, says in cases.items():
+            done = run_cli(["audit", *args, "--config", str(config)])
+            assert done.returncode == 2, (args, done.stdout, done.stderr)
+            assert says in done.stderr, (args, done.stderr)
+        code, report = audit(config, "--last", "2")
+        assert code == 0 and report["events"] == 2 and report["from"] == positions[3]
+    finally:
+        await delete_stream(nats_url, stream)

@@ -103,12 +103,17 @@ def assert_only_local(driver: webdriver.Chrome, port: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def library(dsn: str, nats_url: str, tmp_path: Path, **http: Any) -> AsyncIterator[Path]:
-    """A migrated config relaying the library (and its fines) to a stream of its own."""
+async def library(
+    dsn: str, nats_url: str, tmp_path: Path, *, audit: bool = False, **http: Any
+) -> AsyncIterator[Path]:
+    """A migrated config relaying the library (and its fines) to a stream of its own; with
+    `audit`, audited continuously."""
     stream = unique_name("status-page")
     await create_stream(nats_url, stream, [f"{stream}.>"])
     data = config_dict(dsn, nats_url, stream, messages=FINES)
     data["http"].update(http)
+    if audit:
+        data["outboxes"]["loans"]["audit"] = {"enabled": True, "delay": "1s", "every": "200ms"}
     path = save(tmp_path, data, f"relay-{stream}.yaml")
     assert run_cli(["migrate", "--config", str(path)]).returncode == 0
     try:
@@ -125,7 +130,7 @@ async def start(relay_process: Any, path: Path, count: int) -> list[tuple[RelayP
 async def test_the_page_follows_the_fleet_as_relay_status_sees_it(
     events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
 ) -> None:
-    async with library(events_table, nats_url, tmp_path) as path:
+    async with library(events_table, nats_url, tmp_path, audit=True) as path:
         async with connect(events_table) as conn:
             await append_many(conn, loans(20))
         replicas = await start(relay_process, path, 2)
@@ -168,6 +173,15 @@ async def test_the_page_follows_the_fleet_as_relay_status_sees_it(
                 await append_many(conn, loans(5, "dvd"))
                 head = await conn.fetchval("SELECT max(position) FROM events")
             await eventually(lambda: lane_cells(driver, "loans").get("checkpoint") == str(head))
+
+            # The continuous audit's row follows, as relay status shows it.
+            def audited() -> dict[str, str]:
+                return table(driver, "audits", "data-outbox").get("loans", {})
+
+            await eventually(lambda: audited().get("position") == str(head), timeout=30)
+            audit = status_json(path)[0]["audit"]
+            assert audit["position"] == head and audit["missing"] == 0
+            assert audited()["missing"] == "0" and audited()["checked"] == shown(audit["checked"])
 
             # A parked message appears, with its reason.
             async with connect(events_table) as conn:
