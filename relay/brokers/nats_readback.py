@@ -45,6 +45,7 @@ class NatsReader:
         self._streams: dict[str, str | None] = {}  # subject -> the stream capturing it
 
     async def connect(self) -> None:
+        self._streams.clear()  # each audit (round) looks the streams up afresh: they change
         if self._nc is not None and self._nc.is_connected:
             return
         try:
