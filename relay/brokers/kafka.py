@@ -156,7 +156,7 @@ class KafkaPublisher:
         self._stage = "connecting"  # what publish was waiting for, should ack_timeout expire
         self.duplicates = 0  # Kafka does not say when it dropped a duplicate
         self.last_duplicates: tuple[int, ...] = ()  # it cannot tell which
-        self._ssl = _check(config)
+        self._ssl = tls_context(config)
         if config.transactional_id is not None and not config.enable_idempotence:
             self._log.warning(
                 "transactional_id implies the idempotent producer; enable_idempotence: "
@@ -221,8 +221,7 @@ class KafkaPublisher:
         # Without its transactional id, a producer that has one is still idempotent.
         idempotent = c.enable_idempotence or (not transactional and c.transactional_id is not None)
         options: dict[str, Any] = {
-            "bootstrap_servers": c.bootstrap_servers,
-            "client_id": c.client_id,
+            **connection_options(c, self._ssl),
             "acks": "all",
             "enable_idempotence": idempotent,
             "transactional_id": c.transactional_id if transactional else None,
@@ -234,15 +233,7 @@ class KafkaPublisher:
             # A produce request not answered within ack_timeout has failed; without
             # idempotence a queued batch also expires after this long.
             "request_timeout_ms": int(c.ack_timeout * 1000),
-            "security_protocol": c.security_protocol,
         }
-        if self._ssl is not None:
-            options["ssl_context"] = self._ssl
-        if c.security_protocol.startswith("SASL"):
-            options["sasl_mechanism"] = c.sasl_mechanism or "PLAIN"
-            options["sasl_plain_username"] = c.sasl_username
-            if c.sasl_password is not None:
-                options["sasl_plain_password"] = c.sasl_password.get_secret_value()
         return options
 
     def _connect_error(self, exc: BaseException) -> str:
@@ -561,11 +552,29 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _check(config: KafkaBrokerConfig) -> ssl.SSLContext | None:
+def tls_context(config: KafkaBrokerConfig) -> ssl.SSLContext | None:
     """The TLS context when TLS is used (the config model checked that its files load)."""
     if config.security_protocol not in ("SSL", "SASL_SSL"):
         return None  # the config model refuses tls without them
     return (config.tls or TlsConfig()).context()
+
+
+def connection_options(config: KafkaBrokerConfig, tls: ssl.SSLContext | None) -> dict[str, Any]:
+    """What any aiokafka client of the broker needs to reach it and log in: the producer's,
+    and the audit's consumer."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": config.bootstrap_servers,
+        "client_id": config.client_id,
+        "security_protocol": config.security_protocol,
+    }
+    if tls is not None:
+        options["ssl_context"] = tls
+    if config.security_protocol.startswith("SASL"):
+        options["sasl_mechanism"] = config.sasl_mechanism or "PLAIN"
+        options["sasl_plain_username"] = config.sasl_username
+        if config.sasl_password is not None:
+            options["sasl_plain_password"] = config.sasl_password.get_secret_value()
+    return options
 
 
 def _text(exc: BaseException) -> str:

@@ -119,14 +119,13 @@ class KinesisPublisher(AwsPublisher):
         return str(record) if isinstance(record, PermanentPublishError) else None
 
     def _stream(self, destination: str) -> _Stream:
-        if match := _STREAM_ARN.fullmatch(destination):
-            return _Stream(match.group(1), {"StreamARN": destination})
-        if _STREAM_NAME.fullmatch(destination):
-            return _Stream(destination, {"StreamName": destination})
-        raise PermanentPublishError(
-            f"broker {self.name!r}: {destination!r} is neither a stream ARN nor a stream name "
-            "(1-128 letters, digits, '_', '-' or '.')"
-        )
+        stream = stream_of(destination)
+        if stream is None:
+            raise PermanentPublishError(
+                f"broker {self.name!r}: {destination!r} is neither a stream ARN nor a stream"
+                " name (1-128 letters, digits, '_', '-' or '.')"
+            )
+        return _Stream(*stream)
 
     async def _publish_to(
         self, destination: str, batch: list[tuple[int, Message]], results: list[Outcome]
@@ -267,6 +266,16 @@ class KinesisPublisher(AwsPublisher):
 
     def _transient(self, stream: str, text: str) -> TransientPublishError:
         return TransientPublishError(f"broker {self.name!r}: stream {stream!r}: {text}")
+
+
+def stream_of(destination: str) -> tuple[str, dict[str, str]] | None:
+    """The stream a destination names: its name (for messages) and the parameter a call
+    takes (StreamName or StreamARN); None when it names none (the audit reads it too)."""
+    if match := _STREAM_ARN.fullmatch(destination):
+        return match.group(1), {"StreamARN": destination}
+    if _STREAM_NAME.fullmatch(destination):
+        return destination, {"StreamName": destination}
+    return None
 
 
 def _stream_body(request: Any, **_: Any) -> None:

@@ -110,26 +110,7 @@ class PubSubPublisher:
         if self._client is not None:
             return
         c = self._config
-        try:
-            channel = await asyncio.to_thread(self._open_channel)
-        except Exception as exc:  # credentials, files: each is named
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect: {_text(exc)}"
-            ) from exc
-        ready = grpc.channel_ready_future(channel)
-        try:
-            await asyncio.to_thread(ready.result, c.connect_timeout)
-        except grpc.FutureTimeoutError as exc:
-            ready.cancel()
-            channel.close()
-            where = c.emulator_host or c.endpoint or DEFAULT_ENDPOINT
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect to {where} within {c.connect_timeout}s"
-            ) from exc
-        except BaseException:
-            ready.cancel()
-            channel.close()
-            raise
+        channel = await connected_channel(self.name, c)
         self._channel = channel
         self._client = PublisherClient(
             batch_settings=BatchSettings(
@@ -138,27 +119,6 @@ class PubSubPublisher:
             publisher_options=PublisherOptions(enable_message_ordering=True),
             transport=PublisherGrpcTransport(channel=channel),
         )
-
-    def _open_channel(self) -> grpc.Channel:
-        """Plaintext to an emulator; else TLS with the credentials (blocking: ADC may ask
-        the metadata server)."""
-        c = self._config
-        if c.emulator_host is not None:
-            return grpc.insecure_channel(c.emulator_host, options=_CHANNEL_OPTIONS)
-        if c.credentials_file is not None:
-            from google.oauth2 import service_account  # noqa: PLC0415 - only when configured
-
-            credentials: Any = service_account.Credentials.from_service_account_file(  # type: ignore[no-untyped-call]
-                c.credentials_file, scopes=PublisherGrpcTransport.AUTH_SCOPES
-            )
-        else:
-            import google.auth  # noqa: PLC0415 - only without a key file
-
-            credentials, _ = google.auth.default(scopes=PublisherGrpcTransport.AUTH_SCOPES)
-        channel: grpc.Channel = PublisherGrpcTransport.create_channel(
-            c.endpoint or DEFAULT_ENDPOINT, credentials=credentials, options=_CHANNEL_OPTIONS
-        )
-        return channel
 
     async def close(self) -> None:
         """Close the channel: calls in flight end at once (cancelled), nothing waits."""
@@ -347,13 +307,8 @@ class PubSubPublisher:
         return known
 
     def _topic_of(self, destination: str) -> str | PublishError:
-        if match := _TOPIC_PATH.fullmatch(destination):
-            topic_id = match.group(2)
-            full = destination
-        else:
-            topic_id = destination
-            full = f"projects/{self._config.project}/topics/{destination}"
-        if not _TOPIC_ID.fullmatch(topic_id):
+        full = topic_path(destination, self._config.project)
+        if full is None:
             return PermanentPublishError(
                 f"broker {self.name!r}: {destination!r} is not a topic id nor a topic's full"
                 " name (a topic id has 3-255 letters, digits or - _ . ~ + %, starts with a"
@@ -369,7 +324,7 @@ class PubSubPublisher:
     # -- errors --------------------------------------------------------------------------------
 
     def _error(self, exc: BaseException, topic: str) -> PublishError:
-        text = f"broker {self.name!r}: topic {topic!r}: {_text(exc)}"
+        text = f"broker {self.name!r}: topic {topic!r}: {error_text(exc)}"
         if isinstance(exc, _MESSAGE_FAULTS):
             return PermanentPublishError(text)
         if isinstance(exc, api_exceptions.NotFound):
@@ -382,6 +337,63 @@ class PubSubPublisher:
                 " ordering key failed"
             )
         return TransientPublishError(text)
+
+
+async def connected_channel(name: str, config: PubSubBrokerConfig) -> grpc.Channel:
+    """A gRPC channel to Pub/Sub (or the emulator), connected within connect_timeout: the
+    publisher's and the audit's. TransientPublishError when it cannot be made."""
+    try:
+        channel = await asyncio.to_thread(open_channel, config)
+    except Exception as exc:  # credentials, files: each is named
+        raise TransientPublishError(f"broker {name!r}: cannot connect: {error_text(exc)}") from exc
+    ready = grpc.channel_ready_future(channel)
+    try:
+        await asyncio.to_thread(ready.result, config.connect_timeout)
+    except grpc.FutureTimeoutError as exc:
+        ready.cancel()
+        channel.close()
+        where = config.emulator_host or config.endpoint or DEFAULT_ENDPOINT
+        raise TransientPublishError(
+            f"broker {name!r}: cannot connect to {where} within {config.connect_timeout}s"
+        ) from exc
+    except BaseException:
+        ready.cancel()
+        channel.close()
+        raise
+    return channel
+
+
+def open_channel(config: PubSubBrokerConfig) -> grpc.Channel:
+    """Plaintext to an emulator; else TLS with the credentials (blocking: ADC may ask the
+    metadata server). The publisher's scopes serve the subscriber too (cloud-platform and
+    pubsub)."""
+    c = config
+    if c.emulator_host is not None:
+        return grpc.insecure_channel(c.emulator_host, options=_CHANNEL_OPTIONS)
+    if c.credentials_file is not None:
+        from google.oauth2 import service_account  # noqa: PLC0415 - only when configured
+
+        credentials: Any = service_account.Credentials.from_service_account_file(  # type: ignore[no-untyped-call]
+            c.credentials_file, scopes=PublisherGrpcTransport.AUTH_SCOPES
+        )
+    else:
+        import google.auth  # noqa: PLC0415 - only without a key file
+
+        credentials, _ = google.auth.default(scopes=PublisherGrpcTransport.AUTH_SCOPES)
+    channel: grpc.Channel = PublisherGrpcTransport.create_channel(
+        c.endpoint or DEFAULT_ENDPOINT, credentials=credentials, options=_CHANNEL_OPTIONS
+    )
+    return channel
+
+
+def topic_path(destination: str, project: str) -> str | None:
+    """The full name of the topic a destination names (a topic id of `project`, or a full
+    name); None when it names none."""
+    if match := _TOPIC_PATH.fullmatch(destination):
+        topic_id, full = match.group(2), destination
+    else:
+        topic_id, full = destination, f"projects/{project}/topics/{destination}"
+    return full if _TOPIC_ID.fullmatch(topic_id) else None
 
 
 def message_attributes(message: Message) -> dict[str, str]:
@@ -419,7 +431,8 @@ def ordering_key(key: str) -> str:
     return "~sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def _text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """A Pub/Sub error in one line: its gRPC status and its message."""
     if isinstance(exc, api_exceptions.GoogleAPICallError):
         status = exc.grpc_status_code
         return f"{status.name if status is not None else exc.code}: {exc.message}"

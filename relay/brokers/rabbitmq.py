@@ -72,9 +72,8 @@ class RabbitMqPublisher:
     def __init__(self, name: str, config: RabbitMqBrokerConfig) -> None:
         self.name = name
         self._config = config
-        self._url = config.url.get_secret_value()  # scheme and tls checked by the config model
         self._connection: aiormq.Connection | None = None
-        self._socket: _Socket | None = None
+        self._socket: Socket | None = None
         self._channel: aiormq.Channel | None = None
         self._lock = asyncio.Lock()
         # Bodies above this go alone (see _segments); lowered to the server's
@@ -103,41 +102,13 @@ class RabbitMqPublisher:
                     )
         self._connection, self._socket, self._channel = connection, socket, channel
 
-    async def _open(self) -> tuple[aiormq.Connection, _Socket]:
-        """A connection, logged in within connect_timeout; closed again if that fails or is
-        cancelled (for publishing and for `relay check` alike)."""
-        c = self._config
-        socket = _Socket()
-        connection = self._new_connection(socket)
-        async with self._closed_on_failure(connection, socket, lambda: "cannot connect"):
-            async with asyncio.timeout(c.connect_timeout):
-                await connection.connect()
-        return connection, socket
+    async def _open(self) -> tuple[aiormq.Connection, Socket]:
+        return await open_connection(self.name, self._config)
 
-    @contextlib.asynccontextmanager
-    async def _closed_on_failure(
-        self, connection: aiormq.Connection, socket: _Socket, step: Callable[[], str]
-    ) -> AsyncIterator[None]:
-        """Close a connection being set up if a step fails (said as the broker's refusal
-        at `step()`, the step reached) or is cancelled half-way."""
-        try:
-            yield
-        except _CONNECTION_ERRORS as exc:
-            await _close(connection, socket, graceful=False)
-            refusal = _refusal(exc, self._config.connect_timeout)
-            raise TransientPublishError(f"broker {self.name!r}: {step()}: {refusal}") from exc
-        except BaseException:  # cancelled half-way
-            await _close(connection, socket, graceful=False)
-            raise
-
-    def _new_connection(self, socket: _Socket) -> aiormq.Connection:
-        c = self._config
-        return aiormq.Connection(
-            URL(self._url),
-            context=c.tls.context() if c.tls else None,
-            transport_factory=socket,
-            client_properties={"connection_name": f"outbox-relay {self.name}"},
-        )
+    def _closed_on_failure(
+        self, connection: aiormq.Connection, socket: Socket, step: Callable[[], str]
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        return closed_on_failure(self.name, self._config, connection, socket, step)
 
     async def probe(self, destinations: Collection[str]) -> list[str]:
         """For `relay check`: connect and log in, and find each exchange (a passive declare,
@@ -166,12 +137,12 @@ class RabbitMqPublisher:
                     )
                 else:
                     await channel.close()
-        except _CONNECTION_ERRORS as exc:
+        except CONNECTION_ERRORS as exc:
             raise TransientPublishError(
                 f"broker {self.name!r}: {_refusal(exc, c.connect_timeout)}"
             ) from exc
         finally:
-            await _close(connection, socket, graceful=True)
+            await close_connection(connection, socket, graceful=True)
         return problems
 
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
@@ -279,7 +250,7 @@ class RabbitMqPublisher:
                 finally:
                     if not channel.is_closed:
                         await channel.close()
-        except _CONNECTION_ERRORS:
+        except CONNECTION_ERRORS:
             return None
         count = declared.message_count
         return None if count is None else int(count)
@@ -346,10 +317,50 @@ class RabbitMqPublisher:
         connection, socket = self._connection, self._socket
         self._connection, self._socket, self._channel = None, None, None
         if connection is not None and socket is not None:
-            await _close(connection, socket, graceful=graceful)
+            await close_connection(connection, socket, graceful=graceful)
 
 
-class _Socket(aiormq.TransportFactory):
+async def open_connection(
+    name: str, config: RabbitMqBrokerConfig, purpose: str = ""
+) -> tuple[aiormq.Connection, Socket]:
+    """A connection, logged in within connect_timeout; closed again if that fails or is
+    cancelled (for publishing, for `relay check` and for the audit alike). It shows in the
+    management UI as `outbox-relay <broker>`, and `purpose` after it."""
+    socket = Socket()
+    connection = aiormq.Connection(
+        URL(config.url.get_secret_value()),
+        context=config.tls.context() if config.tls else None,
+        transport_factory=socket,
+        client_properties={"connection_name": f"outbox-relay {name}{purpose}"},
+    )
+    async with closed_on_failure(name, config, connection, socket, lambda: "cannot connect"):
+        async with asyncio.timeout(config.connect_timeout):
+            await connection.connect()
+    return connection, socket
+
+
+@contextlib.asynccontextmanager
+async def closed_on_failure(
+    name: str,
+    config: RabbitMqBrokerConfig,
+    connection: aiormq.Connection,
+    socket: Socket,
+    step: Callable[[], str],
+) -> AsyncIterator[None]:
+    """Close a connection being set up if a step fails (said as the broker's refusal at
+    `step()`, the step reached) or is cancelled half-way."""
+    try:
+        yield
+    except CONNECTION_ERRORS as exc:
+        await close_connection(connection, socket, graceful=False)
+        refusal = _refusal(exc, config.connect_timeout)
+        raise TransientPublishError(f"broker {name!r}: {step()}: {refusal}") from exc
+    except BaseException:  # cancelled half-way
+        await close_connection(connection, socket, graceful=False)
+        raise
+
+
+class Socket(aiormq.TransportFactory):
     """Opens the connection's socket the way aiormq does, and keeps hold of it."""
 
     def __init__(self) -> None:
@@ -429,7 +440,9 @@ async def _cancel(tasks: Collection[asyncio.Future[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _close(connection: aiormq.Connection, socket: _Socket, *, graceful: bool) -> None:
+async def close_connection(
+    connection: aiormq.Connection, socket: Socket, *, graceful: bool
+) -> None:
     """Close, politely if `graceful`; abort the socket if the broker does not answer.
 
     aiormq waits until its buffered writes are flushed, for ever if the peer
@@ -466,7 +479,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-_CONNECTION_ERRORS = (
+CONNECTION_ERRORS = (
     aiormq.exceptions.AMQPError,
     aiormq.exceptions.ChannelInvalidStateError,
     OSError,

@@ -168,38 +168,7 @@ class RedisPublisher:
     async def connect(self) -> None:
         if self._connection is not None:
             return
-        connection = self._new_connection()
-        try:
-            await connection.connect()  # type: ignore[no-untyped-call]  # TLS, AUTH (HELLO), SELECT, CLIENT SETNAME
-            await connection.send_command("PING")
-            await connection.read_response()
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                await connection.disconnect(nowait=True)
-            raise TransientPublishError(
-                f"broker {self.name!r}: cannot connect: {self._text(exc)}"
-            ) from exc
-        self._connection = connection
-
-    def _new_connection(self) -> Connection:
-        """One connection: a batch is one command at a time, in order, so a pool would only
-        add a lock. redis-py's own retries are off: the outbox's backoff is the one policy."""
-        c = self._config
-        options: dict[str, Any] = dict(parse_url(c.url.get_secret_value().strip()))
-        if c.password is not None:
-            options["username"] = c.username
-            options["password"] = c.password.get_secret_value()
-        kind = options.pop("connection_class", Connection)
-        if kind is SSLConnection:
-            kind, options["tls"] = _TlsConnection, c.tls or TlsConfig()
-        connection: Connection = kind(
-            **options,
-            socket_connect_timeout=c.connect_timeout,
-            socket_timeout=c.ack_timeout,
-            retry=Retry(NoBackoff(), 0),
-            client_name="outbox-relay",
-        )
-        return connection
+        self._connection = await open_connection(self.name, self._config)
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -377,6 +346,40 @@ class RedisPublisher:
 
     def _text(self, exc: BaseException) -> str:
         return str(exc) or type(exc).__name__
+
+
+async def open_connection(name: str, config: RedisBrokerConfig) -> Connection:
+    """One connection, authenticated and answering PING; TransientPublishError when refused
+    or unreachable. The publisher's and the audit's.
+
+    One connection, not a pool: a batch is one command at a time, in order, so a pool would
+    only add a lock. redis-py's own retries are off: the outbox's backoff is the one policy."""
+    c = config
+    options: dict[str, Any] = dict(parse_url(c.url.get_secret_value().strip()))
+    if c.password is not None:
+        options["username"] = c.username
+        options["password"] = c.password.get_secret_value()
+    kind = options.pop("connection_class", Connection)
+    if kind is SSLConnection:
+        kind, options["tls"] = _TlsConnection, c.tls or TlsConfig()
+    connection: Connection = kind(
+        **options,
+        socket_connect_timeout=c.connect_timeout,
+        socket_timeout=c.ack_timeout,
+        retry=Retry(NoBackoff(), 0),
+        client_name="outbox-relay",
+    )
+    try:
+        await connection.connect()  # type: ignore[no-untyped-call]  # TLS, AUTH (HELLO), SELECT, CLIENT SETNAME
+        await connection.send_command("PING")
+        await connection.read_response()
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            await connection.disconnect(nowait=True)
+        raise TransientPublishError(
+            f"broker {name!r}: cannot connect: {str(exc) or type(exc).__name__}"
+        ) from exc
+    return connection
 
 
 def message_fields(message: Message) -> dict[str, str]:

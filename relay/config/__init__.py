@@ -363,6 +363,19 @@ UNREADABLE_BROKERS = {
 }
 
 
+def _unauditable(broker: BrokerConfig) -> str | None:
+    """Why an audit cannot read this broker back, known from its config alone."""
+    if broker.type in UNREADABLE_BROKERS:
+        return f"({broker.type}) cannot be read back ({UNREADABLE_BROKERS[broker.type]})"
+    if broker.type == "pubsub" and broker.audit_subscription is None:
+        return "(pubsub) names no audit_subscription for the audit to read each topic through"
+    if broker.type == "rabbitmq" and not broker.audit_streams:
+        return "(rabbitmq) names no audit_streams: only a stream queue can be read back"
+    if broker.type == "nats" and not broker.jetstream:
+        return "(nats) publishes with core NATS (jetstream: false), which keeps nothing"
+    return None
+
+
 class RelayConfig(BaseSettings):
     """The whole file. Built only through `load_config`, which adds file context."""
 
@@ -413,11 +426,10 @@ class RelayConfig(BaseSettings):
                     f"outboxes.{name}.broker: unknown broker {outbox.broker!r}"
                     f" (configured: {known})"
                 )
-            kind = self.brokers[outbox.broker].type
-            if outbox.audit.enabled and kind in UNREADABLE_BROKERS:
+            if outbox.audit.enabled and (why := _unauditable(self.brokers[outbox.broker])):
                 raise ValueError(
-                    f"outboxes.{name}.audit.enabled: broker {outbox.broker!r} ({kind}) cannot be"
-                    f" read back ({UNREADABLE_BROKERS[kind]}): no audit can prove its delivery"
+                    f"outboxes.{name}.audit.enabled: broker {outbox.broker!r} {why}: no audit"
+                    " can prove its delivery"
                 )
         return self
 

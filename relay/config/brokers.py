@@ -38,6 +38,12 @@ from relay.config.base import (
 
 _NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 _HTTP = re.compile(r"^https?://", re.IGNORECASE)
+# A Pub/Sub subscription id (as a topic id), or a subscription's full name.
+_SUBSCRIPTION_ID = re.compile(r"(?!goog)[A-Za-z][A-Za-z0-9._~+%-]{2,254}")
+_SUBSCRIPTION_PATH = re.compile(
+    r"projects/[^/]+/subscriptions/(?!goog)[A-Za-z][A-Za-z0-9._~+%-]{2,254}"
+)
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
 
 def codec_available(codec: str) -> bool:
@@ -188,6 +194,16 @@ class RabbitMqExchange(Model):
     durable: bool = True
 
 
+def _short_string(name: str) -> str:
+    """AMQP names a queue in a short string: 255 bytes at most."""
+    if len(name.encode()) > 255:
+        raise ValueError("a queue name is 255 bytes at most")
+    return name
+
+
+QueueName = Annotated[str, Field(min_length=1), AfterValidator(_short_string)]
+
+
 class RabbitMqBrokerConfig(TlsCapable):
     type: Literal["rabbitmq"]
     # Checked here, not only in the adapter: yarl's error for a raw '/' in the password ends in
@@ -200,6 +216,11 @@ class RabbitMqBrokerConfig(TlsCapable):
         " RabbitMQ binding of the CloudEvents SDKs).",
     )
     declare_exchanges: list[RabbitMqExchange] = []
+    audit_streams: dict[str, QueueName] = Field(
+        {},
+        description="For the audit: the stream queue (x-queue-type: stream) it reads back for"
+        ' each exchange, by exchange name ("" for the default exchange).',
+    )
 
     @property
     def header_prefix(self) -> str:
@@ -275,6 +296,27 @@ class PubSubBrokerConfig(Model):
     ack_timeout: PositiveDuration = Field(
         30.0, description="How long a batch waits for every Publish call it makes."
     )
+    audit_subscription: str | None = Field(
+        None,
+        description="For the audit: the subscription it reads each topic back through, with"
+        ' {topic} for the topic id ("{topic}-audit"); it needs retain_acked_messages.',
+    )
+
+    @field_validator("audit_subscription")
+    @classmethod
+    def _subscription_template(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
+        for name in _PLACEHOLDER.findall(template):
+            if name != "topic":
+                raise ValueError(f"{{{name}}} is not known; {{topic}} is the topic id")
+        rendered = template.replace("{topic}", "loans")
+        if not (_SUBSCRIPTION_ID.fullmatch(rendered) or _SUBSCRIPTION_PATH.fullmatch(rendered)):
+            raise ValueError(
+                "must make a subscription id (3-255 letters, digits or - _ . ~ + %, a letter"
+                " first, not 'goog') or projects/<project>/subscriptions/<id>"
+            )
+        return template
 
     @field_validator("emulator_host", "endpoint")
     @classmethod

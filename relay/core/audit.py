@@ -241,9 +241,14 @@ class Chunk:
             self._last[key] = message.position
 
     def _in_span(self, time: datetime | None) -> bool:
+        """Whether a message was stored within the chunk's time: one the broker gives no
+        time for (RabbitMQ) cannot be told from a message of the events after the range,
+        and is never counted as unexplained."""
+        if time is None:
+            return False
         if self.since is None or self._until is None:
             return True
-        return time is None or self.since <= time <= self._until
+        return self.since <= time <= self._until
 
     def _why(
         self,

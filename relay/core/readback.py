@@ -16,6 +16,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+import orjson
+
+
+def structured_id(body: bytes) -> str | None:
+    """The `id` of a CloudEvent in the JSON format (a message in structured mode, where the
+    broker carries no id of its own); None when the body is not one."""
+    try:
+        event = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    found = event.get("id") if isinstance(event, dict) else None
+    return found if isinstance(found, str) else None
+
 
 @dataclass(frozen=True, slots=True)
 class Stored:

@@ -138,6 +138,32 @@ def delete_topic(host: str, topic: str, subscription: str) -> None:
                 call(**name, timeout=10)
 
 
+AUDIT_SUBSCRIPTION = "{topic}-audit"  # the audit's own subscription of a topic, as tests name it
+
+
+def create_audit_subscription(
+    emulator: str, topic: str, subscription: str, **settings: Any
+) -> None:
+    """A subscription for the audit: ordered, keeping what is acknowledged (unless
+    `settings` say otherwise)."""
+    with admin(emulator) as (_, subscriber):
+        subscriber.create_subscription(
+            request={
+                "name": subscription_path(subscription),
+                "topic": topic_path(topic),
+                "enable_message_ordering": True,
+                "retain_acked_messages": True,
+                **settings,
+            },
+            timeout=10,
+        )
+
+
+def delete_subscription(emulator: str, subscription: str) -> None:
+    with admin(emulator) as (_, subscriber), contextlib.suppress(api_exceptions.GoogleAPICallError):
+        subscriber.delete_subscription(subscription=subscription_path(subscription), timeout=10)
+
+
 def pull_all(host: str, subscription: str, expected: int, timeout: float = 30.0) -> list[Any]:
     """Pull and ack until `expected` messages came and one more pull finds none; in
     delivery order. Each is a ReceivedMessage (`.message.data`, `.attributes`,

@@ -214,6 +214,14 @@ async def create_topology(
             await channel.queue_bind(queue, exchange, routing_key=binding)
 
 
+async def create_stream(url: str, stream: str, exchange: str | None, binding: str = "#") -> None:
+    """A stream queue (x-queue-type: stream), bound to `exchange` with `binding` if given."""
+    async with admin(url) as channel:
+        await channel.queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+        if exchange is not None:
+            await channel.queue_bind(stream, exchange, routing_key=binding)
+
+
 async def bind(url: str, exchange: str, queue: str, binding: str = "#") -> None:
     async with admin(url) as channel:
         await channel.queue_declare(queue, durable=True)

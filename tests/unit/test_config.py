@@ -782,3 +782,20 @@ def test_an_audit_of_a_broker_that_cannot_be_read_back_is_refused_naming_the_key
 def test_an_audit_setting_out_of_range_names_the_key(tmp_path: Path) -> None:
     said = error_of(tmp_path, GOOD + "    audit: {enabled: true, every: 0s}\n")
     assert "outboxes.loans-outbox.audit.every" in said
+
+
+@pytest.mark.parametrize(
+    ("broker", "says"),
+    [
+        ("type: nats\n    servers: [nats://n:4222]\n    jetstream: false", "core NATS"),
+        ("type: pubsub\n    project: my-project", "audit_subscription"),
+        ("type: rabbitmq\n    url: amqp://guest:guest@r:5672/", "audit_streams"),
+    ],
+)
+def test_an_audit_that_its_broker_config_cannot_serve_is_refused(
+    tmp_path: Path, broker: str, says: str
+) -> None:
+    text = GOOD.replace('type: nats\n    servers: ["nats://127.0.0.1:4222"]', broker)
+    load_config(write(tmp_path, text))
+    said = error_of(tmp_path, text + "    audit: {enabled: true}\n")
+    assert "outboxes.loans-outbox.audit.enabled" in said and says in said

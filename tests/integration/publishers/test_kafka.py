@@ -8,19 +8,23 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, ProducerFenced
 from aiokafka.partitioner import murmur2
 from pydantic import ValidationError
 
 from relay.brokers.kafka import KafkaPublisher
+from relay.brokers.kafka_readback import KafkaReader
 from relay.config import KafkaBrokerConfig
 from relay.config import brokers as brokers_config
-from relay.core.publishing import Message
-from relay.errors import PermanentPublishError, TransientPublishError
+from relay.core.publishing import Message, to_structured
+from relay.errors import PermanentPublishError, ReadBackError, TransientPublishError
 from tests.contract.brokers import kafka as kafka_harness
 from tests.contract.brokers.kafka import KafkaHarness
 from tests.contract.harness import Consumed
@@ -73,6 +77,7 @@ class KafkaKit(base.PublisherKit[KafkaHarness]):
         "ce_time": "2026-11-29T08:30:15.250000+00:00",
         "content-type": "application/json",
     }
+    duplicate_window = None  # Kafka drops no re-sent id
     start = staticmethod(kafka_harness.start)  # a private tansu behind a proxy
 
     def unreachable(self) -> dict[str, Any]:
@@ -92,7 +97,7 @@ class KafkaKit(base.PublisherKit[KafkaHarness]):
         assert consumed.raw.value == sent.body
 
 
-class TestKafkaPublisher(base.PublisherTestcase):
+class TestKafkaPublisher(base.PublisherTestcase, base.ReadBackTestcase):
     Kit = KafkaKit
 
 
@@ -476,3 +481,152 @@ async def test_batch_too_large_for_the_broker_is_split_not_parked() -> None:
     else:
         raise AssertionError("the batch never went through")
     await pub.close()
+
+
+# -- read back by `relay audit` (what only Kafka has; the rest is base.ReadBackTestcase) -----
+
+
+def reader(bootstrap: str, **options: Any) -> KafkaReader:
+    config = {"type": "kafka", "bootstrap_servers": [bootstrap], "connect_timeout": 1.0}
+    return KafkaReader("kafka", KafkaBrokerConfig(**{**config, **options}))
+
+
+async def test_a_structured_record_is_read_back_by_the_id_in_its_value(
+    tansu: TansuServer, kafka_topic: str
+) -> None:
+    sent = [message(kafka_topic, "s", n) for n in range(1, 4)]
+    for m in sent:
+        to_structured(m)
+    pub = publisher(tansu.bootstrap)
+    try:
+        assert await pub.publish(sent) == [None] * 3
+    finally:
+        await pub.close()
+    audit = reader(tansu.bootstrap)
+    try:
+        await audit.connect()
+        got = await base.read_back(audit, kafka_topic, None)
+        horizon = await audit.horizon(kafka_topic)
+    finally:
+        await audit.close()
+    assert [g.id for g in got] == [m.id for m in sent]  # one key: one partition, in order
+    assert horizon.first_id == sent[0].id
+
+
+async def test_a_read_from_a_time_inside_a_record_batch_starts_at_its_first_record_then(
+    tansu: TansuServer, kafka_topic: str
+) -> None:
+    """Kafka finds the first record stamped at the time or later; tansu answers the first
+    offset of the record batch holding it (its first): the batch's earlier records are left
+    out, and the rest of the partition is read, past the first page of records the consumer
+    hands over (1,000)."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=tansu.bootstrap, enable_idempotence=False, max_batch_size=1 << 20
+    )
+    await producer.start()
+    t0 = int((datetime.now(UTC) - timedelta(minutes=1)).timestamp() * 1000)
+    try:
+        for numbers in (range(1, 1201), range(1201, 1204)):  # two record batches
+            batch = producer.create_batch()
+            for n in numbers:
+                header = [("ce_id", f"book/b@{n}".encode())]
+                assert batch.append(key=b"b", value=b"{}", timestamp=t0 + n, headers=header)
+            await (await producer.send_batch(batch, kafka_topic, partition=0))
+    finally:
+        await producer.stop()
+    audit = reader(tansu.bootstrap)
+    try:
+        await audit.connect()
+        since = datetime.fromtimestamp((t0 + 101) / 1000, UTC)
+        got = await base.read_back(audit, kafka_topic, since)
+    finally:
+        await audit.close()
+    assert [g.id for g in got] == [f"book/b@{n}" for n in range(101, 1204)]
+
+
+async def test_a_read_ends_at_where_the_partitions_ended_while_records_keep_coming(
+    tansu: TansuServer, kafka_topic: str
+) -> None:
+    pub = publisher(tansu.bootstrap)
+    sent = [message(kafka_topic, f"k{n % 7}", n) for n in range(1, 301)]
+    busy, stop = asyncio.Event(), asyncio.Event()
+
+    async def keep_publishing() -> None:
+        n = 301
+        while not stop.is_set():
+            assert await pub.publish([message(kafka_topic, f"k{n % 7}", n)]) == [None]
+            busy.set()
+            n += 1
+
+    assert await pub.publish(sent) == [None] * 300
+    more = asyncio.create_task(keep_publishing())
+    audit = reader(tansu.bootstrap)
+    try:
+        await busy.wait()
+        await audit.connect()
+        async with asyncio.timeout(20):
+            got = await base.read_back(audit, kafka_topic, None)
+    finally:
+        stop.set()  # not cancel(): Python 3.11's wait_for, in the clients, can swallow it
+        await more
+        await audit.close()
+        await pub.close()
+    assert {m.id for m in sent} <= {g.id for g in got}
+
+
+async def test_reading_back_joins_no_group_and_moves_no_committed_offset(
+    tansu: TansuServer, kafka_topic: str
+) -> None:
+    pub = publisher(tansu.bootstrap)
+    try:
+        assert await pub.publish([message(kafka_topic, "g", n) for n in range(1, 6)]) == [None] * 5
+    finally:
+        await pub.close()
+    partition = TopicPartition(kafka_topic, (murmur2(b"g") & 0x7FFFFFFF) % 3)
+    billing = AIOKafkaConsumer(
+        bootstrap_servers=tansu.bootstrap, group_id="billing", enable_auto_commit=False
+    )
+    await billing.start()
+    admin = AIOKafkaAdminClient(bootstrap_servers=tansu.bootstrap)
+    await admin.start()
+    try:
+        billing.assign([partition])
+        await billing.commit({partition: 3})  # billing has read 3 of the 5
+        audit = reader(tansu.bootstrap)
+        try:
+            await audit.connect()
+            assert len(await base.read_back(audit, kafka_topic, None)) == 5
+            await audit.horizon(kafka_topic)
+        finally:
+            await audit.close()
+        assert await admin.list_consumer_groups() == [("billing", "consumer")]
+        assert await billing.committed(partition) == 3
+    finally:
+        await admin.close()
+        await billing.stop()
+
+
+async def test_a_topic_that_does_not_exist_is_named_by_the_horizon_and_not_created(
+    tansu: TansuServer,
+) -> None:
+    topic = unique_topic("never")
+    audit = reader(tansu.bootstrap)
+    try:
+        await audit.connect()
+        assert await base.read_back(audit, topic, None) == []
+        assert (await audit.horizon(topic)).problem == f"topic {topic!r} does not exist"
+    finally:
+        await audit.close()
+    admin = AIOKafkaAdminClient(bootstrap_servers=tansu.bootstrap)
+    await admin.start()
+    try:
+        assert topic not in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+async def test_an_unreachable_broker_is_a_read_back_error_that_names_the_broker() -> None:
+    audit = reader(f"127.0.0.1:{free_port()}")
+    with pytest.raises(ReadBackError, match=r"^broker 'kafka': cannot connect: "):
+        await audit.connect()
+    await audit.close()

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from relay.brokers import create_reader
 from relay.brokers.kinesis import (
     MAX_RECORD_BYTES,
     KinesisPublisher,
@@ -29,7 +30,7 @@ from relay.brokers.kinesis import (
 )
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import Message
-from relay.errors import PermanentPublishError, TransientPublishError
+from relay.errors import PermanentPublishError, ReadBackError, TransientPublishError
 from tests.contract.brokers import kinesis as kinesis_harness
 from tests.contract.brokers.kinesis import KinesisHarness, consumed
 from tests.contract.harness import Consumed
@@ -119,7 +120,9 @@ class KinesisKit(base.PublisherKit[KinesisHarness]):
         assert json.loads(consumed.raw["Data"])["data"] == {"book": "b1", "v": 1}
 
 
-class TestKinesisPublisher(base.PublisherTestcase, base.MissingDestinationTestcase):
+class TestKinesisPublisher(
+    base.PublisherTestcase, base.MissingDestinationTestcase, base.ReadBackTestcase
+):
     Kit = KinesisKit  # no DeduplicationTestcase: Kinesis has no deduplication
 
 
@@ -322,3 +325,76 @@ async def test_a_big_call_into_a_black_hole_ends_at_its_deadline(sqs_endpoint: s
                 assert await pub.publish(batch[1:]) == [None] * 4
         records = await s.records(expected=len(batch))
         assert {json.loads(r["Data"])["id"] for r in records} == {m.id for m in batch}
+
+
+# -- the audit's reader ----------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def reader(endpoint: str) -> AsyncIterator[Any]:
+    config = KinesisBrokerConfig(type="kinesis", region=REGION, endpoint_url=endpoint)
+    audit = create_reader("kinesis", config)
+    try:
+        await audit.connect()
+        yield audit
+    finally:
+        await audit.close()
+
+
+async def test_a_resharded_stream_is_read_through_its_closed_parent(sqs_endpoint: str) -> None:
+    """After a split the parent shard is closed and its children take the keys; the reader
+    lists both and reads the parent first. Moto moves a split shard's records into its
+    children (Kinesis keeps them in the closed parent until they expire), so what this shows
+    is that a closed shard is read without harm and nothing is lost or read twice."""
+    async with stream(sqs_endpoint, shards=1) as s, publisher(sqs_endpoint) as pub:
+        before = interleaved(s.stream, "abcd", 3)
+        assert await pub.publish(before) == [None] * len(before)
+        kinesis = await s.client()
+        (shard,) = (await kinesis.list_shards(StreamName=s.stream))["Shards"]
+        await kinesis.split_shard(
+            StreamName=s.stream, ShardToSplit=shard["ShardId"], NewStartingHashKey=str(2**127)
+        )
+        after = [message(s.stream, k, v) for v in range(4, 6) for k in "abcd"]
+        assert await pub.publish(after) == [None] * len(after)
+        async with reader(sqs_endpoint) as audit:
+            got = await base.read_back(audit, s.stream, None)
+            horizon = await audit.horizon(s.stream)
+        shards = (await kinesis.list_shards(StreamName=s.stream))["Shards"]
+    assert len(shards) == 3 and "EndingSequenceNumber" in shards[0]["SequenceNumberRange"]
+    sent = before + after
+    keys = {m.id: m.key for m in sent}
+    assert sorted(g.id or "" for g in got) == sorted(keys)  # each once
+    got_by_key = base.per_key([(g.id or "", keys.get(g.id or "")) for g in got])
+    assert got_by_key == base.per_key([(m.id, m.key) for m in sent])  # each key in order
+    assert {g.where.split(" seq ")[0] for g in got} <= {f"shard {x['ShardId']}" for x in shards}
+    assert horizon.max_age == 24 * 3600  # Kinesis's default retention
+    assert horizon.first is not None and horizon.problem is None
+
+
+async def test_a_shard_is_read_page_after_page_to_its_tip(
+    sqs_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages of 7 records: a full page is never taken for the tip, whatever
+    MillisBehindLatest says (moto says 0 for records stored in the same millisecond)."""
+    monkeypatch.setattr("relay.brokers.kinesis_readback.PAGE", 7)
+    monkeypatch.setattr("relay.brokers.kinesis_readback.MIN_CALL_INTERVAL", 0.0)
+    async with stream(sqs_endpoint, shards=1) as s, publisher(sqs_endpoint) as pub:
+        sent = interleaved(s.stream, "xyz", 10)
+        assert await pub.publish(sent) == [None] * len(sent)
+        async with reader(sqs_endpoint) as audit:
+            got = await base.read_back(audit, s.stream, None)
+    assert [g.id for g in got] == [m.id for m in sent]  # one shard: the order sent
+
+
+async def test_a_missing_stream_reads_empty_and_its_horizon_says_so(sqs_endpoint: str) -> None:
+    async with reader(sqs_endpoint) as audit:
+        assert await base.read_back(audit, "no-such-stream", None) == []
+        horizon = await audit.horizon("no-such-stream")
+        assert await audit.duplicate_window("no-such-stream") is None
+    assert horizon.first is None and horizon.problem == "stream 'no-such-stream' does not exist"
+
+
+async def test_an_unreachable_endpoint_is_a_read_back_error(sqs_endpoint: str) -> None:
+    async with reader(f"http://127.0.0.1:{free_port()}") as audit:
+        with pytest.raises(ReadBackError, match="broker 'kinesis': cannot read stream 's'"):
+            await base.read_back(audit, "s", None)

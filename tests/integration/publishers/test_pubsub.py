@@ -20,25 +20,46 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from relay.brokers import create_reader
 from relay.brokers.pubsub import MAX_MESSAGE_BYTES, PubSubPublisher
 from relay.config import PubSubBrokerConfig
 from relay.core.publishing import Message
-from relay.errors import PermanentPublishError, TransientPublishError
-from tests.contract.brokers import pubsub as pubsub_harness
+from relay.errors import CannotReadBack, PermanentPublishError, TransientPublishError
 from tests.contract.brokers.pubsub import PubSubHarness
 from tests.contract.harness import Consumed
 from tests.integration.publishers import base
 from tests.integration.publishers.base import interleaved, message
 from tests.support.net import free_port
 from tests.support.pubsub_server import (
+    AUDIT_SUBSCRIPTION,
     PROJECT,
     PubSubEmulator,
+    admin,
+    create_audit_subscription,
     create_topic,
+    delete_subscription,
     delete_topic,
     pull_all_async,
     unique_name,
 )
 from tests.support.scenario import eventually
+
+
+class AuditedHarness(PubSubHarness):
+    """The contract's topic and the consumers' subscription, and the audit's own:
+    `<topic>-audit`, ordered, keeping what it acknowledges."""
+
+    def __init__(self, emulator: str) -> None:
+        super().__init__(emulator)
+        self.audit = AUDIT_SUBSCRIPTION.format(topic=self.topic)
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        await asyncio.to_thread(create_audit_subscription, self.emulator, self.topic, self.audit)
+
+    async def close(self) -> None:
+        await super().close()
+        await asyncio.to_thread(delete_subscription, self.emulator, self.audit)
 
 
 class PubSubKit(base.PublisherKit[PubSubHarness]):
@@ -60,7 +81,14 @@ class PubSubKit(base.PublisherKit[PubSubHarness]):
         "content-type": "application/json",
     }
     missing_destination_says = "the topic does not exist"
-    start = staticmethod(pubsub_harness.start)
+
+    @staticmethod
+    async def start(request: pytest.FixtureRequest) -> PubSubHarness:
+        """The contract's harness, with the audit's subscription (ReadBackTestcase)."""
+        return AuditedHarness(request.getfixturevalue("pubsub_emulator"))
+
+    def broker_config(self, **options: Any) -> Any:
+        return super().broker_config(**{"audit_subscription": AUDIT_SUBSCRIPTION, **options})
 
     def unreachable(self) -> dict[str, Any]:
         return {"emulator_host": f"127.0.0.1:{free_port()}", "connect_timeout": 1.0}
@@ -79,7 +107,9 @@ class PubSubKit(base.PublisherKit[PubSubHarness]):
         assert consumed.raw.ordering_key == "b1"
 
 
-class TestPubSubPublisher(base.PublisherTestcase, base.MissingDestinationTestcase):
+class TestPubSubPublisher(
+    base.PublisherTestcase, base.MissingDestinationTestcase, base.ReadBackTestcase
+):
     Kit = PubSubKit
 
 
@@ -372,3 +402,116 @@ async def test_a_key_file_means_tls_and_a_plaintext_server_is_not_trusted(
     assert isinstance(outcome, TransientPublishError)
     assert str(outcome) == f"broker 'pubsub': cannot connect to {pubsub_emulator} within 1.0s"
     assert pem.splitlines()[1] not in str(outcome)
+
+
+# -- the audit's reader ----------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def reader(emulator: str, template: str | None = AUDIT_SUBSCRIPTION) -> AsyncIterator[Any]:
+    config = PubSubBrokerConfig(
+        type="pubsub", project=PROJECT, emulator_host=emulator, audit_subscription=template
+    )
+    audit = create_reader("pubsub", config)
+    try:
+        await audit.connect()
+        yield audit
+    finally:
+        await audit.close()
+
+
+def snapshots(emulator: str) -> list[str]:
+    with admin(emulator) as (_, subscriber):
+        return [s.name for s in subscriber.list_snapshots(project=f"projects/{PROJECT}")]
+
+
+async def test_without_an_audit_subscription_the_audit_is_refused(pubsub_emulator: str) -> None:
+    config = PubSubBrokerConfig(type="pubsub", project=PROJECT, emulator_host=pubsub_emulator)
+    with pytest.raises(CannotReadBack, match=r"brokers\.pubsub\.audit_subscription"):
+        create_reader("pubsub", config)
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (None, "does not exist: create it on topic"),
+        ({"retain_acked_messages": False}, "set retain_acked_messages on it"),
+        ({"filter": 'attributes.ce-type = "x"'}, "does not receive every message"),
+    ],
+)
+async def test_an_audit_subscription_that_would_miss_messages_is_refused(
+    pubsub_emulator: str, settings: dict[str, Any] | None, says: str
+) -> None:
+    async with topic(pubsub_emulator) as (name, _):
+        audit_name = AUDIT_SUBSCRIPTION.format(topic=name)
+        if settings is not None:
+            await asyncio.to_thread(
+                create_audit_subscription, pubsub_emulator, name, audit_name, **settings
+            )
+        try:
+            async with reader(pubsub_emulator) as audit:
+                with pytest.raises(CannotReadBack) as read:
+                    await base.read_back(audit, name, None)
+                with pytest.raises(CannotReadBack):
+                    await audit.horizon(name)
+        finally:
+            await asyncio.to_thread(delete_subscription, pubsub_emulator, audit_name)
+    assert f"subscription 'projects/{PROJECT}/subscriptions/{audit_name}'" in str(read.value)
+    assert says in str(read.value)
+
+
+async def test_without_seek_to_a_time_a_read_leaves_the_subscription_as_it_found_it(
+    pubsub_emulator: str,
+) -> None:
+    """The emulator does not implement Seek to a time (501). The reader then snapshots the
+    audit's subscription, reads and acknowledges it, and seeks back to the snapshot: read
+    after read, it holds every message, and no snapshot is left behind."""
+    async with topic(pubsub_emulator) as (name, _), publisher(pubsub_emulator) as pub:
+        audit_name = AUDIT_SUBSCRIPTION.format(topic=name)
+        await asyncio.to_thread(create_audit_subscription, pubsub_emulator, name, audit_name)
+        try:
+            sent = interleaved(name, "ab", 4)
+            assert await pub.publish(sent) == [None] * len(sent)
+            async with reader(pubsub_emulator) as audit:
+                for _ in range(3):
+                    got = await base.read_back(audit, name, None)
+                    assert sorted(g.id or "" for g in got) == sorted(m.id for m in sent)
+            assert not [s for s in await asyncio.to_thread(snapshots, pubsub_emulator) if name in s]
+            left = await read(pubsub_emulator, audit_name, expected=len(sent))
+            assert len(left) == len(sent)  # still unacknowledged, each once
+        finally:
+            await asyncio.to_thread(delete_subscription, pubsub_emulator, audit_name)
+
+
+async def test_a_structured_message_is_read_back_by_the_id_in_its_body(
+    pubsub_emulator: str,
+) -> None:
+    from relay.core.publishing import to_structured
+
+    async with topic(pubsub_emulator) as (name, _), publisher(pubsub_emulator) as pub:
+        audit_name = AUDIT_SUBSCRIPTION.format(topic=name)
+        await asyncio.to_thread(create_audit_subscription, pubsub_emulator, name, audit_name)
+        try:
+            sent = interleaved(name, "s", 3)
+            for m in sent:
+                to_structured(m)
+            assert await pub.publish(sent) == [None] * 3
+            async with reader(pubsub_emulator) as audit:
+                got = await base.read_back(audit, name, None)
+            assert [g.id for g in got] == [m.id for m in sent]
+            assert all(g.where.startswith(f"subscription {audit_name} message ") for g in got)
+        finally:
+            await asyncio.to_thread(delete_subscription, pubsub_emulator, audit_name)
+
+
+def test_the_audit_subscription_template_names_a_subscription() -> None:
+    def config(template: str) -> PubSubBrokerConfig:
+        return PubSubBrokerConfig(
+            type="pubsub", project=PROJECT, emulator_host="127.0.0.1:1", audit_subscription=template
+        )
+
+    assert config("{topic}-audit").audit_subscription == "{topic}-audit"
+    assert config("projects/other/subscriptions/{topic}.audit").audit_subscription
+    for wrong, says in (("{name}-audit", "{name} is not known"), ("a b", "must make a")):
+        with pytest.raises(ValueError, match=says):
+            config(wrong)

@@ -3,6 +3,7 @@ properties, confirms, returns and error classes as RabbitMQ has them."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -10,19 +11,21 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiormq
 import pytest
 from cloudevents.core.bindings import amqp, rabbitmq
 from cloudevents.core.exceptions import CloudEventValidationError
 from cloudevents.core.formats.json import JSONFormat
 
+from relay.brokers import create_reader
 from relay.brokers.rabbitmq import RabbitMqPublisher
 from relay.config import RabbitMqBrokerConfig
 from relay.core.publishing import Message, to_structured
-from relay.errors import PermanentPublishError, TransientPublishError
+from relay.errors import CannotReadBack, PermanentPublishError, TransientPublishError
 from tests.contract.brokers.rabbitmq import RabbitMqHarness
 from tests.contract.harness import Consumed
 from tests.integration.publishers import base
-from tests.integration.publishers.base import TYPE
+from tests.integration.publishers.base import TIME, TYPE
 from tests.support.net import free_port
 from tests.support.proxy import TcpProxy
 from tests.support.rabbitmq_server import (
@@ -30,10 +33,12 @@ from tests.support.rabbitmq_server import (
     QueueReader,
     admin,
     bind,
+    create_stream,
     create_topology,
     delete_topology,
     unique_name,
 )
+from tests.support.scenario import eventually
 
 
 def message(exchange: str, n: int, body: bytes = b'{"n":1}', **changes: Any) -> Message:
@@ -58,6 +63,23 @@ async def exchange(rabbitmq_url: str) -> AsyncIterator[str]:
         await delete_topology(rabbitmq_url, name, name)
 
 
+class AuditedHarness(RabbitMqHarness):
+    """The contract's exchange and the consumers' queue bound to it, and a stream queue bound
+    to it too (`<exchange>-audit`): what the audit reads back (`audit_streams`)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.stream = f"{self.exchange}-audit"
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        await create_stream(self.url, self.stream, self.exchange)
+
+    async def close(self) -> None:
+        await super().close()
+        await delete_topology(self.url, None, self.stream)
+
+
 class RabbitMqKit(base.PublisherKit[RabbitMqHarness]):
     name = "rabbit"
     options = {"ack_timeout": 2.0, "connect_timeout": 1.0}
@@ -77,11 +99,20 @@ class RabbitMqKit(base.PublisherKit[RabbitMqHarness]):
         "x-deduplication-header": "book/b1@1",
     }
     missing_destination_says = "NOT_FOUND"
+    stored_times = False  # RabbitMQ does not tell an AMQP 0-9-1 consumer when it stored one
+    seek_resolution = 1.0  # x-stream-offset takes an AMQP timestamp: whole seconds
 
     @staticmethod
     async def start(request: pytest.FixtureRequest) -> RabbitMqHarness:
-        """The machine's server (the contract suite's harness is on the private node)."""
-        return RabbitMqHarness(request.getfixturevalue("rabbitmq_url"))
+        """The machine's server (the contract suite's harness is on the private node), with
+        a stream queue bound to the exchange for the audit."""
+        return AuditedHarness(request.getfixturevalue("rabbitmq_url"))
+
+    def broker_config(self, **options: Any) -> Any:
+        """The audit reads the harness's stream queue, unless the test names another."""
+        stream = getattr(self.harness, "stream", None)
+        audited = {"audit_streams": {self.destination: stream}} if stream else {}
+        return super().broker_config(**{**audited, **options})
 
     @asynccontextmanager
     async def oversize_kit(self) -> AsyncIterator[base.PublisherKit[Any]]:
@@ -113,7 +144,9 @@ class RabbitMqKit(base.PublisherKit[RabbitMqHarness]):
         assert p.timestamp == datetime(2026, 11, 29, 8, 30, 15, tzinfo=UTC)  # whole seconds
 
 
-class TestRabbitMqPublisher(base.PublisherTestcase, base.MissingDestinationTestcase):
+class TestRabbitMqPublisher(
+    base.PublisherTestcase, base.MissingDestinationTestcase, base.ReadBackTestcase
+):
     Kit = RabbitMqKit
 
 
@@ -410,3 +443,175 @@ async def test_header_style_is_the_one_the_consumers_binding_reads(
         assert event.get_id() == "book/b2@1"
         assert event.get_extension("traceparent") == traceparent
         assert event.get_data() == {"n": 1}
+
+
+# -- the audit's reader ----------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def reader(url: str, streams: dict[str, str]) -> AsyncIterator[Any]:
+    config = RabbitMqBrokerConfig(type="rabbitmq", url=url, audit_streams=streams)
+    audit = create_reader("rabbit", config)
+    try:
+        await audit.connect()
+        yield audit
+    finally:
+        await audit.close()
+
+
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+async def test_a_queue_that_is_not_a_stream_is_refused_and_nothing_is_taken(
+    rabbitmq_url: str, kind: str
+) -> None:
+    name = unique_name("adapter")
+    async with admin(rabbitmq_url) as channel:
+        await channel.exchange_declare(name, exchange_type="topic", durable=True)
+        arguments: dict[str, Any] = (
+            {"x-queue-type": "quorum"} if kind == "quorum" else {"x-max-length": 100}
+        )
+        await channel.queue_declare(name, durable=True, arguments=arguments)
+        await channel.queue_bind(name, name, routing_key="#")
+    pub = publisher(rabbitmq_url)
+    try:
+        assert await pub.publish([message(name, n) for n in range(3)]) == [None] * 3
+        async with reader(rabbitmq_url, {name: name}) as audit:
+            with pytest.raises(CannotReadBack) as read:
+                await base.read_back(audit, name, None)
+            with pytest.raises(CannotReadBack):
+                await audit.horizon(name)
+        says = str(read.value)
+        assert f"queue {name!r}" in says and "reading it would take them away" in says
+        assert "not a stream queue" in says
+        received = await QueueReader(rabbitmq_url, name).fetch(expected=3)
+        assert len(received) == 3 and not any(r.redelivered for r in received)  # untouched
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, name, name)
+
+
+async def test_without_a_stream_named_for_the_exchange_the_audit_is_refused(
+    rabbitmq_url: str,
+) -> None:
+    config = RabbitMqBrokerConfig(type="rabbitmq", url=rabbitmq_url)
+    with pytest.raises(CannotReadBack, match=r"brokers\.rabbit\.audit_streams"):
+        create_reader("rabbit", config)
+    async with reader(rabbitmq_url, {"library": "library-audit"}) as audit:
+        with pytest.raises(CannotReadBack, match="no stream queue is named for exchange 'other'"):
+            await base.read_back(audit, "other", None)
+
+
+async def test_a_missing_stream_queue_reads_empty_and_is_not_created(rabbitmq_url: str) -> None:
+    missing = unique_name("missing")
+    async with reader(rabbitmq_url, {"": missing}) as audit:
+        assert await base.read_back(audit, "", None) == []
+        horizon = await audit.horizon("")
+    assert horizon.problem == f"stream queue {missing!r} does not exist"
+    async with admin(rabbitmq_url) as channel:
+        with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+            await channel.queue_declare(missing, passive=True)
+
+
+async def test_a_stream_with_retention_arguments_is_read_and_they_make_its_horizon(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    stream = unique_name("audit")
+    async with admin(rabbitmq_url) as channel:
+        retention: dict[str, Any] = {
+            "x-queue-type": "stream",
+            "x-max-age": "7D",
+            "x-max-length-bytes": 10**9,
+        }
+        await channel.queue_declare(stream, durable=True, arguments=retention)
+        await channel.queue_bind(stream, exchange, routing_key="#")
+    pub = publisher(rabbitmq_url)
+    try:
+        sent = [message(exchange, n) for n in range(4)]
+        assert await pub.publish(sent) == [None] * 4
+        async with reader(rabbitmq_url, {exchange: stream}) as audit:
+            got = await base.read_back(audit, exchange, None)
+            horizon = await audit.horizon(exchange)
+        assert [g.id for g in got] == [m.id for m in sent]
+        assert horizon.max_age == 7 * 86400 and horizon.limits == "x-max-length-bytes 1000000000"
+        assert horizon.first_id == sent[0].id and horizon.where == f"stream {stream} offset 0"
+        assert horizon.first == TIME.replace(microsecond=0)  # its own timestamp property
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, None, stream)
+
+
+async def test_a_stream_two_exchanges_feed_is_read_once_each_its_own(
+    rabbitmq_url: str, exchange: str
+) -> None:
+    """A stream bound to an exchange, and reached through the default exchange by its
+    name: each message keeps the exchange it was published to."""
+    stream = unique_name("audit")
+    await create_stream(rabbitmq_url, stream, exchange)
+    pub = publisher(rabbitmq_url)
+    try:
+        through = [message(exchange, n) for n in range(3)]
+        direct = [message("", n, routing_key=stream, id=f"direct/{n}") for n in range(3)]
+        assert await pub.publish([*through, *direct]) == [None] * 6
+        async with reader(rabbitmq_url, {exchange: stream, "": stream}) as audit:
+            both = [s async for s in audit.read([exchange, ""], None)]
+            only = await base.read_back(audit, "", None)
+        assert [(s.id, s.destination) for s in both] == [
+            *((m.id, exchange) for m in through),
+            *((m.id, "") for m in direct),
+        ]
+        assert [s.id for s in only] == [m.id for m in direct]
+        assert [s.where for s in only] == [f"stream {stream} offset {n}" for n in (3, 4, 5)]
+    finally:
+        await pub.close()
+        await delete_topology(rabbitmq_url, None, stream)
+
+
+async def test_a_read_ends_while_messages_keep_coming(rabbitmq_url: str, exchange: str) -> None:
+    """The relay goes on publishing during an audit: the read ends at the stream's end as of
+    when it began (the `next` probe), with everything published before."""
+    stream = unique_name("audit")
+    await create_stream(rabbitmq_url, stream, exchange)
+    pub = publisher(rabbitmq_url)
+    stop = asyncio.Event()
+    published: list[str] = []
+
+    async def keep_publishing() -> None:
+        while not stop.is_set():
+            sent = message(exchange, 1000 + len(published))
+            assert await pub.publish([sent]) == [None]
+            published.append(sent.id)
+            await asyncio.sleep(0.01)
+
+    before = [message(exchange, n) for n in range(3000)]  # a read of a few tenths of a second
+    try:
+        for start in range(0, len(before), 500):
+            assert await pub.publish(before[start : start + 500]) == [None] * 500
+        busy = asyncio.create_task(keep_publishing())
+        await eventually(lambda: len(published) >= 3)
+        async with reader(rabbitmq_url, {exchange: stream}) as audit:
+            began = len(published)
+            got = await asyncio.wait_for(base.read_back(audit, exchange, None), timeout=30)
+        ended = len(published)
+        await eventually(lambda: len(published) > ended)  # it went on publishing
+        stop.set()
+        await busy
+        ids = [g.id for g in got]
+        during = ids[len(before) :]
+        assert ids[: len(before)] == [m.id for m in before]
+        assert during == published[: len(during)]  # in order, nothing skipped
+        # Everything stored when it began, not all that was published while it read.
+        assert began <= len(during) < ended
+    finally:
+        stop.set()
+        await pub.close()
+        await delete_topology(rabbitmq_url, None, stream)
+
+
+def test_audit_streams_name_queues_amqp_can_carry() -> None:
+    def config(streams: dict[str, str]) -> RabbitMqBrokerConfig:
+        url = "amqp://127.0.0.1:1/"
+        return RabbitMqBrokerConfig(type="rabbitmq", url=url, audit_streams=streams)
+
+    assert config({"": "loans-audit", "x": "q"}).audit_streams == {"": "loans-audit", "x": "q"}
+    for wrong, says in (({"x": ""}, "at least 1 character"), ({"x": "é" * 128}, "255 bytes")):
+        with pytest.raises(ValueError, match=says):
+            config(wrong)

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from relay.brokers.redis import MAX_CALL_MESSAGES, RedisPublisher
+from relay.brokers.redis_readback import RedisReader
 from relay.config import RedisBrokerConfig
-from relay.core.publishing import Message
-from relay.errors import PermanentPublishError, TransientPublishError
+from relay.core.publishing import Message, to_structured
+from relay.errors import PermanentPublishError, ReadBackError, TransientPublishError
 from tests.contract.brokers import redis as redis_harness
 from tests.contract.brokers.redis import RedisHarness
 from tests.contract.harness import Consumed
@@ -56,6 +57,7 @@ class RedisKit(base.PublisherKit[RedisHarness]):
         "content-type": "application/json",
     }
     counts_duplicates = True
+    duplicate_window = 120.0  # the adapter's dedup_window, by default
     start = staticmethod(redis_harness.start)
 
     def unreachable(self) -> dict[str, Any]:
@@ -79,7 +81,7 @@ class RedisKit(base.PublisherKit[RedisHarness]):
         assert fields["body"] == sent.body
 
 
-class TestRedisPublisher(base.PublisherTestcase, base.DeduplicationTestcase):
+class TestRedisPublisher(base.PublisherTestcase, base.DeduplicationTestcase, base.ReadBackTestcase):
     Kit = RedisKit
 
 
@@ -426,3 +428,137 @@ async def test_an_acl_that_may_only_read_the_id_sets_refuses_the_call_before_any
             assert await pub.publish(batch) == [None] * 5
             assert pub.duplicates == 5
     assert ids(await read_stream(server.url, stream)) == [m.id for m in batch]
+
+
+# -- read back by `relay audit` (what only Redis has; the rest is base.ReadBackTestcase) -----
+
+
+def reader(url: str, **options: Any) -> Any:
+    return RedisReader("redis", config(url, **options))
+
+
+async def test_a_structured_entry_is_read_back_by_the_id_in_its_body(
+    redis_url: str, stream: str
+) -> None:
+    sent = [message(stream, "s", n) for n in range(1, 4)]
+    for m in sent:
+        to_structured(m)
+    async with base_publisher(redis_url) as pub:
+        assert await pub.publish(sent) == [None] * 3
+    audit = reader(redis_url)
+    try:
+        await audit.connect()
+        got = await base.read_back(audit, stream, None)
+        horizon = await audit.horizon(stream)
+    finally:
+        await audit.close()
+    assert [g.id for g in got] == [m.id for m in sent]
+    assert horizon.first_id == sent[0].id
+
+
+async def test_a_read_ends_at_the_last_entry_it_began_with_while_entries_keep_coming(
+    redis_url: str, stream: str
+) -> None:
+    sent = [message(stream, f"k{n % 7}", n) for n in range(1, 2501)]  # three pages and more
+    busy, stop = asyncio.Event(), asyncio.Event()
+    async with base_publisher(redis_url) as pub, base_publisher(redis_url) as more_pub:
+        assert await pub.publish(sent) == [None] * len(sent)
+
+        async def keep_publishing() -> None:
+            n = len(sent) + 1
+            while not stop.is_set():
+                assert await more_pub.publish([message(stream, "k", n)]) == [None]
+                busy.set()
+                n += 1
+
+        more = asyncio.create_task(keep_publishing())
+        audit = reader(redis_url)
+        try:
+            await busy.wait()
+            await audit.connect()
+            async with asyncio.timeout(20):
+                got = await base.read_back(audit, stream, None)
+        finally:
+            stop.set()  # not cancel(): Python 3.11's wait_for, in the clients, can swallow it
+            await more
+            await audit.close()
+    held = ids(await read_stream(redis_url, stream))
+    assert len(sent) <= len(got) < len(held)  # it stopped; the publishing went on
+    assert [g.id for g in got] == held[: len(got)]
+
+
+async def test_reading_back_leaves_consumer_groups_as_they_were(
+    redis_url: str, stream: str
+) -> None:
+    async with base_publisher(redis_url) as pub:
+        assert await pub.publish([message(stream, "g", n) for n in range(1, 11)]) == [None] * 10
+    async with redis_client(redis_url) as client:
+        await client.xgroup_create(stream, "billing", id="0")
+        await client.xreadgroup("billing", "worker", {stream: ">"}, count=4)  # 4 pending
+        before = await client.xinfo_groups(stream)
+        audit = reader(redis_url)
+        try:
+            await audit.connect()
+            assert len(await base.read_back(audit, stream, None)) == 10
+        finally:
+            await audit.close()
+        assert await client.xinfo_groups(stream) == before
+        assert before[0]["pending"] == 4
+
+
+async def test_a_key_that_holds_no_stream_reads_empty_and_the_horizon_says_why(
+    redis_url: str, stream: str
+) -> None:
+    async with redis_client(redis_url) as client:
+        await client.set(stream, "not a stream")
+    audit = reader(redis_url, maxlen=1000)
+    try:
+        await audit.connect()
+        assert await base.read_back(audit, stream, None) == []
+        horizon = await audit.horizon(stream)
+        assert horizon.problem == f"key {stream!r} holds no stream"
+        assert (await audit.horizon(stream + ":never")).first is None  # none yet: no problem
+    finally:
+        await audit.close()
+
+
+async def test_an_unreachable_server_is_a_read_back_error_that_names_the_broker() -> None:
+    audit = reader(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(ReadBackError, match=r"^broker 'redis': cannot connect: "):
+        await audit.connect()
+    await audit.close()
+
+
+async def test_the_documented_acl_reads_back_and_a_right_it_lacks_is_named(
+    redis_factory: RedisFactory,
+) -> None:
+    """docs/brokers/redis.md: the relay's rights plus `+xrange +xrevrange +xinfo|stream`."""
+    server = redis_factory()
+    stream = unique_stream("acl-audit")
+    rights = "+ping +client|setname +type +eval +evalsha +xadd +zmscore +zadd"
+    rights += " +zremrangebyscore +pexpire +time +xrange +xrevrange +xinfo|stream"
+    async with redis_client(server.url) as client:
+        await client.acl_setuser(
+            "relay",
+            enabled=True,
+            passwords=["+audit-s3cret"],
+            keys=["relay-test:*", "outbox-relay:dedup:*"],
+            commands=rights.split(),
+        )
+        async with base_publisher(server.url, username="relay", password="audit-s3cret") as pub:
+            assert await pub.publish([message(stream, "k", n) for n in (1, 2)]) == [None] * 2
+        audit = reader(server.url, username="relay", password="audit-s3cret")
+        try:
+            await audit.connect()
+            assert [s.id for s in await base.read_back(audit, stream, None)] == [
+                "book/k@1",
+                "book/k@2",
+            ]
+            assert (await audit.horizon(stream)).first_id == "book/k@1"
+            await client.acl_setuser("relay", commands=["-xinfo|stream"])
+            with pytest.raises(ReadBackError, match="no permissions to run the 'xinfo") as refused:
+                await audit.horizon(stream)
+            assert str(refused.value).startswith(f"broker 'redis': cannot read stream {stream!r}")
+            assert "audit-s3cret" not in str(refused.value)
+        finally:
+            await audit.close()
