@@ -44,16 +44,8 @@ _READERS: dict[str, tuple[str, str]] = {
 
 def create_publisher(name: str, config: BrokerConfig) -> Publisher:
     """Build the publisher for broker `name` without connecting it."""
-    module_name, class_name, extra = _ADAPTERS[config.type]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"brokers.{name}: type {config.type!r} needs its client library ({exc.name}); "
-            f"install it with: pip install 'outbox-relay[{extra}]'"
-        ) from exc
-    factory: Any = getattr(module, class_name)
-    publisher: Publisher = factory(name, config)
+    module_name, class_name, _ = _ADAPTERS[config.type]
+    publisher: Publisher = _built(name, config, module_name, class_name)
     return publisher
 
 
@@ -63,18 +55,22 @@ def create_reader(name: str, config: BrokerConfig) -> Reader:
     if config.type not in _READERS:
         why = UNREADABLE_BROKERS.get(config.type, "no reader is written for it yet")
         raise CannotReadBack(f"broker {name!r} ({config.type}) cannot be read back: {why}")
-    module_name, class_name = _READERS[config.type]
-    extra = _ADAPTERS[config.type][2]
+    reader: Reader = _built(name, config, *_READERS[config.type])
+    return reader
+
+
+def _built(name: str, config: BrokerConfig, module_name: str, class_name: str) -> Any:
+    """`class_name` of `module_name`, made for broker `name`; a missing client library is a
+    ConfigError naming the extra that brings it."""
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        extra = _ADAPTERS[config.type][2]
         raise ConfigError(
             f"brokers.{name}: type {config.type!r} needs its client library ({exc.name}); "
             f"install it with: pip install 'outbox-relay[{extra}]'"
         ) from exc
-    factory: Any = getattr(module, class_name)
-    reader: Reader = factory(name, config)
-    return reader
+    return getattr(module, class_name)(name, config)
 
 
 class Probing(Protocol):

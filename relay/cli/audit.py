@@ -15,12 +15,20 @@ import asyncio
 import os
 import sys
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from relay.cli.common import ConfigOption, JsonOption, load_config_or_exit, pretty, run_or_exit
+from relay.cli.common import (
+    ConfigOption,
+    FromStartOption,
+    FromTimeOption,
+    JsonOption,
+    in_utc,
+    load_config_or_exit,
+    pretty,
+    run_or_exit,
+)
 from relay.cli.console import ProgressView, say
 from relay.config import RelayConfig
 from relay.printable import printable
@@ -42,11 +50,8 @@ def audit(
     from_position: Annotated[
         int | None, typer.Option("--from", min=1, help="Audit from this position.")
     ] = None,
-    from_start: Annotated[bool, typer.Option("--from-start", help="From the first event.")] = False,
-    from_time: Annotated[
-        datetime | None,
-        typer.Option("--from-time", help="From the first event written at or after this time."),
-    ] = None,
+    from_start: FromStartOption = False,
+    from_time: FromTimeOption = None,
     last: Annotated[
         int | None,
         typer.Option("--last", min=1, help="The last N events the outbox maps (default 1000)."),
@@ -75,8 +80,6 @@ def audit(
     if sum(chosen) > 1:
         say("error: give at most one of --from, --from-start, --from-time, --last", err=True)
         raise typer.Exit(2)
-    if from_time is not None and from_time.tzinfo is None:
-        from_time = from_time.replace(tzinfo=UTC)
     cfg = load_config_or_exit(config)
     from relay.fleet.audit import AuditRange as Range
 
@@ -84,7 +87,7 @@ def audit(
     # or the broker), it yields the CPU to them.
     os.nice(NICENESS)
 
-    asked = Range(from_position, from_start, from_time, last, to)
+    asked = Range(from_position, from_start, in_utc(from_time), last, to)
     view = None if as_json or not sys.stderr.isatty() else _bar(outbox)
     result = run_or_exit(lambda: _work(cfg, outbox, asked, repair, timeout, view))
     if view is not None:

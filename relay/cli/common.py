@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -24,6 +25,11 @@ ConfigOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+FromStartOption = Annotated[bool, typer.Option("--from-start", help="From the first event.")]
+FromTimeOption = Annotated[
+    datetime | None,
+    typer.Option("--from-time", help="From the first event written at or after this time."),
+]
 T = TypeVar("T")
 
 
@@ -51,6 +57,11 @@ def run_or_exit(work: Callable[[], Awaitable[T]]) -> T:
         say(f"error: {redact(cause(exc))}", err=True)
         structlog.get_logger("relay.cli").debug("the error's traceback", exc_info=exc)
         raise typer.Exit(1) from None
+
+
+def in_utc(when: datetime | None) -> datetime | None:
+    """A time given without a zone is UTC (the database clock's zone in the docs)."""
+    return when.replace(tzinfo=UTC) if when is not None and when.tzinfo is None else when
 
 
 def cause(exc: BaseException) -> str:

@@ -18,8 +18,11 @@ from relay import __version__
 from relay.cli.audit import register as register_audit
 from relay.cli.common import (
     ConfigOption,
+    FromStartOption,
+    FromTimeOption,
     JsonOption,
     ids_or_all,
+    in_utc,
     load_config_or_exit,
     pretty,
     run_or_exit,
@@ -260,11 +263,8 @@ def replay(
     from_position: Annotated[
         int | None, typer.Option("--from", min=1, help="Publish again from this position.")
     ] = None,
-    from_start: Annotated[bool, typer.Option("--from-start", help="From the first event.")] = False,
-    from_time: Annotated[
-        datetime | None,
-        typer.Option("--from-time", help="From the first event written at or after this time."),
-    ] = None,
+    from_start: FromStartOption = False,
+    from_time: FromTimeOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count the events.")] = False,
     timeout: TimeoutOption = 30.0,
     follow: FollowOption = False,
@@ -280,10 +280,8 @@ def replay(
     if sum(chosen) != 1:
         say("error: give exactly one of --from, --from-start, --from-time", err=True)
         raise typer.Exit(2)
-    if from_time is not None and from_time.tzinfo is None:
-        from_time = from_time.replace(tzinfo=UTC)
     cfg = load_config_or_exit(config)
-    spec = ReplayFrom(position=from_position, start=from_start, time=from_time)
+    spec = ReplayFrom(position=from_position, start=from_start, time=in_utc(from_time))
     follow = follow and not dry_run
     view = progress_view(f"replay {outbox}", "events", as_json)
 

@@ -7,12 +7,12 @@ checkpoint moved forward by hand), and runs `relay audit` as an operator would.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from nats.js.api import StreamConfig
 
+from tests.integration.audit.kit import audit
 from tests.support.db import append_many, connect
 from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
@@ -49,13 +49,6 @@ async def delete_messages(nats_url: str, stream: str, seqs: list[int]) -> None:
 
 def ids_in(stored: list[Any]) -> list[str]:
     return [m.headers["Nats-Msg-Id"] for m in stored]
-
-
-def audit(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    """`relay audit loans ARGS --json`: its exit code and its report."""
-    result = run_cli(["audit", "loans", *args, "--config", str(config), "--json"])
-    assert result.returncode in (0, 1), result.stderr
-    return result.returncode, json.loads(result.stdout)
 
 
 async def test_a_message_deleted_from_the_stream_is_found_missing_and_repaired(

@@ -11,11 +11,11 @@ restart is gone, offsets start again at 0, and nothing tells the relay.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.integration.audit.kit import audit
 from tests.support.db import append_many, connect
 from tests.support.kafka_server import (
     TansuServer,
@@ -26,7 +26,6 @@ from tests.support.kafka_server import (
     unique_topic,
 )
 from tests.support.operator_cli import cli, relay_then_stop
-from tests.support.relay_process import run_cli
 from tests.support.scenario import loans, migrate_cli, save
 
 
@@ -39,13 +38,6 @@ async def outbox_on_topic(
     config = save(tmp_path, relay_config(events_table, server.bootstrap, topic))
     migrate_cli(config)
     return config, topic
-
-
-def audit(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    """`relay audit loans ARGS --json`: its exit code and its report."""
-    result = run_cli(["audit", "loans", *args, "--config", str(config), "--json"])
-    assert result.returncode in (0, 1), result.stderr
-    return result.returncode, json.loads(result.stdout)
 
 
 async def ce_ids(server: TansuServer, topic: str, expected: int) -> list[str]:

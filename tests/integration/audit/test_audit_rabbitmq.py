@@ -9,10 +9,10 @@ classic queue takes them), then bound again. A real `relay run` relays throughou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from tests.integration.audit.kit import audit, outbox_to
 from tests.support.db import append_many, connect
 from tests.support.operator_cli import relay_then_stop
 from tests.support.rabbitmq_server import (
@@ -23,29 +23,15 @@ from tests.support.rabbitmq_server import (
     unique_name,
 )
 from tests.support.relay_process import run_cli
-from tests.support.scenario import LIBRARY_MESSAGES, config_dict, loans, migrate_cli, save
+from tests.support.scenario import loans
 
 
 def rabbitmq_outbox(
     events_table: str, url: str, exchange: str, stream: str, tmp_path: Path
 ) -> Path:
     """A config relaying every loan to `exchange`, the audit reading `stream`, migrated."""
-    messages = {kind: {**rule, "destination": exchange} for kind, rule in LIBRARY_MESSAGES.items()}
-    data = config_dict(events_table, "nats://127.0.0.1:1", exchange, messages=messages)
-    data["brokers"] = {
-        "rabbit": {"type": "rabbitmq", "url": url, "audit_streams": {exchange: stream}}
-    }
-    data["outboxes"]["loans"]["broker"] = "rabbit"
-    config = save(tmp_path, data)
-    migrate_cli(config)
-    return config
-
-
-def audit(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    """`relay audit loans ARGS --json`: its exit code and its report."""
-    result = run_cli(["audit", "loans", *args, "--config", str(config), "--json"])
-    assert result.returncode in (0, 1), result.stderr
-    return result.returncode, json.loads(result.stdout)
+    broker = {"type": "rabbitmq", "url": url, "audit_streams": {exchange: stream}}
+    return outbox_to(events_table, tmp_path, exchange, "rabbit", broker)
 
 
 async def test_messages_the_stream_did_not_get_are_found_missing_and_repaired(

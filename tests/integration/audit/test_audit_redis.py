@@ -7,14 +7,13 @@ way they get lost on Redis (XDEL by a consumer or an operator, MAXLEN trimming),
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from tests.integration.audit.kit import audit
 from tests.support.db import append_many, connect
 from tests.support.operator_cli import relay_then_stop
 from tests.support.redis_server import delete_stream, read_stream, redis_client, unique_stream
-from tests.support.relay_process import run_cli
 from tests.support.scenario import loans, migrate_cli, save
 
 
@@ -49,13 +48,6 @@ def outbox_on_stream(
     config = save(tmp_path, data)
     migrate_cli(config)
     return config
-
-
-def audit(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    """`relay audit loans ARGS --json`: its exit code and its report."""
-    result = run_cli(["audit", "loans", *args, "--config", str(config), "--json"])
-    assert result.returncode in (0, 1), result.stderr
-    return result.returncode, json.loads(result.stdout)
 
 
 def ce_ids(entries: list[tuple[str, dict[str, bytes]]]) -> list[str]:
