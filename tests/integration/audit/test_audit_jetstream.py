@@ -328,3 +328,39 @@ async def test_bad_input_exits_2_naming_what_is_wrong(
         assert code == 0 and report["events"] == 2 and report["from"] == positions[3]
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_messages_a_when_condition_rejects_are_skipped_and_a_second_rule_audited(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """`when` and several rules per event type count as the relay counts them: a rejected
+    message is skipped, never expected; each rule's message is audited on its own."""
+    returned = {
+        "type": "library.book-returned.v1",
+        "destination": "{subject}.returns",
+        "payload": "{bookId: aggregate_id}",
+        "when": "data.late",
+    }
+    late_fee = {**returned, "type": "library.late-fee.v1", "destination": "{subject}.fees"}
+    messages = {"BookReturned": [returned, late_fee]}
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path, messages=messages)
+    try:
+        events = [
+            ("book", f"b{i}", 1, "BookReturned", {"loanId": f"L{i}", "late": i % 3 == 0})
+            for i in range(9)
+        ]
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, events)
+        await relay_then_stop(relay_process, config, positions[-1])
+        stored = await fetch_all(nats_url, stream, expected=6)
+        fee = next(m for m in stored if m.subject.endswith(".fees"))
+        await delete_messages(nats_url, stream, [fee.seq])
+
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert report["events"] == 9 and report["skipped"] == 12  # 6 events x 2 rules
+        assert report["expected"] == 6 and report["found"] == 5
+        assert [m["id"] for m in report["missing"]] == [fee.headers["Nats-Msg-Id"]]
+        assert report["missing"][0]["rule"] == "library.late-fee.v1"
+    finally:
+        await delete_stream(nats_url, stream)
