@@ -56,8 +56,8 @@ class Report:
 async def run_check(config: RelayConfig, last: int, *, offline: bool = False) -> Report:
     """The database and (unless `offline`) the brokers, side by side."""
     report = Report(warnings=config.warnings())
-    publishers = _publishers(config, report)
-    brokers = None if offline else asyncio.gather(*_probes(config, publishers))
+    publishers = publishers_of(config, report)
+    brokers = None if offline else asyncio.gather(*probes(config, publishers))
     try:
         await _database(config, last, report)
     except BaseException:
@@ -145,7 +145,7 @@ async def _migration_state(conn: asyncpg.Connection, config: RelayConfig, report
             report.warnings.append(mismatch(name, record, outbox.partitions))
 
 
-def _publishers(config: RelayConfig, report: Report) -> dict[str, Probing]:
+def publishers_of(config: RelayConfig, report: Report) -> dict[str, Probing]:
     """Every configured broker's adapter; one that cannot be built at all (its client
     library missing) is a problem instead."""
     publishers = {}
@@ -157,7 +157,7 @@ def _publishers(config: RelayConfig, report: Report) -> dict[str, Probing]:
     return publishers
 
 
-def _probes(config: RelayConfig, publishers: dict[str, Probing]) -> Iterator[Any]:
+def probes(config: RelayConfig, publishers: dict[str, Probing]) -> Iterator[Any]:
     """One probe per broker, with the destinations known in advance."""
     for name, publisher in publishers.items():
         yield probe_broker(publisher, sorted(set(_fixed_destinations(config, name))))

@@ -91,11 +91,31 @@ def check(
         bool, typer.Option("--offline", help="Do not connect to the brokers.")
     ] = False,
     as_json: JsonOption = False,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            help="Map every stored event of the range as relay run would; exit 1 if any"
+            " would be parked or share an id.",
+        ),
+    ] = False,
+    from_position: Annotated[
+        int | None, typer.Option("--from", min=1, help="--history from this position.")
+    ] = None,
+    from_start: FromStartOption = False,
+    from_time: FromTimeOption = None,
+    to: Annotated[
+        int | None, typer.Option("--to", min=1, help="--history up to this position.")
+    ] = None,
 ) -> None:
     """Check the config, the database rights, the event table and the brokers; show what
-    the last events would become. Publishes nothing."""
+    the last events would become (with --history: every event of a range). Publishes
+    nothing."""
     from relay.cli.check import run_check
 
+    if history or from_position is not None or from_start or from_time is not None or to:
+        _history(config, as_json, offline, (from_position, from_start, in_utc(from_time), to))
+        return
     cfg = load_config_or_exit(config)
     report = run_or_exit(lambda: run_check(cfg, last, offline=offline))
     for warning in report.warnings:
@@ -111,6 +131,28 @@ def check(
             say(f"config OK: {len(cfg.outboxes)} outbox(es), {len(cfg.brokers)} broker(s)")
         _preview(report.rows)
     if report.problems:
+        raise typer.Exit(1)
+
+
+def _history(
+    config: Path | None,
+    as_json: bool,
+    offline: bool,
+    range_: tuple[int | None, bool, datetime | None, int | None],
+) -> None:
+    """`relay check --history`: relay/cli/history.py."""
+    from relay.cli.history import HistoryRange, run_history, say_history
+
+    if sum([range_[0] is not None, range_[1], range_[2] is not None]) > 1:
+        say("error: give at most one of --from, --from-start, --from-time", err=True)
+        raise typer.Exit(2)
+    cfg = load_config_or_exit(config)
+    result = run_or_exit(lambda: run_history(cfg, HistoryRange(*range_), offline=offline))
+    if as_json:
+        say(pretty(result))
+    else:
+        say_history(result)
+    if not result["ok"]:
         raise typer.Exit(1)
 
 

@@ -1,0 +1,222 @@
+"""`relay check --history`: every stored event of a range through the config, as `relay run`
+would map it, before the config is deployed.
+
+One read of the event table for every outbox (in pages, in position order, on a read-only
+connection: a replica database will do); each event through each outbox's mapper (its
+types, aggregates, `when`, JSON Schemas), each message through its broker's `refusal`
+(names, header values and sizes the adapter knows before sending). What comes out is
+counted per outbox: published, skipped, or would park by reason, with the first examples.
+
+Ids two events would share are found with bounded memory: a Bloom filter of every id
+(16 MiB, whatever the range) names the ids it may have seen before; only if there are any,
+a second pass, up to the last of them, counts those ids exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from relay.brokers import Probing
+from relay.config import RelayConfig
+from relay.core.event import Event
+from relay.errors import MalformedEventError, MappingError, SchemaViolation
+from relay.mapping.mapper import Mapper
+from relay.postgres.source import EventSource
+
+PAGE = 5_000  # events read at a time
+EXAMPLES = 3  # per outcome
+BLOOM_BITS = 1 << 27  # 16 MiB: about one false "seen before" in ten million ids at a million
+BLOOM_HASHES = 5
+SHARED_LISTED = 20  # shared ids named in a report
+
+OnProgress = Callable[[int, int], None]  # (events done, events in the range)
+
+
+@dataclass
+class OutboxHistory:
+    """One outbox's outcomes over the range."""
+
+    outbox: str
+    events: int = 0  # events of the range the outbox maps (its types and aggregates)
+    published: int = 0  # messages it would publish
+    skipped: int = 0  # messages a rule's `when` rejects
+    parked: Counter[str] = field(default_factory=Counter)  # messages it would park, by reason
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    shared: list[dict[str, Any]] = field(default_factory=list)  # ids two events would share
+    shared_count: int = 0  # ids shared, all of them
+
+    def note(self, outcome: str, example: dict[str, Any]) -> None:
+        listed = self.examples.setdefault(outcome, [])
+        if len(listed) < EXAMPLES:
+            listed.append(example)
+
+    @property
+    def failing(self) -> bool:
+        return bool(self.parked) or self.shared_count > 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "outbox": self.outbox,
+            "events": self.events,
+            "published": self.published,
+            "skipped": self.skipped,
+            "would_park": dict(sorted(self.parked.items())),
+            "shared_ids": self.shared_count,
+            "shared": self.shared,
+            "examples": self.examples,
+        }
+
+
+class _Bloom:
+    """A set that may say "seen" of an id it has not seen (rarely), never the other way."""
+
+    def __init__(self, bits: int = BLOOM_BITS) -> None:
+        self.bits = bits
+        self.array = bytearray(bits // 8)
+
+    def seen_then_add(self, key: str) -> bool:
+        h = hash(key)  # stable within this process, which is all a pass needs
+        h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1
+        seen = True
+        array, bits = self.array, self.bits
+        for i in range(BLOOM_HASHES):
+            bit = (h1 + i * h2) % bits
+            byte, mask = bit >> 3, 1 << (bit & 7)
+            if not array[byte] & mask:
+                seen = False
+                array[byte] |= mask
+        return seen
+
+
+@dataclass
+class _Walk:
+    """One outbox's part in a pass."""
+
+    history: OutboxHistory
+    mapper: Mapper
+    refusal: Callable[[Any], str | None] | None
+    bloom: _Bloom = field(default_factory=_Bloom)
+    maybe: set[str] = field(default_factory=set)  # ids the filter said it had seen
+    last_maybe: int = 0  # the position where the filter said so last
+
+
+class HistoryCheck:
+    """Walks (after, upto] of the event table through every outbox of the config."""
+
+    def __init__(self, config: RelayConfig, publishers: dict[str, Probing]) -> None:
+        self.config = config
+        self.walks = [
+            _Walk(
+                OutboxHistory(name),
+                Mapper(name, outbox),
+                publishers[outbox.broker].refusal if outbox.broker in publishers else None,
+            )
+            for name, outbox in config.outboxes.items()
+        ]
+        reads_metadata = any(w.mapper.reads_metadata for w in self.walks)
+        self.source = EventSource(config.source, metadata=reads_metadata)
+        self._types = sorted({t for o in config.outboxes.values() for t in o.messages})
+
+    async def run(
+        self,
+        conn: asyncpg.Connection,
+        after: int,
+        upto: int,
+        on_progress: OnProgress | None = None,
+    ) -> tuple[list[OutboxHistory], float]:
+        """Every outbox's outcomes, and the seconds the walk took."""
+        began = time.monotonic()
+        total = await self.source.count(
+            conn, after=after, upto=upto, aggregates=None, types=self._types
+        )
+        done = 0
+        async for page in self._pages(conn, after, upto):
+            for event in page:
+                for walk in self.walks:
+                    self._map(walk, event)
+            done += len(page)
+            if on_progress is not None:
+                on_progress(done, max(done, total))
+        for walk in self.walks:
+            if walk.maybe:
+                await self._count_shared(conn, walk, after)
+        return [w.history for w in self.walks], time.monotonic() - began
+
+    async def _pages(self, conn: asyncpg.Connection, after: int, upto: int) -> Any:
+        position = after
+        while position < upto:
+            page, _ = await self.source.read(
+                conn, after=position, upto=upto, limit=PAGE, aggregates=None, types=self._types
+            )
+            if not page:
+                return
+            yield page
+            position = page[-1].position
+
+    def _map(self, walk: _Walk, event: Event) -> None:
+        rules = walk.mapper.rules_for(event)
+        if not rules:
+            return
+        history = walk.history
+        history.events += 1
+        for rule in rules:
+            try:
+                message = walk.mapper.message(event, rule)
+            except MappingError as exc:
+                history.parked[exc.reason] += 1
+                history.note(exc.reason, _example(event, rule.name, _error_of(exc)))
+                continue
+            if message is None:
+                history.skipped += 1
+                continue
+            refused = walk.refusal(message) if walk.refusal is not None else None
+            if refused is not None:
+                history.parked["rejected"] += 1
+                history.note("rejected", _example(event, rule.name, refused))
+                continue
+            history.published += 1
+            if walk.bloom.seen_then_add(message.id):
+                walk.maybe.add(message.id)
+                walk.last_maybe = event.position
+
+    async def _count_shared(self, conn: asyncpg.Connection, walk: _Walk, after: int) -> None:
+        """The second pass: each id the filter named, counted exactly, with its events."""
+        seen: dict[str, list[int]] = {}
+        async for page in self._pages(conn, after, walk.last_maybe):
+            for event in page:
+                for rule in walk.mapper.rules_for(event):
+                    try:
+                        message = walk.mapper.message(event, rule)
+                    except MappingError:
+                        continue
+                    if message is not None and message.id in walk.maybe:
+                        seen.setdefault(message.id, []).append(event.position)
+        shared = {i: p for i, p in seen.items() if len(p) > 1}
+        walk.history.shared_count = len(shared)
+        walk.history.shared = [
+            {"id": i, "events": len(p), "positions": p[:5]}
+            for i, p in sorted(shared.items(), key=lambda item: item[1][0])[:SHARED_LISTED]
+        ]
+
+
+def _error_of(exc: MappingError) -> str:
+    if isinstance(exc, MalformedEventError):
+        return exc.problem
+    if isinstance(exc, SchemaViolation):
+        return "; ".join(exc.violations[:3])
+    return str(exc)
+
+
+def _example(event: Event, rule: str, error: str) -> dict[str, Any]:
+    return {
+        "position": event.position,
+        "event": f"{event.aggregate_type}/{event.aggregate_id}@{event.version} {event.type}",
+        "rule": rule,
+        "error": error,
+    }

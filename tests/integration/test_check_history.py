@@ -1,0 +1,168 @@
+"""`relay check --history` against a real Postgres (and NATS for the brokers' limits): old
+events that a new config would park, found with their counts and first examples before the
+config is deployed; a range fixed when the walk begins; memory that does not grow with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support.db import append, append_many, connect
+from tests.support.jetstream import create_stream, delete_stream, unique_name
+from tests.support.relay_process import run_cli
+from tests.support.scenario import config_dict, loans, save
+
+AMOUNT_SCHEMA = {
+    "type": "object",
+    "required": ["bookId", "amount"],
+    "properties": {"bookId": {"type": "string"}, "amount": {"type": "number"}},
+}
+
+
+def history(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    result = run_cli(["check", "--history", *args, "--config", str(config), "--json"])
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+async def test_old_events_a_new_config_would_park_are_found_with_counts_and_examples(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    stream = unique_name("history")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    messages = {
+        "BookLent": {
+            "type": "library.book-lent.v1",
+            "destination": "{subject}.{aggregate_type}",
+            "payload": {"bookId": "aggregate_id", "loanId": "data.loanId"},
+        },
+        # A new expression: an old fine's amount was text.
+        "FineCharged": {
+            "type": "library.fine-charged.v1",
+            "destination": "{subject}.fines",
+            "payload": {"bookId": "aggregate_id", "amount": "abs(data.amount)"},
+        },
+        # A new schema: an old fee had no amount.
+        "FeePaid": {
+            "type": "library.fee-paid.v1",
+            "destination": "{subject}.fees",
+            "payload": {"bookId": "aggregate_id", "amount": "data.amount"},
+            "schema": AMOUNT_SCHEMA,
+        },
+        # Ids that omit the version: two renewals of one book share one.
+        "BookRenewed": {
+            "type": "library.book-renewed.v1",
+            "destination": "{subject}.renewals",
+            "payload": {"bookId": "aggregate_id"},
+            "id": "{aggregate_type}/{aggregate_id}",
+        },
+    }
+    config = save(tmp_path, config_dict(events_table, nats_url, stream, messages=messages))
+    try:
+        async with connect(events_table) as conn:
+            await append_many(conn, loans(5))
+            fines = [
+                await append(conn, "book", f"f{i}", 1, "FineCharged", {"amount": "three"})
+                for i in range(3)
+            ]
+            await append(conn, "book", "ok", 1, "FineCharged", {"amount": -2})
+            fees = [await append(conn, "book", f"p{i}", 1, "FeePaid", {}) for i in range(2)]
+            huge = await append(conn, "book", "huge", 1, "BookLent", {"loanId": "x" * 2_000_000})
+            renewals = [await append(conn, "book", "r1", v, "BookRenewed", {}) for v in (1, 2, 3)]
+
+        code, result = history(config)
+        assert code == 1 and result["ok"] is False
+        (loans_,) = result["outboxes"]
+        assert loans_["events"] == 15 and loans_["published"] == 9  # renewals go out, shared
+        assert loans_["would_park"] == {"mapping": 3, "schema": 2, "rejected": 1}
+        assert [e["position"] for e in loans_["examples"]["mapping"]] == fines
+        assert "abs()" in loans_["examples"]["mapping"][0]["error"]
+        assert [e["position"] for e in loans_["examples"]["schema"]] == fees
+        assert "amount" in loans_["examples"]["schema"][0]["error"]
+        assert loans_["examples"]["rejected"][0]["position"] == huge
+        assert "max_payload" in loans_["examples"]["rejected"][0]["error"]
+        assert loans_["shared_ids"] == 1
+        assert loans_["shared"] == [{"id": "book/r1", "events": 3, "positions": renewals}]
+
+        # The same range, text and --offline (the broker's limit is not known then).
+        text = run_cli(["check", "--history", "--offline", "--config", str(config)])
+        assert text.returncode == 1, text.stderr
+        assert "would park 5 (mapping 3, schema 2)" in text.stdout
+        assert f"#{fines[0]} book/f0@1 FineCharged" in text.stdout
+        code, before = history(config, "--to", str(fines[0] - 1))
+        assert code == 0 and before["outboxes"][0]["published"] == 5
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_the_range_ends_where_the_table_ended_when_the_walk_began(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    config = save(tmp_path, config_dict(events_table, nats_url, "nowhere"))
+    async with connect(events_table) as conn:
+        await append_many(conn, loans(2000))
+        last = await conn.fetchval("SELECT max(position) FROM events")
+    stop = asyncio.Event()
+
+    async def write() -> int:
+        written = 0
+        async with connect(events_table) as conn:
+            while not stop.is_set():
+                batch = [("dvd", f"w{written + i}", 1, "BookLent", {}) for i in range(50)]
+                await append_many(conn, batch)
+                written += 50
+        return written
+
+    writer = asyncio.create_task(write())
+    try:
+        code, result = await asyncio.to_thread(history, config, "--offline")
+    finally:
+        stop.set()
+        written = await writer
+    assert code == 0, result
+    assert written > 0 and result["to"] >= last
+    assert result["outboxes"][0]["events"] == result["to"]  # every event up to its end, once
+
+
+def peak_rss_kib(config: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """`relay check --history ARGS` in a process of its own: its peak RSS and result."""
+    probe = (
+        "import resource, subprocess, sys\n"
+        "done = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "sys.stderr.write(done.stderr)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "print(done.stdout)\n"
+    )
+    command = [sys.executable, "-m", "relay", "check", "--history", "--offline", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *command, *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    peak, _, output = done.stdout.partition("\n")
+    return int(peak), json.loads(output)
+
+
+async def test_a_million_events_in_flat_memory(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    config = save(tmp_path, config_dict(events_table, nats_url, "nowhere"))
+    async with connect(events_table) as conn:
+        await conn.execute(
+            "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload)"
+            " SELECT 'book', 'b' || (i % 1000), i / 1000 + 1, 'BookLent',"
+            " jsonb_build_object('loanId', 'L' || i, 'memberId', 'm' || (i % 97))"
+            " FROM generate_series(0, 999999) AS i"
+        )
+    small_rss, small = await asyncio.to_thread(peak_rss_kib, config, "--to", "100000")
+    large_rss, large = await asyncio.to_thread(peak_rss_kib, config)
+    assert small["outboxes"][0]["published"] == 100_000
+    assert large["outboxes"][0]["published"] == 1_000_000 and large["ok"]
+    # Ten times the events, the same memory: pages and a fixed-size filter, nothing per event.
+    assert large_rss - small_rss < 16 * 1024, (small_rss, large_rss)
+    print(f"1M events: {large['events_per_second']:,} events/s, peak RSS {large_rss} KiB")
