@@ -35,6 +35,7 @@ from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 
 PAGE = 2_000  # events read from the table at a time
+MISSING = "missing"  # the reason a repair parks a missing message with (own_tables.sql)
 EXAMPLES = 5  # unmappable events named in a report
 
 
@@ -77,6 +78,9 @@ class AuditReport:
     pending: int = 0  # messages of events past their lane's checkpoint: not relayed yet
     unmappable: int = 0  # the current config cannot map them, and nothing parked them
     unmappable_examples: list[str] = field(default_factory=list)
+    # The first position an audit parked as missing that is still parked: its repair is
+    # handed to retry-parked and has not landed (or failed again) yet.
+    repair_pending: int | None = None
     tally: Tally = field(default_factory=Tally)
     chunks: int = 0
     seconds: float = 0.0
@@ -109,6 +113,7 @@ class AuditReport:
             "shared_ids": self.tally.shared_ids,
             "unmappable": self.unmappable,
             "unmappable_examples": self.unmappable_examples,
+            "repair_pending": self.repair_pending,
             "destinations": {
                 name: counts.as_json() for name, counts in sorted(self.tally.by_destination.items())
             },
@@ -258,14 +263,17 @@ class Auditor:
         lane: str,
         checkpoint: int | None,
         *,
-        parked: set[tuple[str, int, str]],
+        parked: dict[tuple[str, int, str], str],
         report: AuditReport,
         out: list[Expected],
     ) -> None:
         """The event's messages, as `relay run` maps them, sorted into what they count as."""
         for rule in self.mapper.rules_for(event):
-            if (lane, event.position, rule.name) in parked:
+            reason = parked.get((lane, event.position, rule.name))
+            if reason is not None:
                 report.parked += 1
+                if reason == MISSING and report.repair_pending is None:
+                    report.repair_pending = event.position
                 continue
             if checkpoint is None or event.position > checkpoint:
                 report.pending += 1

@@ -304,10 +304,10 @@ class Store:
 
     async def parked_keys(
         self, conn: asyncpg.Connection, lanes: list[str], after: int, upto: int
-    ) -> set[tuple[str, int, str]]:
-        """(lane, position, rule) of what these lanes parked in (after, upto]."""
+    ) -> dict[tuple[str, int, str], str]:
+        """(lane, position, rule) of what these lanes parked in (after, upto], and why."""
         rows = await conn.fetch(self.queries["parked_keys"], lanes, after, upto)
-        return {(str(r["outbox"]), int(r["position"]), str(r["rule"])) for r in rows}
+        return {(str(r["outbox"]), int(r["position"]), str(r["rule"])): r["reason"] for r in rows}
 
     async def park_missing(
         self,

@@ -193,12 +193,14 @@ class ContinuousAudit:
             self.log.error("audit: more messages missing than listed", count=beyond)
         metrics.audit_checked.labels(self.outbox).inc(report.tally.total.expected)
         reach = upto
+        if report.repair_pending is not None:  # a repair not landed yet: come back to it
+            reach = report.repair_pending - 1
         if self.settings.repair and missing:
             await self._repair(conn, auditor, missing, running)
-            reach = min(f.position for f in missing) - 1  # come back to see it landed
+            reach = min(reach, min(f.position for f in missing) - 1)  # to see it landed
             if len(self._reported) < REPORTED_KEPT:
                 self._reported.update(f.id for f in new)
-        elif not missing:
+        elif not missing and report.repair_pending is None:
             self._reported.clear()
         reach = max(reach, position)
         shown = [f.as_json() for f in new[:SHOWN]]

@@ -148,9 +148,9 @@ WHERE id = ANY($1::bigint[]) AND outbox = ANY($2::text[]);
 SELECT count(*) FROM {schema}.parked WHERE outbox = $1;
 
 -- store.parked_keys --
--- What the lanes $1 (text[]) parked in positions ($2, $3]: lane, position, rule (an audit
--- counts these as parked, not missing).
-SELECT outbox, position, rule FROM {schema}.parked
+-- What the lanes $1 (text[]) parked in positions ($2, $3]: lane, position, rule and reason
+-- (an audit counts these as parked, not missing).
+SELECT outbox, position, rule, reason FROM {schema}.parked
 WHERE outbox = ANY($1::text[]) AND position > $2 AND position <= $3;
 
 -- store.park_missing --

@@ -139,3 +139,30 @@ async def test_a_restart_resumes_at_the_recorded_place(
         assert row["auditor"].endswith(f":{second.pid}")
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_a_repair_not_landed_yet_holds_the_audit_before_it(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """A message parked as missing (its repair handed to retry-parked, which has not
+    published it yet) holds the audit's place: had the audit moved past it, a repair that a
+    duplicate window then dropped would never be seen again."""
+    config, stream = await audited_outbox(events_table, nats_url, tmp_path)
+    try:
+        relay_process(["run", "--config", str(config)])
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(10))
+            await conn.execute(
+                "INSERT INTO relay.parked (outbox, position, event_type, aggregate_type,"
+                " aggregate_id, version, reason, error, attempts, rule)"
+                " VALUES ('loans', $1, 'BookLent', 'book', 'b4', 1, 'missing', 'audit', 0, '')",
+                positions[4],
+            )
+        await relayed_up_to(config, positions[-1])
+        await eventually(lambda: (audit_row(config) or {}).get("position") == positions[3])
+        assert audit_row(config)["position"] == positions[3]  # and stays there
+        cli(config, "parked", "drop", "--all", "--outbox", "loans", "--yes")
+        await eventually(lambda: (audit_row(config) or {}).get("position") == positions[-1])
+        assert audit_row(config)["missing"] == 0
+    finally:
+        await delete_stream(nats_url, stream)
