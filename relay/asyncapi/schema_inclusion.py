@@ -362,6 +362,8 @@ class Inclusion:
         """No instance is in both, as their values or a required property's values show."""
         if shape.values is not None and other.values is not None:
             return not {same_value(v) for v in shape.values} & {same_value(v) for v in other.values}
+        if not shape.kinds - {"integer", "fraction"} and _apart_ranges(shape, other):
+            return True
         for name in shape.required:
             if _never(other.property(name)):
                 return True
@@ -490,6 +492,14 @@ def _never(refs: list[Ref]) -> bool:
 def _texts(kinds: list[str]) -> str:
     words = [_TEXT[k] for k in kinds]
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _apart_ranges(one: Shape, other: Shape) -> bool:
+    """Numeric bounds that leave no number in both."""
+    for low, high in ((one.low, other.high), (other.low, one.high)):
+        if low and high and (low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1]))):
+            return True
+    return False
 
 
 def _below(new: Bound, old: Bound) -> bool:
