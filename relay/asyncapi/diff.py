@@ -127,7 +127,7 @@ def diff(old: Any, new: Any) -> list[Change]:
             continue
         for delivery in olds:
             changes += compare.delivery(delivery, after[type_])
-        seen = {(d.endpoint, d.address) for d in olds}
+        seen = {(d.endpoint, d.address) for d in olds} | compare.moved_to
         for added in after[type_]:
             if (added.endpoint, added.address) not in seen:
                 seen.add((added.endpoint, added.address))
@@ -159,6 +159,7 @@ def _new_type(type_: str, news: list[Delivery], before: Mapping[str, Any]) -> st
 class _Comparison:
     def __init__(self, old: Any, new: Any) -> None:
         self.old, self.new = old, new
+        self.moved_to: set[tuple[tuple[str, str, str], str]] = set()  # reported as a move
 
     def delivery(self, old: Delivery, news: list[Delivery]) -> list[Change]:
         type_, where = old.type, old.address
@@ -193,13 +194,13 @@ class _Comparison:
             changes += [Change(type_, p, v, w, where) for p, v, w in self._schema(old, new, part)]
         return changes
 
-    @staticmethod
-    def _moved(old: Delivery, news: list[Delivery]) -> Change:
+    def _moved(self, old: Delivery, news: list[Delivery]) -> Change:
         where = old.address
         same_place = [d for d in news if d.address == old.address]
         same_server = [d for d in news if d.endpoint == old.endpoint]
         if same_place:
             to = same_place[0]
+            self.moved_to.add((to.endpoint, to.address))
             why = (
                 f"the broker changed: `{where}` is now on server `{to.server}` "
                 f"({_endpoint(to.endpoint)}), not `{old.server}` ({_endpoint(old.endpoint)})"
@@ -207,6 +208,7 @@ class _Comparison:
             return Change(old.type, "$.channel.server", "breaking", why, where)
         if same_server:
             to = same_server[0]
+            self.moved_to.add((to.endpoint, to.address))
             why = f"the destination changed from `{where}` to `{to.address}`"
             return Change(old.type, "$.channel.address", "breaking", why, where)
         why = f"no longer published to `{where}` on server `{old.server}`"

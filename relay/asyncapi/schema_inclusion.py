@@ -178,6 +178,9 @@ class Inclusion:
         new, old = self.new.name, self.old.name
         near = [o for o in olds if kind in o.kinds and not self._apart(shape, o, self._old_folder)]
         if not near:
+            alike = [o for o in olds if kind in o.kinds]
+            if len(alike) == 1 and (said := self._against(shape, alike[0], kind, path)):
+                return said  # one alternative: say what keeps NEW out of it
             why = f"{new} admits {_TEXT[kind]} here that no alternative of {old} admits"
             return [Finding("breaking", path, why)]
         results = [self._against(shape, o, kind, path) for o in near]
