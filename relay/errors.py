@@ -19,6 +19,11 @@ class UsageError(RelayError):
     """The command makes no sense as asked (exit code 2, like bad config)."""
 
 
+class ContractError(UsageError):
+    """A file `relay contract diff` cannot read as a contract (exit code 2); the message names
+    the file and the key."""
+
+
 class DatabaseError(RelayError):
     """Postgres could not be reached or refused a statement."""
 

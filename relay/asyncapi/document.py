@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 from relay.asyncapi.envelopes import (
     DATA_CONTENT_TYPE,
+    RECORD_KEY_TEXT,
     embedded_schema,
     envelope_schema,
     headers_schema,
@@ -28,6 +29,9 @@ from relay.mapping.expressions import template_pieces
 from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
+# Each channel lists the rules that publish to it, so that `relay contract diff` can tell which
+# condition (`when`) and which stored events feed which destination.
+RULES_EXTENSION = "x-relay-rules"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
 BINDING_VERSIONS = {
     "kafka": "0.5.0",
@@ -54,6 +58,7 @@ class _Channel:
     outboxes: list[OutboxView] = field(default_factory=list)
     rules: list[tuple[OutboxView, RuleView]] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)
+    feeds: list[Object] = field(default_factory=list)  # the RULES_EXTENSION entries
 
 
 @dataclass
@@ -70,6 +75,12 @@ class _Builder:
         message_key = self._message(outbox, rule)
         if message_key not in channel.messages:
             channel.messages.append(message_key)
+        feed: Object = {"message": message_key, "outbox": outbox.name, "event": event_type}
+        if outbox.aggregates is not None:
+            feed["aggregates"] = list(outbox.aggregates)
+        if rule.when is not None:
+            feed["when"] = rule.when
+        channel.feeds.append(feed)
         origin = f"outbox `{outbox.name}`, stored `{event_type}` events"
         if outbox.aggregates is not None:
             origin += f" of aggregate types {', '.join(f'`{a}`' for a in outbox.aggregates)}"
@@ -218,6 +229,7 @@ def _channel(channel: _Channel, broker: BrokerConfig) -> Object:
     out["messages"] = {key: {"$ref": f"#/components/messages/{key}"} for key in channel.messages}
     if bindings := _channel_bindings(channel, broker, address):
         out["bindings"] = bindings
+    out[RULES_EXTENSION] = channel.feeds
     return out
 
 
@@ -341,11 +353,7 @@ def _operation(channel: _Channel, broker: BrokerConfig) -> Object:
 
 def _message_bindings(outbox: OutboxView, rule: RuleView) -> Object:
     if outbox.protocol == "kafka":
-        key: Schema = {
-            "type": "string",
-            "description": f"The record key, `{rule.key}`: one aggregate's messages share a "
-            "partition, in order.",
-        }
+        key: Schema = {"type": "string", "description": RECORD_KEY_TEXT.format(rule.key)}
         return _binding("kafka", {"key": key})
     if outbox.protocol == "rabbitmq":
         return _binding("amqp", {"messageType": rule.type})

@@ -13,6 +13,10 @@ from relay.core.publishing import STRUCTURED
 from relay.mapping.inference import Schema
 
 DATA_CONTENT_TYPE = "application/json"
+# How the document states a rule's templates; `relay contract diff` reads them back.
+KEY_TEXT = "The aggregate's ordering key: `{}`."
+RECORD_KEY_TEXT = "The record key, `{}`: one aggregate's messages share a partition, in order."
+ID_TEXT = "Stable per event, so consumers can drop duplicates: `{}`."
 _TIME: Schema = {"type": "string", "format": "date-time"}
 
 
@@ -53,13 +57,13 @@ def _attributes(outbox: OutboxView, rule: RuleView) -> tuple[dict[str, Schema], 
         "specversion": {"const": "1.0"},
         "id": {
             "type": "string",
-            "description": f"Stable per event, so consumers can drop duplicates: `{rule.id}`.",
+            "description": ID_TEXT.format(rule.id),
         },
         "type": {"const": rule.type},
         "source": {"const": outbox.source},
         "partitionkey": {
             "type": "string",
-            "description": f"The aggregate's ordering key: `{rule.key}`.",
+            "description": KEY_TEXT.format(rule.key),
         },
         "time": {**_TIME, "description": "When the event was stored (absent without one)."},
     }

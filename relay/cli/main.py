@@ -8,7 +8,6 @@ import functools
 import json
 import sys
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +27,7 @@ from relay.cli.common import (
     run_or_exit,
 )
 from relay.cli.console import progress_view, say, table
+from relay.cli.contract import contract_app
 from relay.cli.parked import parked_app
 from relay.config import RelayConfig, config_path
 from relay.printable import printable
@@ -176,44 +176,6 @@ def _preview(rows: list[dict[str, Any]]) -> None:
                 f"{head} -> {row['destination']} type={row['type']} id={row['id']} "
                 f"key={row['key']}\n    {row['body']}"
             )
-
-
-class ContractFormat(StrEnum):
-    yaml = "yaml"
-    json = "json"
-
-
-@app.command()
-def contract(
-    config: ConfigOption = None,
-    format_: Annotated[
-        ContractFormat, typer.Option("--format", "-f", help="yaml or json.")
-    ] = ContractFormat.yaml,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write to FILE instead of stdout.")
-    ] = None,
-    title: Annotated[str, typer.Option("--title", help="info.title of the document.")] = (
-        "Integration events"
-    ),
-    api_version: Annotated[
-        str, typer.Option("--api-version", help="info.version of the document.")
-    ] = "1.0.0",
-) -> None:
-    """Write an AsyncAPI 3.0 document of the integration events the config publishes."""
-    from relay.asyncapi import contract_document, render
-
-    cfg = load_config_or_exit(config)
-    document = contract_document(cfg, config_path(config), title=title, version=api_version)
-    text = render(document, format_.value)
-    if output is None:
-        say(text, nl=False)
-        return
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        say(f"error: cannot write {output}: {exc.strerror or exc}", err=True)
-        raise typer.Exit(2) from None
-    say(f"wrote {output}", err=True)
 
 
 @app.command()
@@ -505,6 +467,7 @@ def repartition(
 
 register_audit(app)
 app.add_typer(parked_app, name="parked")
+app.add_typer(contract_app, name="contract")
 
 
 @app.command()

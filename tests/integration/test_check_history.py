@@ -112,7 +112,9 @@ async def test_the_range_ends_where_the_table_ended_when_the_walk_began(
         written = 0
         async with connect(events_table) as conn:
             while not stop.is_set():
-                batch = [("dvd", f"w{written + i}", 1, "BookLent", {}) for i in range(50)]
+                batch: list[tuple[Any, ...]] = [
+                    ("dvd", f"w{written + i}", 1, "BookLent", {}) for i in range(50)
+                ]
                 await append_many(conn, batch)
                 written += 50
         return written

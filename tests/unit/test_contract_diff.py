@@ -1,0 +1,238 @@
+"""`relay contract diff` on configs: each change a config makes, classified as a consumer of the
+old contract would (the schema pairs themselves are in test_schema_inclusion.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.asyncapi.diff import Change, diff
+from relay.cli.contract import read_side
+from relay.errors import ContractError
+
+HEAD = """\
+database: {url: "postgresql://relay@db.invalid/app"}
+brokers:
+  nats: {type: nats, servers: ["nats://nats.invalid:4222"]}
+  kafka: {type: kafka, bootstrap_servers: ["kafka.invalid:9092"]}
+outboxes:
+  loans:
+    broker: nats
+"""
+V1 = """\
+    messages:
+      BookLent:
+        type: library.book-lent.v1
+        destination: library.loans
+        payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+"""
+
+
+def changes(
+    tmp_path: Path, old: str, new: str, new_head: str = HEAD
+) -> list[tuple[str, str, str, str | None]]:
+    (tmp_path / "old.yaml").write_text(HEAD + old)
+    (tmp_path / "new.yaml").write_text(new_head + new)
+    found = diff(read_side(tmp_path / "old.yaml"), read_side(tmp_path / "new.yaml"))
+    return [(c.message, c.path, c.verdict, c.channel) for c in found]
+
+
+def whys(tmp_path: Path, old: str, new: str) -> list[Change]:
+    (tmp_path / "old.yaml").write_text(HEAD + old)
+    (tmp_path / "new.yaml").write_text(HEAD + new)
+    return diff(read_side(tmp_path / "old.yaml"), read_side(tmp_path / "new.yaml"))
+
+
+def test_the_same_config_changes_nothing(tmp_path: Path) -> None:
+    assert changes(tmp_path, V1, V1) == []
+
+
+def test_a_when_that_splits_an_event_type_over_two_destinations_breaks_the_first(
+    tmp_path: Path,
+) -> None:
+    split = """\
+    messages:
+      BookLent:
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+          when: "data.priority != 'high'"
+        - type: library.book-lent.v1
+          destination: library.loans.priority
+          id: "{aggregate_type}/{aggregate_id}@{version}/priority"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+          when: "data.priority == 'high'"
+"""
+    assert changes(tmp_path, V1, split) == [
+        ("library.book-lent.v1", "$.when", "breaking", "library.loans"),
+        ("library.book-lent.v1", "$", "compatible", "library.loans.priority"),
+    ]
+    (when, _) = whys(tmp_path, V1, split)
+    assert "only when `data.priority != 'high'`: the others no longer arrive" in when.why
+
+
+def test_a_second_destination_for_some_events_keeps_the_first_whole(tmp_path: Path) -> None:
+    """The documented pattern: every loan to library.loans, the urgent ones also elsewhere."""
+    both = """\
+    messages:
+      BookLent:
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+        - type: library.book-lent.v1
+          destination: library.loans.priority
+          id: "{aggregate_type}/{aggregate_id}@{version}/priority"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+          when: "data.priority == 'high'"
+"""
+    assert changes(tmp_path, V1, both) == [
+        ("library.book-lent.v1", "$", "compatible", "library.loans.priority"),
+    ]
+
+
+def test_a_changed_condition_cannot_be_decided(tmp_path: Path) -> None:
+    old = V1 + "        when: \"data.priority == 'high'\"\n"
+    new = V1 + '        when: "data.urgent"\n'
+    assert changes(tmp_path, old, new) == [
+        ("library.book-lent.v1", "$.when", "unknown", "library.loans")
+    ]
+    assert changes(tmp_path, old, V1) == []  # the condition dropped: more events, none less
+
+
+def test_where_and_how_a_message_goes(tmp_path: Path) -> None:
+    moved = V1.replace("destination: library.loans", "destination: library.lending")
+    assert changes(tmp_path, V1, moved) == [
+        ("library.book-lent.v1", "$.channel.address", "breaking", "library.loans")
+    ]
+    on_kafka = HEAD.replace("broker: nats", "broker: kafka")
+    assert changes(tmp_path, V1, V1, new_head=on_kafka) == [
+        ("library.book-lent.v1", "$.channel.server", "breaking", "library.loans")
+    ]
+    structured = "    cloudevents: structured\n" + V1
+    assert changes(tmp_path, V1, structured) == [
+        ("library.book-lent.v1", "$.contentType", "breaking", "library.loans")
+    ]
+    keyed = '    key: "{data.memberId}"\n' + V1
+    assert changes(tmp_path, V1, keyed) == [
+        ("library.book-lent.v1", "$.key", "breaking", "library.loans")
+    ]
+    narrowed = "    aggregates: [book]\n" + V1
+    assert changes(tmp_path, V1, narrowed) == [
+        ("library.book-lent.v1", "$.aggregates", "breaking", "library.loans")
+    ]
+
+
+def test_a_single_rule_turned_into_a_list_changes_its_ids(tmp_path: Path) -> None:
+    listed = (
+        V1.replace("        type:", "        - type:")
+        .replace("        destination", "          destination")
+        .replace("        payload", "          payload")
+    )
+    (change,) = whys(tmp_path, V1, listed)
+    assert (change.path, change.verdict) == ("$.id", "breaking")
+    assert "`{aggregate_type}/{aggregate_id}@{version}/library.book-lent.v1`" in change.why
+
+
+def test_a_new_version_beside_the_old_one_is_new_and_says_so(tmp_path: Path) -> None:
+    v2 = """\
+      BookLentV2:
+        type: library.book-lent.v2
+        destination: library.loans.v2
+        payload: {bookId: aggregate_id, member: "{id: data.memberId}"}
+"""
+    (change,) = whys(tmp_path, V1, V1 + v2)
+    assert (change.message, change.verdict) == ("library.book-lent.v2", "new")
+    assert "beside `library.book-lent.v1`: the documented way to make a breaking change" in (
+        change.why
+    )
+    renamed = V1.replace("library.book-lent.v1", "library.book-lent.v2")
+    assert changes(tmp_path, V1, renamed) == [
+        ("library.book-lent.v1", "$", "breaking", None),
+        ("library.book-lent.v2", "$", "new", None),
+    ]
+
+
+def test_payload_changes_of_an_inferred_schema(tmp_path: Path) -> None:
+    """An inferred payload closes additionalProperties: a field added is breaking too."""
+    fewer = V1.replace(", memberId: data.memberId", "")
+    assert changes(tmp_path, V1, fewer) == [
+        ("library.book-lent.v1", "$.payload.memberId", "breaking", "library.loans")
+    ]
+    more = V1.replace("data.memberId}", "data.memberId, note: data.note}")
+    assert changes(tmp_path, V1, more) == [
+        ("library.book-lent.v1", "$.payload.note", "breaking", "library.loans")
+    ]
+
+
+SCHEMA_RULE = """\
+    messages:
+      BookLent:
+        type: library.book-lent.v1
+        destination: library.loans
+        payload: {bookId: aggregate_id, note: data.note}
+        schema: %s
+"""
+
+
+def test_a_rules_own_schema_judged_by_what_it_admits(tmp_path: Path) -> None:
+    with_ref: dict[str, Any] = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://schemas.example.com/book-lent.v1.json",
+        "type": "object",
+        "required": ["bookId"],
+        "properties": {"bookId": {"$ref": "#/$defs/id"}},
+        "$defs": {"id": {"type": "string"}},
+    }
+    inline = {**with_ref, "properties": {"bookId": {"type": "string"}}}
+    del inline["$defs"]
+    optional = {**inline, "properties": {**inline["properties"], "note": {"type": "string"}}}
+    old = SCHEMA_RULE % json.dumps(with_ref)
+    assert changes(tmp_path, old, SCHEMA_RULE % json.dumps(inline)) == []
+    assert changes(tmp_path, old, SCHEMA_RULE % json.dumps(optional)) == [
+        ("library.book-lent.v1", "$.payload.note", "compatible", "library.loans")
+    ]
+    loosened = {**inline, "required": []}
+    assert changes(tmp_path, old, SCHEMA_RULE % json.dumps(loosened)) == [
+        ("library.book-lent.v1", "$.payload.bookId", "breaking", "library.loans")
+    ]
+
+
+def test_trace_context_adds_optional_headers_compatibly(tmp_path: Path) -> None:
+    found = changes(tmp_path, V1, "    trace_context: true\n" + V1)
+    assert found and {verdict for _, _, verdict, _ in found} == {"compatible"}
+    assert {path for _, path, _, _ in found} == {
+        "$.headers['ce-traceparent']",
+        "$.headers['ce-tracestate']",
+    }
+
+
+def test_a_renamed_outbox_changes_the_source_and_the_feed(tmp_path: Path) -> None:
+    (tmp_path / "old.yaml").write_text(HEAD + V1)
+    (tmp_path / "new.yaml").write_text(HEAD.replace("  loans:\n", "  lending:\n") + V1)
+    found = diff(read_side(tmp_path / "old.yaml"), read_side(tmp_path / "new.yaml"))
+    assert ("$", "breaking") in {(c.path, c.verdict) for c in found}  # loans' events: gone
+    assert ("$.headers['ce-source']", "breaking") in {(c.path, c.verdict) for c in found}
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("a: [\n", "is not valid YAML or JSON"),
+        ("just: text\n", "is neither a contract (no `asyncapi` key) nor a relay config"),
+        ("asyncapi: 2.6.0\n", "only AsyncAPI 3 documents"),
+        ("asyncapi: 3.0.0\nchannels: {}\n", "components: missing, or not a mapping"),
+        (HEAD + "    messages: {BookLent: {type: x, destination: 'a.{'}}\n", "unbalanced brace"),
+    ],
+)
+def test_a_file_that_is_neither_is_refused_naming_it(tmp_path: Path, text: str, said: str) -> None:
+    path = tmp_path / "side.yaml"
+    path.write_text(text)
+    with pytest.raises(ContractError) as raised:
+        read_side(path)
+    assert said in str(raised.value)
+    assert "side.yaml" in str(raised.value)
