@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 from collections.abc import AsyncIterator, Collection
 from datetime import UTC, datetime
 
@@ -74,6 +76,7 @@ class NatsReader:
         info = await self._found(stream)
         if info is None:
             return Horizon(None, problem=f"stream {stream!r} does not exist")
+        self._keeps(stream, info)
         config, state = info.config, info.state
         problem = None
         if not any(captures(pattern, destination) for pattern in config.subjects or []):
@@ -98,6 +101,7 @@ class NatsReader:
             limits=", ".join(limits) or None,
             where=f"stream {stream} seq {state.first_seq}",
             problem=problem,
+            last=await self._last_stored(stream) if not state.messages else None,
         )
 
     async def duplicate_window(self, destination: str) -> float | None:
@@ -151,6 +155,17 @@ class NatsReader:
         except nats.js.errors.NotFoundError:
             return None
 
+    async def _last_stored(self, stream: str) -> datetime | None:
+        """When the stream stored its newest message, gone or not: nats-py's stream info
+        leaves the server's `last_ts` out, so the API is asked directly. None if unknown."""
+        assert self._nc is not None
+        try:
+            reply = await self._nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)
+            stamp = json.loads(reply.data)["state"]["last_ts"]
+        except (OSError, TimeoutError, nats.errors.Error, KeyError, ValueError):
+            return None
+        return _rfc3339(stamp)
+
     async def _oldest(self, stream: str, sequence: int) -> tuple[datetime | None, str | None]:
         """The time and id of the stream's message at `sequence` (its first)."""
         try:
@@ -169,6 +184,7 @@ class NatsReader:
         info = await self._found(stream)
         if info is None or not info.state.messages:
             return
+        self._keeps(stream, info)
         # One subject: the server filters; several: the whole stream, filtered here (a
         # consumer takes one filter subject before nats-server 2.10).
         only = next(iter(subjects)) if len(subjects) == 1 else None
@@ -204,6 +220,19 @@ class NatsReader:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    def _keeps(self, stream: str, info: StreamInfo) -> None:
+        """Only a stream that keeps messages by its limits can be audited: one with interest
+        or work-queue retention removes a message once its consumers acknowledged it, and a
+        consumed message cannot be told from a lost one (nor put back without delivering
+        it to them again)."""
+        retention = getattr(info.config.retention, "value", info.config.retention)
+        if retention not in (None, "limits"):
+            raise CannotReadBack(
+                f"broker {self.name!r}: stream {stream!r} keeps a message only until its"
+                f" consumers acknowledge it (retention: {retention}): an audit cannot tell a"
+                " consumed message from a lost one"
+            )
 
     def _failed(self, what: str, exc: BaseException) -> ReadBackError:
         text = (str(exc) or type(exc).__name__).removeprefix("nats: ")
@@ -295,6 +324,20 @@ class _Feed:
     def _end(self) -> None:
         self.ended = True
         self.ready.set()
+
+
+def _rfc3339(stamp: str) -> datetime | None:
+    """The server's time (nanoseconds, `Z`); None for its zero time, a stream never used."""
+    match = re.fullmatch(r"(.+?)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", stamp)
+    if match is None:
+        return None
+    base, fraction, zone = match.groups()
+    text = base + (f".{fraction[:6]}" if fraction else "") + ("+00:00" if zone == "Z" else zone)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return None if when.year <= 1 else when
 
 
 def _utc(when: datetime) -> datetime:

@@ -117,16 +117,20 @@ async def _work(
     wait: float,
     view: ProgressView | None,
 ) -> dict[str, Any]:
-    from relay.brokers import create_reader
+    from relay.brokers import create_prober, create_reader
     from relay.fleet.audit import Auditor
     from relay.fleet.identity import identity
     from relay.postgres.database import Database
     from relay.postgres.migrations import ensure_migrated
 
     box = cfg.outbox(outbox)  # an unknown outbox: a ConfigError, exit 2
-    reader = create_reader(box.broker, cfg.brokers[box.broker])
+    broker = cfg.brokers[box.broker]
+    reader = create_reader(box.broker, broker)
     listed = REPAIR_AT_MOST if repair else 1_000
-    auditor = Auditor(cfg, outbox, reader, listed=listed, skew=box.audit.clock_skew)
+    refusal = create_prober(box.broker, broker).refusal
+    auditor = Auditor(
+        cfg, outbox, reader, listed=listed, skew=box.audit.clock_skew, refusal=refusal
+    )
     db = Database.of(cfg, identity())
     await reader.connect()
     try:
@@ -180,7 +184,7 @@ async def _repair(
     cfg: RelayConfig, auditor: Auditor, db: Database, missing: list[Finding], wait: float
 ) -> dict[str, Any]:
     """Park the missing messages, and have retry-parked publish them again."""
-    from relay.cli.operator import Operator
+    from relay.cli.operator import CommandTimeout, Operator
     from relay.fleet.identity import identity
     from relay.fleet.recorded import as_recorded
     from relay.postgres.command_queue import CommandKind, RetryParkedArgs
@@ -189,9 +193,21 @@ async def _repair(
         by_lane = await auditor.park_missing(conn, missing)
     ids = sorted(i for lane_ids in by_lane.values() for i in lane_ids)
     recorded, _ = await as_recorded(cfg, [auditor.outbox])
-    outcome = await Operator(recorded, auditor.outbox, identity()).run(
-        CommandKind.RETRY_PARKED, RetryParkedArgs(ids=ids).as_row(), wait
-    )
+    try:
+        outcome = await Operator(recorded, auditor.outbox, identity()).run(
+            CommandKind.RETRY_PARKED, RetryParkedArgs(ids=ids).as_row(), wait
+        )
+    except CommandTimeout as exc:
+        # The messages are parked (reason `missing`): the next audit still counts them
+        # missing, and `relay retry-parked` (or the holder, later) publishes them.
+        return {
+            "ok": False,
+            "parked_ids": ids,
+            "published": [],
+            "still_parked": {},
+            "error": f"{exc}; the {len(ids)} missing message(s) stay parked with reason"
+            f" `missing` (relay parked list {auditor.outbox}), for relay retry-parked",
+        }
     detail = outcome.detail or {}
     return {
         "ok": outcome.ok,

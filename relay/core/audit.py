@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from relay.core.readback import Horizon, Stored
 
+AGE_SLACK = 60.0  # seconds the oldest held may be short of the age limit, and still be it
 STRANGERS_KEPT = 10_000
 """Ids of unexplained messages a chunk keeps, to check against its neighbours; past this
 many they are counted without a check."""
@@ -35,6 +36,7 @@ class Expected:
     event: str  # `aggregate_type/aggregate_id@version`, for a report
     time: datetime | None  # the event's created_at; None without that column
     template: str = ""  # the rule's destination as the config writes it: a metric's label
+    known: bool = False  # parked as missing already: its repair has not landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,7 @@ class Finding:
     event: str
     reason: str
     template: str = ""
+    known: bool = False  # found missing before, and parked for its repair
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -59,6 +62,7 @@ class Finding:
             "rule": self.rule,
             "event": self.event,
             "reason": self.reason,
+            "parked_for_repair": self.known,
         }
 
 
@@ -124,7 +128,9 @@ class Chunk:
     counts as missing there (a consumer of the right one never got it), with that reason.
     """
 
-    def __init__(self, expected: Sequence[Expected], skew: float) -> None:
+    def __init__(
+        self, expected: Sequence[Expected], skew: float, now: datetime | None = None
+    ) -> None:
         self._by_id: dict[str, Expected | list[Expected]] = {}
         self.shared_ids = 0
         for message in expected:
@@ -147,8 +153,13 @@ class Chunk:
         times = [m.time for m in expected if m.time is not None]
         self._skew = timedelta(seconds=skew)
         if times and len(times) == len(expected):
-            self.since: datetime | None = min(times) - self._skew
-            self._until: datetime | None = max(times) + self._skew
+            self.since: datetime | None = _shifted(min(times), -self._skew)
+            self._until: datetime | None = _shifted(max(times), self._skew)
+            # An event written "in the future" (a clock, a zone, a value set by hand) says
+            # nothing of when its message went out: from the oldest the destinations hold.
+            future = _shifted(now or datetime.now(UTC), self._skew)
+            if future is None or max(times) > future:
+                self.since = self._until = None
         else:  # without every event's time, from the oldest the destinations hold
             self.since = self._until = None
         self.size = len(expected)
@@ -211,6 +222,8 @@ class Chunk:
                     continue
                 horizon = horizons.get(message.destination)
                 reason, expired = self._why(message, horizon, now, self._elsewhere.get(id_))
+                if message.known:
+                    reason, expired = f"parked for its repair, not published again: {reason}", False
                 finding = Finding(
                     message.position,
                     message.id,
@@ -220,6 +233,7 @@ class Chunk:
                     message.event,
                     reason,
                     message.template,
+                    message.known,
                 )
                 if expired:
                     counts.expired += 1
@@ -269,17 +283,26 @@ class Chunk:
         # Published before the oldest message the destination holds: its retention or its
         # limits may have removed it.
         oldest = f" (oldest held: {horizon.where})" if horizon.where else ""
-        if (
-            horizon.max_age is not None
-            and message.time is not None
-            and message.time <= now - timedelta(seconds=horizon.max_age)
-        ):
+        if self._aged_out(horizon, now):
             return f"expired: older than the destination's max age{oldest}", True
         if horizon.first is None:
             return "not found: the destination holds no message", False
         if horizon.limits:
             return f"discarded: before the oldest message held, by {horizon.limits}{oldest}", False
         return f"not found: before the oldest message held{oldest}", False
+
+    def _aged_out(self, horizon: Horizon, now: datetime) -> bool:
+        """Whether retention by age is what removes the destination's oldest messages now:
+        the oldest it holds (or, holding none, the newest it had) is about as old as its
+        age limit. A message published before that one is then older than the limit. Not
+        judged by the event's time: an event written long before it was published (a
+        backlog, a `created_at` set by hand) would pass for expired."""
+        if horizon.max_age is None:
+            return False
+        edge = horizon.first if horizon.first is not None else horizon.last
+        slack = self._skew + timedelta(seconds=max(AGE_SLACK, horizon.max_age * 0.1))
+        limit = _shifted(now, -timedelta(seconds=horizon.max_age) + slack)
+        return edge is not None and limit is not None and edge <= limit
 
     def _before(self, message: Expected, horizon: Horizon) -> bool:
         """Whether the message went out before the oldest one the destination holds: its
@@ -292,8 +315,20 @@ class Chunk:
             if oldest is not None:
                 first = oldest if isinstance(oldest, Expected) else oldest[0]
                 return message.position < first.position
-        return message.time is not None and message.time + self._skew < horizon.first
+        later = _shifted(message.time, self._skew)
+        return later is not None and later < horizon.first
 
     @staticmethod
     def _count(counts: dict[str, int], destination: str) -> None:
         counts[destination] = counts.get(destination, 0) + 1
+
+
+def _shifted(when: datetime | None, by: timedelta) -> datetime | None:
+    """`when` moved by `by`; None past a datetime's range (a `created_at` of year 1 or 9999,
+    as applications write for "no time"), which then counts as not known."""
+    if when is None:
+        return None
+    try:
+        return when + by
+    except OverflowError:
+        return None

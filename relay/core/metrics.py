@@ -103,6 +103,7 @@ class Metrics:
     replication_wait: Histogram
     standbys_missing: Gauge
     # The continuous audit
+    audit_enabled: Gauge
     audit_checked: Counter
     audit_missing: Counter
     audit_position: Gauge

@@ -46,6 +46,7 @@ class Horizon:
 
     first: datetime | None  # its oldest message's time; None when it holds none
     first_id: str | None = None  # its oldest message's id, when it carries one
+    last: datetime | None = None  # its newest message's time, even if gone since; if known
     max_age: float | None = None  # seconds a message is kept (retention by age), if limited
     limits: str | None = None  # count or size limits that discard the oldest, if any
     where: str = ""  # the broker's own words for the oldest held: "stream LOANS seq 1201"

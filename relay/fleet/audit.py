@@ -27,6 +27,7 @@ from relay.config import RelayConfig
 from relay.core.audit import Chunk, Expected, Finding, Tally
 from relay.core.event import Event
 from relay.core.lanes import Lane, lanes_of
+from relay.core.publishing import Message
 from relay.core.readback import Horizon, Reader
 from relay.errors import MappingError, UsageError
 from relay.mapping.mapper import Mapper
@@ -78,6 +79,7 @@ class AuditReport:
     pending: int = 0  # messages of events past their lane's checkpoint: not relayed yet
     unmappable: int = 0  # the current config cannot map them, and nothing parked them
     unmappable_examples: list[str] = field(default_factory=list)
+    refused: int = 0  # messages the broker's adapter refuses before sending: never stored
     # The first position an audit parked as missing that is still parked: its repair is
     # handed to retry-parked and has not landed (or failed again) yet.
     repair_pending: int | None = None
@@ -113,6 +115,7 @@ class AuditReport:
             "shared_ids": self.tally.shared_ids,
             "unmappable": self.unmappable,
             "unmappable_examples": self.unmappable_examples,
+            "refused": self.refused,
             "repair_pending": self.repair_pending,
             "destinations": {
                 name: counts.as_json() for name, counts in sorted(self.tally.by_destination.items())
@@ -141,6 +144,7 @@ class Auditor:
         skew: float = 60.0,
         chunk: int = 50_000,
         listed: int = 1_000,
+        refusal: Callable[[Message], str | None] | None = None,
     ) -> None:
         self.config = config
         self.outbox = outbox
@@ -153,6 +157,8 @@ class Auditor:
         self.source = EventSource(config.source, metadata=self.mapper.reads_metadata)
         self.store = Store(config.database.schema_)
         self.partitions = Partitions(config.database.schema_)
+        # What the broker's adapter refuses before sending (names, headers, sizes it knows).
+        self.refusal = refusal
         self._pace: Pace | None = None
         self._types = list(self.outbox_config.messages)
         self._aggregates = self.outbox_config.aggregates
@@ -270,10 +276,11 @@ class Auditor:
         """The event's messages, as `relay run` maps them, sorted into what they count as."""
         for rule in self.mapper.rules_for(event):
             reason = parked.get((lane, event.position, rule.name))
-            if reason is not None:
+            repairing = reason == MISSING  # published once, lost, parked for its repair
+            if repairing and report.repair_pending is None:
+                report.repair_pending = event.position
+            if reason is not None and not repairing:
                 report.parked += 1
-                if reason == MISSING and report.repair_pending is None:
-                    report.repair_pending = event.position
                 continue
             if checkpoint is None or event.position > checkpoint:
                 report.pending += 1
@@ -288,6 +295,11 @@ class Auditor:
             if message is None:
                 report.skipped += 1
                 continue
+            if not repairing and self.refusal is not None and self.refusal(message):
+                # Refused for good before it is sent (a name, a header, a size the adapter
+                # knows): never in the broker, whether it is parked now or was dropped.
+                report.refused += 1
+                continue
             out.append(
                 Expected(
                     message.id,
@@ -299,6 +311,7 @@ class Auditor:
                     f"{event.aggregate_type}/{event.aggregate_id}@{event.version}",
                     event.created_at,
                     self._templates.get((event.type, rule.name), ""),
+                    repairing,
                 )
             )
 

@@ -124,7 +124,9 @@ async def read(
                     partitions=count,
                     configured_partitions=outbox.partitions,
                     waiting_replicas=waiting,
-                    audit=_audit(audits.get(name), lane.index, outbox.audit.enabled),
+                    audit=_audit(
+                        audits.get(name), lane.index, outbox.audit.enabled, outbox.audit.every
+                    ),
                 )
             )
     return out, members
@@ -158,10 +160,14 @@ def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
     return lines
 
 
-def _audit(row: AuditRow | None, index: int, enabled: bool) -> dict[str, Any] | None:
+STALE_ROUNDS = 5  # rounds with none ended before `relay status` calls the audit stale
+STALE_AFTER = 120.0  # seconds, at least
+
+
+def _audit(row: AuditRow | None, index: int, enabled: bool, every: float) -> dict[str, Any] | None:
     if row is None or index != 0:
         return None
-    return {**row.as_json(), "enabled": enabled}
+    return {**row.as_json(), "enabled": enabled, "every": every}
 
 
 def audit_line(name: str, audit: dict[str, Any]) -> str:
@@ -182,6 +188,11 @@ def audit_line(name: str, audit: dict[str, Any]) -> str:
         line += f"; last round failed: {audit['last_error']}"
     if not audit["enabled"]:
         line += "; audit.enabled is off in this config"
+    elif audit["since_audit"] > max(STALE_ROUNDS * audit["every"], STALE_AFTER):
+        line += (
+            "; stale: no round has ended for a while (the holder of its first partition runs"
+            " a config without audit.enabled, has no broker to read, or there is no holder)"
+        )
     return line
 
 

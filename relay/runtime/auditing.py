@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from relay.brokers import create_reader
+from relay.brokers import create_prober, create_reader
 from relay.config.audit import AuditConfig
 from relay.core.audit import Finding
 from relay.core.lane_state import OutboxState
@@ -44,6 +45,8 @@ SHOWN = 5  # findings a round keeps in relay.audits for `relay status`
 SHARE = 0.1  # of the event loop the audit takes while the first lane relays
 MAX_REST = 1.0  # seconds it rests after one step, at most
 REPORTED_KEPT = 100_000  # missing ids remembered while a repair is verified
+LISTED = 10_000  # missing messages a round lists (and repairs); the rest only counted
+REPAIR_AGAIN = 60.0  # seconds before a repair not landed yet is asked for again
 
 
 class ContinuousAudit:
@@ -61,6 +64,7 @@ class ContinuousAudit:
         self._seen: deque[tuple[float, int]] = deque()  # (monotonic time, lowest checkpoint)
         self._first: int | None = None  # the lowest checkpoint this holder saw first
         self._reported: set[str] = set()  # missing ids counted already (a repair pending)
+        self._repaired_at: dict[str, float] = {}  # missing id -> when its repair was asked
         self._behind_since: float | None = None  # when it last fell behind the checkpoints
         self._failing = False
         self._pace = _Pacer(context.state)
@@ -82,7 +86,15 @@ class ContinuousAudit:
                 reason=str(exc),
             )
             return
-        auditor = Auditor(config, self.outbox, reader, skew=self.settings.clock_skew, listed=SHOWN)
+        refusal = create_prober(self.ctx.config.broker, config.brokers[self.ctx.config.broker])
+        auditor = Auditor(
+            config,
+            self.outbox,
+            reader,
+            skew=self.settings.clock_skew,
+            listed=LISTED,
+            refusal=refusal.refusal,
+        )
         metrics = self.ctx.metrics
         metrics.audit_checked.labels(self.outbox)
         for rules in self.ctx.config.rules(self.outbox).values():  # at 0: alerts see them
@@ -100,12 +112,18 @@ class ContinuousAudit:
                     gauge.remove(self.outbox)
 
     async def _round_or_say_why(self, auditor: Auditor, reader: Reader) -> None:
+        """One round; one that fails is said (the log, relay status) and tried again at the
+        next, whatever the error: a round that met a bug must not end the audit for good."""
         try:
             await self._round(auditor, reader)
-        except RelayError as exc:
-            why = str(exc)
+        except Exception as exc:  # any: the audit goes on, and says why
+            why = str(exc) if isinstance(exc, RelayError) else f"{type(exc).__name__}: {exc}"
             if not self._failing:
-                self.log.warning("audit round failed; tried again next round", reason=why)
+                self.log.warning(
+                    "audit round failed; tried again next round",
+                    reason=why,
+                    exc_info=None if isinstance(exc, RelayError) else exc,
+                )
             self._failing = True
             await self._fenced(
                 lambda conn: self.audits.failed(
@@ -177,7 +195,9 @@ class ContinuousAudit:
         position, upto = audited
         metrics = self.ctx.metrics
         missing = report.tally.missing
-        new = [f for f in missing if f.id not in self._reported]
+        # Found before (in memory), or by an earlier holder (parked for its repair): logged
+        # and counted once.
+        new = [f for f in missing if not f.known and f.id not in self._reported]
         for finding in new:
             self.log.error(
                 "audit: message missing from the broker",
@@ -195,13 +215,17 @@ class ContinuousAudit:
         reach = upto
         if report.repair_pending is not None:  # a repair not landed yet: come back to it
             reach = report.repair_pending - 1
-        if self.settings.repair and missing:
-            await self._repair(conn, auditor, missing, running)
-            reach = min(reach, min(f.position for f in missing) - 1)  # to see it landed
+        if missing:
+            if self.settings.repair:
+                due = await self._due(auditor.reader, missing)
+                if due:
+                    await self._repair(conn, auditor, due, running)
+                reach = min(reach, min(f.position for f in missing) - 1)  # to see it landed
             if len(self._reported) < REPORTED_KEPT:
                 self._reported.update(f.id for f in new)
-        elif not missing and report.repair_pending is None:
+        elif report.repair_pending is None:
             self._reported.clear()
+            self._repaired_at.clear()
         reach = max(reach, position)
         shown = [f.as_json() for f in new[:SHOWN]]
         await self._fenced(
@@ -217,6 +241,22 @@ class ContinuousAudit:
             )
         )
         return reach
+
+    async def _due(self, reader: Reader, missing: list[Finding]) -> list[Finding]:
+        """The missing messages to repair this round: each once per `REPAIR_AGAIN`, or per
+        its destination's duplicate window if longer (a re-send within it is dropped), so
+        that a repair still waiting is not asked for again each round."""
+        now, windows = time.monotonic(), {}
+        due = []
+        for finding in missing:
+            if finding.destination not in windows:
+                window = await reader.duplicate_window(finding.destination)
+                windows[finding.destination] = max(REPAIR_AGAIN, window or 0.0)
+            if now - self._repaired_at.get(finding.id, -math.inf) >= windows[finding.destination]:
+                due.append(finding)
+        if len(self._repaired_at) < REPORTED_KEPT:
+            self._repaired_at.update((f.id, now) for f in due)
+        return due
 
     async def _repair(
         self, conn: Any, auditor: Auditor, missing: list[Finding], running: Outbox

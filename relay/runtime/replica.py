@@ -242,6 +242,8 @@ class OutboxReplica:
         self._waiting: tuple[str, ...] | None = None  # why no lane is held, as last said
         self.me = session.identity
         lanes[0].metrics.partitions_mismatch.labels(self.name).set(0)
+        if lanes[0].config.audit.enabled:  # an alert sees an audit that no holder runs
+            lanes[0].metrics.audit_enabled.labels(self.name).set(1)
         # Start from a different lane on each replica, so that they spread at once.
         self._first = zlib.crc32(session.identity.encode()) % len(lanes)
         self.log = structlog.get_logger("relay.lease").bind(outbox=self.name)

@@ -129,28 +129,52 @@ def test_ids_shared_by_two_events_are_counted_and_one_copy_serves_both() -> None
     assert tally.shared_ids == 2 and tally.total.found == 2 and tally.total.missing == 0
 
 
-def test_a_message_older_than_the_max_age_before_the_oldest_held_is_expired() -> None:
-    old = expected(1, time=NOW - timedelta(days=8))
-    kept = expected(2, time=NOW - timedelta(days=1))
+def test_a_message_before_an_oldest_held_at_the_age_limit_is_expired() -> None:
+    week = 7 * 86_400.0
+    old = expected(1, time=NOW - timedelta(days=9))
+    kept = expected(2, time=NOW - timedelta(days=8))  # published late: stored 6.99 days ago
     chunk = Chunk([old, kept], skew=60)
-    chunk.see(stored(kept))
-    horizons = held(kept, max_age=7 * 86_400.0, where="stream L seq 40")
-    tally = chunk.settle(horizons, NOW, listed=10)
+    chunk.see(Stored(kept.id, "loans", NOW - timedelta(days=6.99), "seq 40"))
+    horizon = Horizon(NOW - timedelta(days=6.99), kept.id, max_age=week, where="stream L seq 40")
+    tally = chunk.settle({"loans": horizon}, NOW, listed=10)
     assert tally.total.expired == 1 and tally.total.missing == 0
     assert tally.expired[0].reason.startswith("expired: older than the destination's max age")
 
 
-def test_a_message_within_the_max_age_is_missing_even_before_the_oldest_held() -> None:
-    """A message published within the retention was removed by something else: a loss."""
-    lost, kept = (
-        expected(1, time=NOW - timedelta(days=2)),
-        expected(2, time=NOW - timedelta(days=1)),
-    )
+def test_an_old_event_is_not_expired_while_the_oldest_held_is_young() -> None:
+    """Expiry is told by the destination, not by the event's time: an event written long
+    ago and published recently (a backlog, a backdated created_at) is missing when gone."""
+    lost, kept = expected(1, time=NOW - timedelta(days=30)), expected(2)
     chunk = Chunk([lost, kept], skew=60)
     chunk.see(stored(kept))
     tally = chunk.settle(held(kept, max_age=7 * 86_400.0), NOW, listed=10)
     assert tally.total.expired == 0 and tally.total.missing == 1
     assert tally.missing[0].reason.startswith("not found: before the oldest message held")
+
+
+def test_an_empty_destination_is_expired_only_if_its_newest_aged_out() -> None:
+    gone = expected(1, time=NOW - timedelta(days=30))
+    purged = {"loans": Horizon(None, max_age=86_400.0, last=NOW - timedelta(minutes=5))}
+    aged = {"loans": Horizon(None, max_age=86_400.0, last=NOW - timedelta(days=2))}
+    assert Chunk([gone], skew=60).settle(purged, NOW, listed=1).total.missing == 1
+    assert Chunk([gone], skew=60).settle(aged, NOW, listed=1).total.expired == 1
+
+
+def test_events_written_in_the_future_read_the_destination_from_its_oldest() -> None:
+    ahead = expected(1, time=datetime.now(UTC) + timedelta(hours=9))
+    chunk = Chunk([ahead], skew=60)
+    assert chunk.since is None
+    chunk.see(Stored(ahead.id, "loans", datetime.now(UTC), "seq 1"))
+    assert chunk.settle(held(), NOW, listed=1).total.found == 1
+
+
+def test_times_at_the_ends_of_a_datetimes_range_do_not_break_the_audit() -> None:
+    first = expected(1, time=datetime.min.replace(tzinfo=UTC))
+    last = expected(2, time=datetime.max.replace(tzinfo=UTC))
+    chunk = Chunk([first, last], skew=60)
+    assert chunk.since is None  # no read from a time that cannot be written
+    tally = chunk.settle(held(max_age=60.0), NOW, listed=5)
+    assert tally.total.expected == 2 and tally.total.missing + tally.total.expired == 2
 
 
 def test_a_count_limit_that_discarded_is_named_and_stays_missing() -> None:

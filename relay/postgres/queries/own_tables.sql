@@ -177,9 +177,11 @@ DELETE FROM {schema}.parked
 WHERE id = ANY($1::bigint[]) AND outbox = $2 AND {holds_lock:$3};
 
 -- store.still_parked --
--- $1 ids, $2 their errors, $3 their reasons, $4 lane, $5 lock key (holder only).
+-- $1 ids, $2 their errors, $3 their reasons, $4 lane, $5 lock key (holder only). A message
+-- an audit parked as missing stays `missing` (it was published once, and the broker lost
+-- it): the audit counts it as missing until it is in the broker again.
 UPDATE {schema}.parked p SET attempts = coalesce(p.attempts, 0) + 1, error = f.error,
-  reason = f.reason
+  reason = CASE WHEN p.reason = 'missing' THEN p.reason ELSE f.reason END
 FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, error, reason)
 WHERE p.id = f.id AND p.outbox = $4 AND {holds_lock:$5};
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nats.js.api import StreamConfig
+from nats.js.api import RetentionPolicy, StreamConfig
 
 from tests.integration.audit.kit import audit
 from tests.support.db import append_many, connect
@@ -362,5 +362,127 @@ async def test_messages_a_when_condition_rejects_are_skipped_and_a_second_rule_a
         assert report["expected"] == 6 and report["found"] == 5
         assert [m["id"] for m in report["missing"]] == [fee.headers["Nats-Msg-Id"]]
         assert report["missing"][0]["rule"] == "library.late-fee.v1"
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_repair_that_cannot_land_stays_missing_and_exits_1(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: a failed repair left the messages parked, and the audit counted
+    parked messages as parked, not missing: `after_repair` and every later audit passed."""
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path, duplicate_window=0.1)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(6))
+        await relay_then_stop(relay_process, config, positions[-1])
+        async with nats_connect(nats_url) as nc:  # the messages gone, and no stream for them
+            js = nc.jetstream()
+            await js.purge_stream(stream)
+            info = await js.stream_info(stream)
+            info.config.subjects = [f"{stream}.elsewhere"]
+            await js.update_stream(info.config)
+
+        code, report = audit(config, "--from-start", "--repair", "--timeout", "5")
+        assert code == 1, report
+        assert report["repair"]["published"] == [] and len(report["repair"]["still_parked"]) == 6
+        after = report["after_repair"]
+        assert after["missing_count"] == 6 and after["parked"] == 0
+        assert all(m["parked_for_repair"] for m in after["missing"])
+        assert "parked for its repair" in after["missing"][0]["reason"]
+        code, later = audit(config, "--from-start")
+        assert code == 1 and later["missing_count"] == 6
+        reasons = {p["reason"] for p in cli(config, "parked", "list", "loans")}
+        assert reasons == {"missing"}
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_stream_that_forgets_what_consumers_acknowledged_is_refused_with_exit_2(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: an interest stream drops what its consumers acknowledged; the
+    audit called those missing, and a repair delivered them to the consumers again."""
+    config, stream = await outbox_on_stream(
+        events_table, nats_url, tmp_path, retention=RetentionPolicy.INTEREST
+    )
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(3))
+        await relay_then_stop(relay_process, config, positions[-1])
+        done = run_cli(["audit", "loans", "--from-start", "--config", str(config)])
+        assert done.returncode == 2 and "retention: interest" in done.stderr
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_created_at_at_the_ends_of_time_or_ahead_of_the_clock(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: year 1 or 9999 (`DateTime.MinValue`) overflowed the audit; a time
+    ahead of the clock made it read the stream from after the message, a false alarm."""
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(3))
+            for at, when in zip(
+                positions,
+                ["0001-01-01 00:00:00+00", "9999-12-31 23:59:59+00", "now() + interval '9 h'"],
+                strict=True,
+            ):
+                value = when if when.startswith("now") else f"'{when}'::timestamptz"
+                await conn.execute(
+                    f"UPDATE events SET created_at = {value} WHERE position = $1", at
+                )
+        await relay_then_stop(relay_process, config, positions[-1])
+        code, report = audit(config, "--from-start")
+        assert code == 0, report
+        assert report["found"] == 3 and report["missing_count"] == 0
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_dropped_message_the_broker_refuses_is_refused_not_missing(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: a message parked because NATS refuses its subject, then dropped by
+    the operator, was called missing, and `--repair` parked it again."""
+    lent = {
+        "type": "library.book-lent.v1",
+        "destination": "{subject}.{aggregate_id}",
+        "payload": {"bookId": "aggregate_id"},
+    }
+    config, stream = await setup_outbox(
+        events_table, nats_url, tmp_path, messages={"BookLent": lent}
+    )
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, [*loans(3), ("book", "a..b", 1, "BookLent", {})])
+        await relay_then_stop(relay_process, config, positions[-1])
+        assert len(cli(config, "parked", "list", "loans")) == 1
+        cli(config, "parked", "drop", "--all", "--outbox", "loans", "--yes")
+        code, report = audit(config, "--from-start")
+        assert code == 0, report
+        assert report["refused"] == 1 and report["found"] == 3 and report["missing_count"] == 0
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_messages_purged_from_a_stream_with_an_age_limit_are_missing_not_expired(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: expiry was judged by the event's created_at, so events written
+    long before they were published (a backlog) passed for expired when purged."""
+    config, stream = await outbox_on_stream(events_table, nats_url, tmp_path, max_age=600)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(5))
+            await conn.execute("UPDATE events SET created_at = now() - interval '1 hour'")
+        await relay_then_stop(relay_process, config, positions[-1])
+        async with nats_connect(nats_url) as nc:
+            await nc.jetstream().purge_stream(stream)
+        code, report = audit(config, "--from-start")
+        assert code == 1
+        assert report["missing_count"] == 5 and report["expired_count"] == 0
     finally:
         await delete_stream(nats_url, stream)
