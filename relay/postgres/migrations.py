@@ -166,6 +166,8 @@ STEPS: tuple[str, ...] = (
     # The continuous audit's place per outbox (docs/delivery.md, Proving delivery): where it
     # has read the broker back to, so that a restart or a takeover resumes there; and what
     # it found, for `relay status` and the status page. A new table: releases before it run on.
+    # Every role gets on it the rights it has on the checkpoints (the relay's role writes both,
+    # a reader reads both), so that no GRANT stands between the upgrade and the new replicas.
     """
     CREATE TABLE {schema}.audits (
       outbox           text        PRIMARY KEY,
@@ -178,6 +180,17 @@ STEPS: tuple[str, ...] = (
       last_error       text,
       auditor          text
     );
+    DO $grant$ DECLARE r record; BEGIN
+      FOR r IN
+        SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END
+          AS grantee, a.privilege_type
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = '{schema}.checkpoints'::regclass AND a.grantee <> c.relowner
+          AND a.privilege_type IN ('SELECT', 'INSERT', 'UPDATE')
+      LOOP
+        EXECUTE format('GRANT %s ON {schema}.audits TO %s', r.privilege_type, r.grantee);
+      END LOOP;
+    END $grant$;
     """,
 )
 

@@ -30,6 +30,7 @@ OWN_TABLES: dict[str, tuple[str, ...]] = {
     "commands": ("SELECT", "INSERT", "UPDATE"),
     "outboxes": ("SELECT", "INSERT", "UPDATE"),
     "replicas": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "audits": ("SELECT", "INSERT", "UPDATE"),
 }
 _REPARTITION_ONLY = {"checkpoints": ("DELETE",)}
 

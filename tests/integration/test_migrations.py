@@ -8,12 +8,17 @@ waited behind. Each test holds a real writer transaction open on the table.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
+import pytest
 
+from relay.config import load_config
+from relay.postgres.migrations import STEPS, migrate
 from tests.support.db import append, connect
+from tests.support.postgres import as_role
 from tests.support.relay_process import RelayProcess, run_cli
 from tests.support.scenario import config_dict, save
 
@@ -108,3 +113,37 @@ async def test_turning_the_trigger_off_removes_it(
     assert result.returncode == 0, result.stderr
     assert "removed" in result.stdout
     assert await _triggers(events_table) == 0
+
+
+async def test_the_audit_table_comes_with_the_rights_roles_have_on_the_checkpoints(
+    events_table: str, pg_admin_dsn: str, tmp_path: Path, nats_url: str
+) -> None:
+    """Step 11 adds relay.audits: a relay role granted what the docs said before it (no
+    GRANT on the new table) keeps working after the upgrade, with no GRANT in between."""
+
+    config = load_config(_config(tmp_path, events_table, nats_url, trigger=False))
+    role, reader = f"relay_{uuid.uuid4().hex[:8]}", f"reader_{uuid.uuid4().hex[:8]}"
+    async with connect(pg_admin_dsn) as admin:
+        await admin.execute(f"CREATE ROLE {role} LOGIN; CREATE ROLE {reader} LOGIN")
+    try:
+        async with connect(events_table) as conn:
+            await migrate(conn, config, steps=STEPS[:10])  # the schema before the audit
+            await conn.execute(
+                f"GRANT USAGE ON SCHEMA relay TO {role}, {reader};"
+                f" GRANT SELECT, INSERT, UPDATE ON relay.checkpoints TO {role};"
+                f" GRANT SELECT ON relay.checkpoints TO {reader}"
+            )
+        async with connect(events_table) as conn:
+            await migrate(conn, config)
+        async with connect(as_role(events_table, role)) as conn:
+            await conn.execute("INSERT INTO relay.audits (outbox, position) VALUES ('x', 1)")
+            await conn.execute("UPDATE relay.audits SET position = 2 WHERE outbox = 'x'")
+        async with connect(as_role(events_table, reader)) as conn:
+            assert await conn.fetchval("SELECT position FROM relay.audits") == 2
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("UPDATE relay.audits SET position = 3")
+    finally:
+        async with connect(events_table) as conn:
+            await conn.execute(f"DROP OWNED BY {role}; DROP OWNED BY {reader}")
+        async with connect(pg_admin_dsn) as admin:
+            await admin.execute(f"DROP ROLE {role}; DROP ROLE {reader}")
