@@ -302,6 +302,85 @@ async def test_a_bad_command_row_fails_and_the_holder_carries_on(
         await delete_stream(nats_url, stream)
 
 
+async def split_relayed(config: Path, position: int) -> None:
+    """Until every lane of the outbox has relayed up to `position`."""
+
+    async def caught_up() -> bool:
+        return all(row["checkpoint"] == position for row in cli(config, "status"))
+
+    await eventually(caught_up, timeout=30)
+
+
+async def test_commands_no_holder_will_carry_out_are_shown_then_failed_with_a_reason(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Rows for a lane the outbox does not have (its bare name when split, `loans/9` of
+    three) stayed `pending` for ever, and one left `running` by a replica that died stayed
+    `running`; nothing reported them. `relay status` shows them stuck while no replica
+    runs; a holder fails each, naming why; status then shows them failed."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path, partitions=3)
+    insert = (
+        "INSERT INTO relay.commands (outbox, kind, args, requested_by, state, executed_by)"
+        " VALUES ($1, $2, $3::jsonb, 'someone', $4, $5) RETURNING id"
+    )
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(9))
+            bare = await conn.fetchval(insert, "loans", "replay", '{"to": 0}', "pending", None)
+            nine = await conn.fetchval(insert, "loans/9", "replay", '{"to": 0}', "pending", None)
+            gone = await conn.fetchval(
+                insert, "loans/1", "retry-parked", "{}", "running", "relay:gone:1"
+            )
+        shown = cli(config, "status")[0]["commands"]
+        assert [(c["id"], c["state"], c["stuck"]) for c in shown] == [
+            (bare, "pending", True),
+            (nine, "pending", True),
+            (gone, "running", True),
+        ]
+        assert "loans is split into 3 partitions" in shown[0]["reason"]
+        assert "'loans/9' is not a lane of loans" in shown[1]["reason"]
+        assert "by 'relay:gone:1', which no longer holds 'loans/1'" in shown[2]["reason"]
+        table = run_cli(["status", "--config", str(config)]).stdout
+        assert f"loans: command {nine} (replay of loans/9, asked" in table
+        assert "is stuck pending: 'loans/9' is not a lane of loans" in table
+
+        relay = relay_process(["run", "--config", str(config)])
+        await split_relayed(config, positions[-1])
+        async with connect(events_table) as conn:
+            # Written while the holders run: the first lane's holder fails it too.
+            seven = await conn.fetchval(insert, "loans/7", "replay", '{"to": 0}', "pending", None)
+
+            async def all_failed() -> bool:
+                states = await conn.fetch(
+                    "SELECT state FROM relay.commands WHERE id = ANY($1)", [bare, nine, seven]
+                )
+                return all(r["state"] == "failed" for r in states)
+
+            await eventually(all_failed, timeout=30)
+            rows = await conn.fetch("SELECT id, state, outcome FROM relay.commands ORDER BY id")
+        errors = {r["id"]: json.loads(r["outcome"])["error"] for r in rows}
+        assert {r["state"] for r in rows} == {"failed"}
+        assert "bare name is none of its lanes (loans/0 to loans/2)" in errors[bare]
+        assert "'loans/9' is not a lane of loans, which runs with 3 partition(s)" in errors[nine]
+        assert "'loans/7' is not a lane of loans" in errors[seven]
+        assert "stopped while carrying it out" in errors[gone]
+        # None was carried out: every checkpoint stayed where the holders had it.
+        assert all(row["checkpoint"] == positions[-1] for row in cli(config, "status"))
+        assert not [r for r in relay.logs() if r.get("event") == "carrying out command"]
+        shown = cli(config, "status")[0]["commands"]
+        assert {(c["id"], c["state"], c["stuck"]) for c in shown} == {
+            (bare, "failed", False),
+            (nine, "failed", False),
+            (gone, "failed", False),
+            (seven, "failed", False),
+        }
+        table = run_cli(["status", "--config", str(config)]).stdout
+        assert f"loans: command {seven} (replay of loans/7, asked" in table
+        assert "failed: 'loans/7' is not a lane of loans" in table
+    finally:
+        await delete_stream(nats_url, stream)
+
+
 async def test_a_followed_retry_whose_watch_cannot_connect_never_begins_the_command(
     tmp_path: Path,
 ) -> None:
