@@ -45,6 +45,14 @@ class Done:
 Handler = Callable[[ClaimedOutbox, asyncpg.Connection, Any], Awaitable[Done]]
 
 
+def replay_forwards(position: int, checkpoint: int) -> str:
+    """Why a replay from `position` is refused: it would move the checkpoint forwards."""
+    return (
+        f"replay only moves back: position {position} is after the checkpoint ({checkpoint});"
+        " those events have not been published yet"
+    )
+
+
 async def fail_stuck(
     queue: CommandQueue,
     claimed: ClaimedOutbox,
@@ -109,11 +117,21 @@ class CommandRunner:
     async def _replay(
         self, claimed: ClaimedOutbox, _reader: asyncpg.Connection, args: ReplayArgs
     ) -> Done:
-        """Move the checkpoint back to `to`; events after it are published again."""
+        """Move the checkpoint back to `to`; events after it are published again.
+
+        A lane already before `to` is left as it is, and says so: on a split outbox, a lane
+        not that far yet; on an outbox of one lane, a replay forwards, refused as the CLI
+        refuses one it sees (another command moved the checkpoint back since it asked)."""
         to = args.to
-        if claimed.position < to:  # a lane of a split outbox that is not that far yet
+        if claimed.position < to:
             here = claimed.position
-            return Done(ok=True, detail={"checkpoint": here, "previous_checkpoint": here})
+            unchanged = {"checkpoint": here, "previous_checkpoint": here}
+            lane = self.source.lane
+            if lane is None or not lane.split:
+                error = replay_forwards(to + 1, here)
+                return Done(ok=False, detail={**unchanged, "error": error})
+            why = f"the checkpoint ({here}) is before position {to + 1}: nothing to publish again"
+            return Done(ok=True, detail={**unchanged, "unchanged": why})
         previous = await claimed.rewind(to)
         log.info(
             "replay: checkpoint moved back",
