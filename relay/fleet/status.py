@@ -199,7 +199,8 @@ def _commands(outbox: str, lanes: list[str], unsettled: list[Unsettled]) -> list
                 "reason": why,
             }
         )
-    return shown
+    # The stuck ones first, oldest first; then the failed ones, newest first.
+    return sorted(shown, key=lambda c: (not c["stuck"], c["id"] if c["stuck"] else -c["id"]))
 
 
 _COMMAND_LINES = 5  # per outbox; `--json` lists them all
@@ -209,7 +210,7 @@ def command_lines(name: str, commands: list[dict[str, Any]]) -> list[str]:
     """`relay status`'s lines for an outbox's stuck and lately failed commands."""
     lines = []
     for c in commands[:_COMMAND_LINES]:
-        what = f"command {c['id']} ({c['kind']} of {printable(c['lane'])}, asked"
+        what = f"command {c['id']} ({printable(c['kind'])} of {printable(c['lane'])}, asked"
         what += f" {c['age_seconds']:.0f}s ago)"
         if c["stuck"]:
             lines.append(f"{name}: {what} is stuck {c['state']}: {printable(c['reason'])}")

@@ -306,7 +306,8 @@ class CommandQueue:
         failed_within: float = FAILED_SHOWN_FOR,
     ) -> list[Unsettled]:
         """The commands not finished (of `outbox` and its lanes, or of every outbox), and
-        those that failed within `failed_within` seconds, oldest first."""
+        those that failed within `failed_within` seconds: 500 at most, the unfinished ones
+        first, by id."""
         rows = await conn.fetch(self.queries["unsettled"], failed_within, namespace, outbox)
         return [
             Unsettled(
@@ -319,7 +320,7 @@ class CommandQueue:
                 bool(r["holding"]),
                 r["error"],
             )
-            for r in rows
+            for r in sorted(rows, key=lambda r: int(r["id"]))
         ]
 
     async def fail_stuck(
