@@ -40,6 +40,9 @@ class PublishError(RelayError):
     """A broker did not accept a message."""
 
     permanent: bool = False
+    at_once: bool = False
+    """No retry can mend it (UnsendableError): parked at its first failure, not after
+    `park_after`."""
     reason: str = "error"
     retry_after: float | None = None
     """Seconds the broker asked to be left alone (HTTP Retry-After); the backoff waits at least
@@ -57,6 +60,15 @@ class PermanentPublishError(PublishError):
 
     permanent = True
     reason = "rejected"
+
+
+class UnsendableError(PermanentPublishError):
+    """Refused by the adapter before sending, for what the message holds: a name, a header
+    value, a size over a limit the adapter knows. Every retry would be refused the same way,
+    so it is parked at once; a refusal only the broker's answer gives stays retried
+    `park_after` times (docs/delivery.md lists which is which, per broker)."""
+
+    at_once = True
 
 
 class MappingError(PermanentPublishError):

@@ -34,7 +34,7 @@ from relay.brokers._aws import (
 from relay.brokers._batch import chunks, layers, not_sent, per_destination, ready
 from relay.config.brokers import AwsConfig
 from relay.core.publishing import Message, Outcome
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt
 
 
@@ -65,7 +65,7 @@ class Entry:
     message: Message
     request: dict[str, Any]  # the API's batch request entry; empty when `error`
     size: int
-    error: PermanentPublishError | None = None
+    error: UnsendableError | None = None  # refused before sending
 
 
 @dataclass(slots=True)
@@ -260,9 +260,7 @@ class EntryBatchPublisher(AwsPublisher):
         return Entry(index, message, request, size)
 
     def invalid(self, index: int, message: Message, reason: str) -> Entry:
-        error = PermanentPublishError(
-            f"broker {self.name!r}: message {excerpt(message.id)}: {reason}"
-        )
+        error = UnsendableError(f"broker {self.name!r}: message {excerpt(message.id)}: {reason}")
         return Entry(index, message, {}, 0, error)
 
     # -- errors --------------------------------------------------------------------------------

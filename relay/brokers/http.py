@@ -48,7 +48,7 @@ from relay.brokers._header_values import altered
 from relay.config.base import path_step
 from relay.config.brokers import HttpBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt, printable
 
 ANSWER_BYTES = 200  # of a refused request's answer, in the parked reason
@@ -187,7 +187,7 @@ class HttpPublisher:
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         problem = self._unsendable(message, self._url(message))
-        return None if problem is None else str(self._permanent(message, problem))
+        return None if problem is None else str(self._not_sent(message, problem))
 
     def _unsendable(self, message: Message, url: str) -> str | None:
         """Why the message cannot be sent as written: its URL, its size, its id."""
@@ -205,7 +205,7 @@ class HttpPublisher:
     async def _post(self, message: Message, halted: list[PublishError]) -> Outcome:
         url = self._url(message)
         if (problem := self._unsendable(message, url)) is not None:
-            return self._permanent(message, problem)
+            return self._not_sent(message, problem)
         session = self._session
         if session is None:
             return TransientPublishError(f"broker {self.name!r}: not connected")
@@ -325,6 +325,10 @@ class HttpPublisher:
 
     def _permanent(self, message: Message, text: str) -> PermanentPublishError:
         return PermanentPublishError(f"broker {self.name!r}: message {excerpt(message.id)}: {text}")
+
+    def _not_sent(self, message: Message, text: str) -> UnsendableError:
+        """Refused before sending (`_unsendable`): parked at once."""
+        return UnsendableError(f"broker {self.name!r}: message {excerpt(message.id)}: {text}")
 
 
 def prepared(keys: Iterable[bytes]) -> list[hmac.HMAC]:

@@ -55,7 +55,7 @@ from relay.brokers._batch import connected, not_sent, ready
 from relay.config import KafkaBrokerConfig
 from relay.config.base import TlsConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 
 log = structlog.get_logger("relay.brokers.kafka")
 
@@ -379,11 +379,11 @@ class KafkaPublisher:
             topic = message.destination
             in_topic = partitions.get(topic)
             if in_topic is None and (bad := _bad_topic(topic)) is not None:
-                return waves, (i, self._classify(bad, 1))
+                return waves, (i, self._classify(bad, 1, before_sending=True))
             key, body, headers = message.key.encode(), message.body, message_headers(message)
             size = estimate(key, body, headers)
             if size > limit:
-                return waves, (i, self._classify(_too_large(size, limit), 1))
+                return waves, (i, self._classify(_too_large(size, limit), 1, before_sending=True))
             if in_topic is None:
                 self._stage = f"waiting for the metadata of topic {topic!r}"
                 try:
@@ -465,13 +465,18 @@ class KafkaPublisher:
             if size <= (limit := self._config.max_request_size):
                 return None
             exc = _too_large(size, limit)
-        return str(self._classify(exc, 1))
+        return str(self._classify(exc, 1, before_sending=True))
 
-    def _classify(self, exc: BaseException, records: int) -> PublishError:
+    def _classify(
+        self, exc: BaseException, records: int, *, before_sending: bool = False
+    ) -> PublishError:
+        """`before_sending`: the adapter found it (a topic name, max_request_size), so no
+        retry can mend it (UnsendableError); the same error from the broker stays retried."""
         text = f"broker {self.name!r}: {_text(exc)}"
+        refused = UnsendableError if before_sending else PermanentPublishError
         if isinstance(exc, _TOO_LARGE):
             if records == 1:
-                return PermanentPublishError(f"{text}: the record is too large")
+                return refused(f"{text}: the record is too large")
             # The broker refused the record batch, not necessarily any one of its records:
             # send smaller batches from now on, down to one record each, which the broker
             # then accepts or rejects on the record's own merits.
@@ -484,7 +489,7 @@ class KafkaPublisher:
             )
             return TransientPublishError(f"{text}: a batch of {records} records is too large")
         if isinstance(exc, InvalidTopicError):
-            return PermanentPublishError(f"{text}: invalid topic")
+            return refused(f"{text}: invalid topic")
         return TransientPublishError(text)
 
     async def _discard(self, reason: str) -> None:

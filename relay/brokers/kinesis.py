@@ -45,7 +45,7 @@ from relay.brokers._aws import (
 from relay.brokers._batch import chunks, not_sent, per_destination, ready
 from relay.config import KinesisBrokerConfig
 from relay.core.publishing import STRUCTURED, Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt
 
 MAX_RECORDS = 500  # per PutRecords call (a Kinesis limit)
@@ -113,15 +113,15 @@ class KinesisPublisher(AwsPublisher):
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         try:
             self._stream(message.destination)
-        except PermanentPublishError as exc:
+        except UnsendableError as exc:
             return str(exc)
         record = self._record(0, message)
-        return str(record) if isinstance(record, PermanentPublishError) else None
+        return str(record) if isinstance(record, UnsendableError) else None
 
     def _stream(self, destination: str) -> _Stream:
         stream = stream_of(destination)
         if stream is None:
-            raise PermanentPublishError(
+            raise UnsendableError(
                 f"broker {self.name!r}: {destination!r} is neither a stream ARN nor a stream"
                 " name (1-128 letters, digits, '_', '-' or '.')"
             )
@@ -146,7 +146,7 @@ class KinesisPublisher(AwsPublisher):
                 self.duplicates += 1
                 continue
             record = self._record(index, message)
-            if isinstance(record, PermanentPublishError):
+            if isinstance(record, UnsendableError):
                 results[index] = record  # the key's records before it still go: they come first
                 stopped.add(message.key)
             else:
@@ -238,12 +238,12 @@ class KinesisPublisher(AwsPublisher):
 
     # -- messages to records -------------------------------------------------------------------
 
-    def _record(self, index: int, message: Message) -> _Record | PermanentPublishError:
+    def _record(self, index: int, message: Message) -> _Record | UnsendableError:
         data = record_data(message)
         key = partition_key(message.key)
         size = len(data) + len(key.encode())
         if size > MAX_RECORD_BYTES:
-            return PermanentPublishError(
+            return UnsendableError(
                 f"broker {self.name!r}: message {excerpt(message.id)}: {size} bytes (the event and"
                 " its partition key) is more than Kinesis's maximum of 1 MiB per record"
             )

@@ -47,7 +47,7 @@ from relay.brokers._header_values import altered
 from relay.config.base import TlsConfig
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.core.publishing import ATTRIBUTES, Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt
 
 log = structlog.get_logger("relay.brokers.nats")
@@ -218,7 +218,7 @@ class NatsPublisher:
                 if (problem := _oversized(message, carried, limit, self._header_limit)) is None:
                     headers.append(carried)
                     continue
-            refused = PermanentPublishError(f"broker {self.name!r}: {problem}")
+            refused = UnsendableError(f"broker {self.name!r}: {problem}")
             break
         sendable = len(headers)
         outcomes = await self._send(messages[:sendable], headers) if sendable else []

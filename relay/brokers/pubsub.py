@@ -49,7 +49,7 @@ from google.pubsub_v1.services.publisher.transports import PublisherGrpcTranspor
 from relay.brokers._batch import Accepted, not_sent, ready
 from relay.config.brokers import PubSubBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt
 
 MAX_MESSAGE_BYTES = 10_000_000  # data, attributes and ordering key (the client's own limit)
@@ -309,17 +309,15 @@ class PubSubPublisher:
     def _topic_of(self, destination: str) -> str | PublishError:
         full = topic_path(destination, self._config.project)
         if full is None:
-            return PermanentPublishError(
+            return UnsendableError(
                 f"broker {self.name!r}: {destination!r} is not a topic id nor a topic's full"
                 " name (a topic id has 3-255 letters, digits or - _ . ~ + %, starts with a"
                 " letter and not with 'goog')"
             )
         return full
 
-    def _refused(self, message: Message, reason: str) -> PermanentPublishError:
-        return PermanentPublishError(
-            f"broker {self.name!r}: message {excerpt(message.id)}: {reason}"
-        )
+    def _refused(self, message: Message, reason: str) -> UnsendableError:
+        return UnsendableError(f"broker {self.name!r}: message {excerpt(message.id)}: {reason}")
 
     # -- errors --------------------------------------------------------------------------------
 

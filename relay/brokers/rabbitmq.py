@@ -40,7 +40,7 @@ from yarl import URL
 from relay.brokers._batch import connect_or_fail, not_sent
 from relay.config import RabbitMqBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 
 # RabbitMQ closes the channel with PRECONDITION_FAILED when a body exceeds the
 # server's `max_message_size` (128 MiB by default on 3.x, at most 512 MiB);
@@ -261,7 +261,7 @@ class RabbitMqPublisher:
         refused = self._refuse(message)
         return None if refused is None else str(refused)
 
-    def _refuse(self, message: Message) -> PermanentPublishError | None:
+    def _refuse(self, message: Message) -> UnsendableError | None:
         """Why this message can never be sent (checked before anything is sent)."""
         for what, value in (
             ("exchange name", message.destination),
@@ -270,12 +270,12 @@ class RabbitMqPublisher:
             ("message type", message.type),
         ):
             if len(value.encode()) > _SHORT_STRING:
-                return PermanentPublishError(
+                return UnsendableError(
                     f"broker {self.name!r}: {what} longer than {_SHORT_STRING} bytes: "
                     f"{value[:40]!r}..."
                 )
         if not message.id:
-            return PermanentPublishError(f"broker {self.name!r}: empty message id")
+            return UnsendableError(f"broker {self.name!r}: empty message id")
         return None
 
     def _classify(self, exc: BaseException, message: Message) -> PublishError:

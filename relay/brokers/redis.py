@@ -37,7 +37,7 @@ from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.config.base import TlsConfig
 from relay.config.brokers import RedisBrokerConfig
 from relay.core.publishing import Message, Outcome, cloudevent_attributes
-from relay.errors import PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
 from relay.printable import excerpt
 
 MAX_CALL_MESSAGES = 500  # entries per script call: one call holds the server for its length
@@ -207,10 +207,10 @@ class RedisPublisher:
     async def publish(self, messages: Sequence[Message]) -> list[Outcome]:
         self.last_duplicates = []
         entries: list[_Entry] = []
-        refused: PermanentPublishError | None = None
+        refused: UnsendableError | None = None
         for index, message in enumerate(messages):
             entry_or_error = self._entry(index, message)
-            if isinstance(entry_or_error, PermanentPublishError):
+            if isinstance(entry_or_error, UnsendableError):
                 refused = entry_or_error
                 break
             entries.append(entry_or_error)
@@ -224,9 +224,9 @@ class RedisPublisher:
             outcomes.append(not_sent(1)[0] if failed_before else refused)
         return outcomes + not_sent(len(messages) - len(outcomes))
 
-    def _entry(self, index: int, message: Message) -> _Entry | PermanentPublishError:
+    def _entry(self, index: int, message: Message) -> _Entry | UnsendableError:
         if problem := self.refused(message.destination):
-            return PermanentPublishError(f"broker {self.name!r}: {problem}")
+            return UnsendableError(f"broker {self.name!r}: {problem}")
         attributes = message_fields(message)
         attributes[BODY_FIELD] = ""
         parts = [_bulk(message.destination.encode()), _bulk(message.id.encode())]
@@ -239,7 +239,7 @@ class RedisPublisher:
             parts += (bulk, _bulk(value))
             size += len(name) + len(value)
         if size > self._config.max_message_bytes:
-            return PermanentPublishError(
+            return UnsendableError(
                 f"broker {self.name!r}: message {excerpt(message.id)}: {size:,} bytes (fields and"
                 f" values) is more than max_message_bytes ({self._config.max_message_bytes:,})"
             )
@@ -248,7 +248,7 @@ class RedisPublisher:
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         entry = self._entry(0, message)
-        return str(entry) if isinstance(entry, PermanentPublishError) else None
+        return str(entry) if isinstance(entry, UnsendableError) else None
 
     def refused(self, stream: str) -> str | None:
         """Why `stream` can never be a destination here; None when it can."""

@@ -26,7 +26,7 @@ from typing import Any
 from relay.brokers._aws import MESSAGE_FAULT, is_configuration_fault
 from relay.brokers._aws_batch import BatchService, EntryBatchPublisher, Target
 from relay.config import SnsBrokerConfig
-from relay.errors import PermanentPublishError
+from relay.errors import UnsendableError
 
 MAX_MESSAGE_BYTES = 256 * 1024  # one message, body and attributes (an SNS limit)
 
@@ -70,7 +70,7 @@ class SnsPublisher(EntryBatchPublisher):
             name = match.group(1)
             return Target(name, destination, name.endswith(".fifo"))
         if problem := self.name_problem(destination):
-            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
+            raise UnsendableError(f"broker {self.name!r}: {problem}")
         partition, account = await self._caller()
         arn = f"arn:{partition}:sns:{self._region}:{account}:{destination}"
         return Target(destination, arn, destination.endswith(".fifo"))

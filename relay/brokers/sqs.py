@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from relay.brokers._aws import MESSAGE_FAULT
 from relay.brokers._aws_batch import BatchService, EntryBatchPublisher, Target
 from relay.config.base import path_step
-from relay.errors import PermanentPublishError
+from relay.errors import UnsendableError
 
 MAX_MESSAGE_BYTES = 1024 * 1024  # no queue takes more (body and attributes), so not sent
 
@@ -69,7 +69,7 @@ class SqsPublisher(EntryBatchPublisher):
     async def _lookup(self, destination: str) -> Any:
         """GetQueueUrl of a queue name, GetQueueAttributes of a queue URL."""
         if (problem := self.name_problem(destination)) is not None:
-            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
+            raise UnsendableError(f"broker {self.name!r}: {problem}")
         if destination.startswith(("https://", "http://")):
             return self._client.get_queue_attributes(
                 QueueUrl=destination, AttributeNames=["QueueArn"]
@@ -95,7 +95,7 @@ class SqsPublisher(EntryBatchPublisher):
 
     async def _find(self, destination: str) -> Target:
         if (problem := self.name_problem(destination)) is not None:
-            raise PermanentPublishError(f"broker {self.name!r}: {problem}")
+            raise UnsendableError(f"broker {self.name!r}: {problem}")
         if destination.startswith(("https://", "http://")):
             name = urlsplit(destination).path.rstrip("/").rpartition("/")[2]
             return Target(name, destination, name.endswith(".fifo"))

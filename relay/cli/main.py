@@ -293,20 +293,26 @@ def replay(
         recorded = await on_recorded_partitions(cfg, outbox)
         controller = Operator(recorded, outbox, identity())
         target, current = await controller.replay_target(spec)
-        count = await controller.count(target, current)
         result: dict[str, Any] = {
             "outbox": outbox,
             "from_position": target + 1,
             "checkpoint": current,
-            "events": count,
+            "events": 0,
             "dry_run": dry_run,
         }
-        if not dry_run:
+        if dry_run:
+            result["events"] = await controller.count(target, current)
+        else:
             head = await controller.head()
             outcome = await controller.run(
                 CommandKind.REPLAY, ReplayArgs(to=target).as_row(), timeout, patient=follow
             )
+            # What the lanes did, not what they held when it was asked (another command may
+            # have moved them since); refused if that made it a replay forwards.
+            done = await controller.replayed(target, outcome)
             result.update(
+                checkpoint=current if done.checkpoint is None else done.checkpoint,
+                events=done.events,
                 ok=outcome.ok,
                 executed_by=outcome.executed_by,
                 direct=outcome.direct,

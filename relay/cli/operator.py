@@ -34,7 +34,7 @@ from relay.postgres.partitions import PARTITIONS_CHANGED, Partitions, Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Store
 from relay.runtime import holding
-from relay.runtime.commands import CommandRunner, Done
+from relay.runtime.commands import CommandRunner, Done, replay_forwards
 
 log = structlog.get_logger("relay.operator")
 
@@ -54,6 +54,14 @@ class ReplayFrom:
     position: int | None = None
     start: bool = False
     time: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """What a replay did, from its lanes' own outcomes."""
+
+    checkpoint: int | None  # the furthest checkpoint its lanes had when it was carried out
+    events: int  # the events it sends again: each lane's, from where it moved it back
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,11 +346,46 @@ class Operator:
                 assert spec.position is not None  # the CLI requires one of the three
                 target = spec.position - 1
             if target > current:
-                raise CommandRefused(
-                    f"replay only moves back: position {target + 1} is after the checkpoint"
-                    f" ({current}); those events have not been published yet"
-                )
+                raise CommandRefused(replay_forwards(target + 1, current))
             return max(target, 0), current
+
+    async def replayed(self, to: int, outcome: CommandResult) -> Replayed:
+        """What a replay back to `to` did, from each lane's outcome: where each lane's
+        checkpoint was and where it went, and the events that sends again.
+
+        Not from what the lanes held when the replay was asked: another command (a replay,
+        a repartition) may have moved them back in between. A replay that found every
+        lane before `to` moved nothing: it has become a replay forwards, and is refused as
+        one (CommandRefused)."""
+        details = outcome.detail.get("lanes", {self.lanes[0].name: outcome.detail})
+        moves = {
+            name: (d["previous_checkpoint"], d["checkpoint"])
+            for name, d in details.items()
+            if isinstance(d, dict) and _positions(d.get("previous_checkpoint"), d.get("checkpoint"))
+        }
+        if not moves:
+            return Replayed(None, 0)
+        furthest = max(before for before, _ in moves.values())
+        if len(moves) == len(details) and furthest < to:
+            raise CommandRefused(
+                f"{replay_forwards(to + 1, furthest)}; the checkpoint moved back after this"
+                " command was asked (another replay or a repartition ran first), and nothing"
+                " was changed"
+            )
+        lanes = {lane.name: lane for lane in self.lanes}
+        outbox = self.outbox_config
+        events = 0
+        async with self.db.one_shot("cli") as conn:
+            for name, (before, after) in moves.items():
+                if before > after and name in lanes:
+                    events += await EventSource(self.config.source, lanes[name]).count(
+                        conn,
+                        after=after,
+                        upto=before,
+                        aggregates=outbox.aggregates,
+                        types=list(outbox.messages),
+                    )
+        return Replayed(furthest, events)
 
     async def count(self, after: int, upto: int) -> int:
         """Events a replay from `after` sends again: each lane's, up to its own checkpoint."""
@@ -369,6 +412,11 @@ class Operator:
             if position is not None:
                 found[lane.name] = position
         return found
+
+
+def _positions(*values: object) -> bool:
+    """Each value a checkpoint position (an int, not a bool), as a lane's outcome holds it."""
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _wait_for_the_change(lane: Lane, changing: str, asking: _Asking, said: bool) -> bool:

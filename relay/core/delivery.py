@@ -4,8 +4,10 @@ This is the relay's promise in code, with no database in it: a failed message is
 retried, with backoff, before anything after it; nothing after an unacknowledged
 message is checkpointed; only a message the broker rejects for good (or that
 cannot be mapped) is parked, after `park_after` permanent failures, so that the
-rest can flow. Progress goes through a `CheckpointWriter` (the fenced checkpoint
-row in production, a list in memory in the unit tests).
+rest can flow; one the adapter refused before sending (UnsendableError), which no
+retry can mend, is parked at its first failure. Progress goes through a
+`CheckpointWriter` (the fenced checkpoint row in production, a list in memory in the
+unit tests).
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ class Delivery:
                 break
             failure = _failure(outcomes, acked, pending[0])
             count = self._failed(pending[0], failure)
-            if failure.permanent and count.rejections >= self.config.park_after:
+            if failure.permanent and (
+                failure.at_once or count.rejections >= self.config.park_after
+            ):
                 parked = pending.pop(0)
                 upto = _handled([parked], pending) if pending else parked.event.position
                 await self._park(checkpoint, parked, failure, count.rejections, upto)

@@ -16,6 +16,7 @@ from relay.config import RelayConfig
 from relay.core.lanes import lanes_of
 from relay.fleet.identity import identity
 from relay.postgres.audits import AuditLog, AuditRow
+from relay.postgres.command_queue import CommandQueue, Unsettled
 from relay.postgres.database import Database
 from relay.postgres.lease import holder_identity, lock_key
 from relay.postgres.membership import Member, live_members
@@ -23,6 +24,7 @@ from relay.postgres.migrations import ensure_migrated
 from relay.postgres.partitions import Partitions, mismatch
 from relay.postgres.source import EventSource
 from relay.postgres.store import CheckpointRow, Store
+from relay.printable import printable
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,9 @@ class OutboxStatus:
     # The outbox's continuous audit (relay.audits), on its first lane's row; null elsewhere
     # and for an outbox never audited.
     audit: dict[str, Any] | None = None
+    # On its first lane's row: the outbox's commands no holder will carry out or finish
+    # (stuck), and those that failed in the last 24 h; null elsewhere.
+    commands: list[dict[str, Any]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +62,14 @@ TABLE_COLUMNS = [
     f.name
     for f in fields(OutboxStatus)
     if f.name
-    not in ("partition", "partitions", "configured_partitions", "waiting_replicas", "audit")
+    not in (
+        "partition",
+        "partitions",
+        "configured_partitions",
+        "waiting_replicas",
+        "audit",
+        "commands",
+    )
 ]
 
 
@@ -87,6 +99,8 @@ async def read(
     )
     partitions = Partitions(config.database.schema_)
     audits = {a.outbox: a for a in await AuditLog(config.database.schema_).all(conn)}
+    queue = CommandQueue(config.database.schema_)
+    unsettled = await queue.unsettled(conn, config.lease.namespace)
     out = []
     for name, outbox in config.outboxes.items():
         record = await partitions.read(conn, name)
@@ -101,6 +115,8 @@ async def read(
             and name in m.outboxes
             and m.outboxes[name] != count
         ]
+        names = [lane.name for lane in lanes_of(name, count)]
+        commands = _commands(name, names, unsettled)
         for lane in lanes_of(name, count):
             row = rows.get(lane.name)
             # Never relayed: the lag is what the first holder will have to publish.
@@ -127,6 +143,7 @@ async def read(
                     audit=_audit(
                         audits.get(name), lane.index, outbox.audit.enabled, outbox.audit.every
                     ),
+                    commands=None if lane.index else commands,
                 )
             )
     return out, members
@@ -157,6 +174,53 @@ def summary(config: RelayConfig, rows: list[OutboxStatus]) -> list[str]:
         lines += [f"{name}: waiting: {why}" for why in lanes[0].waiting_replicas]
         if lanes[0].audit is not None:
             lines.append(audit_line(name, lanes[0].audit))
+        lines += command_lines(name, lanes[0].commands or [])
+    return lines
+
+
+def _commands(outbox: str, lanes: list[str], unsettled: list[Unsettled]) -> list[dict[str, Any]]:
+    """The outbox's commands that are stuck (no holder will carry them out or finish them:
+    a holder fails them, but none may run) or failed lately; a pending one a holder will
+    take, or one running on its holder, is neither."""
+    shown = []
+    for c in unsettled:
+        if c.lane != outbox and not c.lane.startswith(f"{outbox}/"):
+            continue
+        why = c.stuck(outbox, lanes) if c.state != "failed" else c.error
+        if c.state != "failed" and why is None:
+            continue
+        shown.append(
+            {
+                "id": c.id,
+                "lane": c.lane,
+                "kind": c.kind,
+                "state": c.state,
+                "stuck": c.state != "failed",
+                "age_seconds": round(c.age, 1),
+                "executed_by": c.executed_by,
+                "reason": why,
+            }
+        )
+    # The stuck ones first, oldest first; then the failed ones, newest first.
+    return sorted(shown, key=lambda c: (not c["stuck"], c["id"] if c["stuck"] else -c["id"]))
+
+
+_COMMAND_LINES = 5  # per outbox; `--json` lists them all
+
+
+def command_lines(name: str, commands: list[dict[str, Any]]) -> list[str]:
+    """`relay status`'s lines for an outbox's stuck and lately failed commands."""
+    lines = []
+    for c in commands[:_COMMAND_LINES]:
+        what = f"command {c['id']} ({printable(c['kind'])} of {printable(c['lane'])}, asked"
+        what += f" {c['age_seconds']:.0f}s ago)"
+        if c["stuck"]:
+            lines.append(f"{name}: {what} is stuck {c['state']}: {printable(c['reason'])}")
+        else:
+            lines.append(f"{name}: {what} failed: {printable(c['reason'] or 'no reason given')}")
+    if len(commands) > _COMMAND_LINES:
+        more = len(commands) - _COMMAND_LINES
+        lines.append(f"{name}: and {more} more command(s) stuck or failed (--json lists them)")
     return lines
 
 

@@ -8,6 +8,7 @@ which the CLI waits for. A standby never takes one: taking needs the outbox's lo
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
@@ -156,6 +157,51 @@ class CommandState:
         return self.state in ("done", "failed")
 
 
+# How long `relay status` shows a failed command.
+FAILED_SHOWN_FOR = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Unsettled:
+    """A command not finished, or one that failed lately: what `relay status` shows and
+    what a holder fails when no holder will ever carry it out or finish it."""
+
+    id: int
+    lane: str  # the row's `outbox`: a lane's name, or whatever a hand-written row says
+    kind: str
+    state: str
+    executed_by: str | None
+    age: float  # seconds since it was asked
+    holding: bool  # running, and its holder still holds the lane's lock
+    error: str | None  # why it failed, for a failed one
+
+    def stuck(self, outbox: str, lanes: Sequence[str]) -> str | None:
+        """Why no holder will ever carry it out or finish it, given the names of the lanes
+        `outbox` runs with; None when one may (or it is finished)."""
+        if self.state not in ("pending", "running"):
+            return None
+        lane = excerpt(self.lane)
+        if self.lane not in lanes:
+            span = lanes[0] if len(lanes) == 1 else f"{lanes[0]} to {lanes[-1]}"
+            if self.lane == outbox:
+                return (
+                    f"{outbox} is split into {len(lanes)} partitions, so its bare name is none"
+                    f" of its lanes ({span}) and no holder takes the command: `relay"
+                    f" {self.kind} {outbox}` writes a row for each lane"
+                )
+            return (
+                f"{lane} is not a lane of {outbox}, which runs with {len(lanes)}"
+                f" partition(s) ({span}): no holder takes the command"
+            )
+        if self.state == "running" and not self.holding:
+            who = excerpt(self.executed_by or "its holder")
+            return (
+                f"left running by {who}, which no longer holds {lane}: it stopped while"
+                " carrying it out, and what it did before is kept"
+            )
+        return None
+
+
 class CommandQueue:
     """The commands table, seen from the CLI and from the holder."""
 
@@ -250,3 +296,52 @@ class CommandQueue:
     async def abandon_running(self, conn: asyncpg.Connection, outbox: str) -> None:
         """A new holder fails what a previous holder left half-done."""
         await conn.execute(self.queries["abandon_running"], outbox)
+
+    async def unsettled(
+        self,
+        conn: asyncpg.Connection,
+        namespace: str,
+        *,
+        outbox: str | None = None,
+        failed_within: float = FAILED_SHOWN_FOR,
+    ) -> list[Unsettled]:
+        """The commands not finished (of `outbox` and its lanes, or of every outbox), and
+        those that failed within `failed_within` seconds: 500 at most, the unfinished ones
+        first, by id."""
+        rows = await conn.fetch(self.queries["unsettled"], failed_within, namespace, outbox)
+        return [
+            Unsettled(
+                int(r["id"]),
+                r["outbox"],
+                r["kind"],
+                r["state"],
+                r["executed_by"],
+                float(r["age"]),
+                bool(r["holding"]),
+                r["error"],
+            )
+            for r in sorted(rows, key=lambda r: int(r["id"]))
+        ]
+
+    async def fail_stuck(
+        self,
+        conn: asyncpg.Connection,
+        claim: Claim,
+        stuck: Sequence[tuple[Unsettled, str]],
+        by: str,
+    ) -> list[tuple[int, str]]:
+        """Fail each of `stuck` (a command, why no holder will carry it out or finish it) if
+        it is still as it was found; holder only. (id, why) of each failed."""
+        failed = []
+        for command, why in stuck:
+            status = await conn.execute(
+                self.queries["fail_stuck"],
+                command.id,
+                command.state,
+                json.dumps({"error": why}),
+                by,
+                claim.key,
+            )
+            if status.endswith(" 1"):
+                failed.append((command.id, why))
+        return failed

@@ -14,6 +14,7 @@ import asyncpg
 import structlog
 
 from relay.core.event import Event
+from relay.core.lanes import Lane, lanes_of
 from relay.core.publishing import Message, Outcome, Publisher, one_outcome_each
 from relay.errors import PublishError, RelayError
 from relay.mapping.mapper import CompiledRule, Mapper
@@ -21,6 +22,7 @@ from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.command_queue import (
     Arguments,
     CommandKind,
+    CommandQueue,
     ReplayArgs,
     RetryParkedArgs,
     arguments,
@@ -41,6 +43,39 @@ class Done:
 
 
 Handler = Callable[[ClaimedOutbox, asyncpg.Connection, Any], Awaitable[Done]]
+
+
+def replay_forwards(position: int, checkpoint: int) -> str:
+    """Why a replay from `position` is refused: it would move the checkpoint forwards."""
+    return (
+        f"replay only moves back: position {position} is after the checkpoint ({checkpoint});"
+        " those events have not been published yet"
+    )
+
+
+async def fail_stuck(
+    queue: CommandQueue,
+    claimed: ClaimedOutbox,
+    reader: asyncpg.Connection,
+    lane: Lane,
+    *,
+    namespace: str,
+    by: str,
+) -> None:
+    """Fail, each with why, the commands of the claimed lane's outbox that no holder will
+    ever carry out or finish: one for a lane the outbox does not have (its bare name when
+    split, `loans/9` of three), one left running by a holder that is gone. Else they stay
+    `pending` or `running` for ever, and the operator who asked is never told. The lanes
+    are `lane`'s count: a claim holds one of them, so the count cannot change meanwhile."""
+    lanes = [other.name for other in lanes_of(lane.outbox, lane.count)]
+    found = await queue.unsettled(reader, namespace, outbox=lane.outbox, failed_within=0.0)
+    stuck = [(c, why) for c in found if (why := c.stuck(lane.outbox, lanes)) is not None]
+    if not stuck:
+        return
+    async with claimed.writer.statement() as conn:
+        failed = await queue.fail_stuck(conn, claimed.claim, stuck, by)
+    for command_id, why in failed:
+        log.warning("command failed", outbox=lane.name, command=command_id, error=why)
 
 
 class CommandRunner:
@@ -82,11 +117,21 @@ class CommandRunner:
     async def _replay(
         self, claimed: ClaimedOutbox, _reader: asyncpg.Connection, args: ReplayArgs
     ) -> Done:
-        """Move the checkpoint back to `to`; events after it are published again."""
+        """Move the checkpoint back to `to`; events after it are published again.
+
+        A lane already before `to` is left as it is, and says so: on a split outbox, a lane
+        not that far yet; on an outbox of one lane, a replay forwards, refused as the CLI
+        refuses one it sees (another command moved the checkpoint back since it asked)."""
         to = args.to
-        if claimed.position < to:  # a lane of a split outbox that is not that far yet
+        if claimed.position < to:
             here = claimed.position
-            return Done(ok=True, detail={"checkpoint": here, "previous_checkpoint": here})
+            unchanged = {"checkpoint": here, "previous_checkpoint": here}
+            lane = self.source.lane
+            if lane is None or not lane.split:
+                error = replay_forwards(to + 1, here)
+                return Done(ok=False, detail={**unchanged, "error": error})
+            why = f"the checkpoint ({here}) is before position {to + 1}: nothing to publish again"
+            return Done(ok=True, detail={**unchanged, "unchanged": why})
         previous = await claimed.rewind(to)
         log.info(
             "replay: checkpoint moved back",

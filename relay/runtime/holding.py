@@ -2,8 +2,9 @@
 
 Both claim a lane the same way (check the table, choose the start, then in one
 transaction: check the lane's count against the outbox's partition set, take the
-next epoch, fail what a previous holder left running), and both do their work beside
-the lease watch, stopping the work at once if the lease cannot be proven.
+next epoch; then fail what a previous holder left running, and the outbox's commands
+that no holder will ever carry out), and both do their work beside the lease watch,
+stopping the work at once if the lease cannot be proven.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from relay.postgres.lease import Lease
 from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 from relay.postgres.store import Claim, Store
+from relay.runtime.commands import fail_stuck
 
 T = TypeVar("T")
 
@@ -77,7 +79,10 @@ async def claim(lease: Lease, claimant: Claimant, reader: asyncpg.Connection) ->
         lease.claimed(claimed.epoch)  # proven just now: the session's proofs cover it
     async with lease.statement() as conn:
         await c.commands.abandon_running(conn, c.lane.name)
-    return ClaimedOutbox(c.store, lease, claimed)
+    done = ClaimedOutbox(c.store, lease, claimed)
+    namespace, by = lease.config.namespace, lease.identity
+    await fail_stuck(c.commands, done, reader, c.lane, namespace=namespace, by=by)
+    return done
 
 
 def warn_if_broker_changed(log: Any, outbox: str, claim: Claim) -> None:

@@ -44,6 +44,7 @@ from relay.postgres.claimed import ClaimedOutbox
 from relay.postgres.database import CONNECTION_LOST, driver_text
 from relay.postgres.replication import OnShort, Standbys
 from relay.postgres.source import Blocker
+from relay.runtime.commands import fail_stuck
 from relay.runtime.context import OutboxContext
 
 
@@ -90,6 +91,7 @@ class OutboxRelay:
                     context.metrics.skipped.labels(*self.labels, rule.config.type, "when")
         self._horizon = 0
         self._commands_checked = 0.0
+        self._stuck_checked = time.monotonic()  # and at the claim (holding.py)
         self._lag_measured = 0.0
         self._pass_started = 0.0  # when the last barrier began: polling keeps its cadence
         self._halted: str | None = None  # set: nothing moves until an operator's replay
@@ -315,6 +317,7 @@ class OutboxRelay:
         self.ctx.wakes.commands.clear()
         self._commands_checked = time.monotonic()
         claim, queue, moved = s.claimed.claim, self.ctx.commands, False
+        await self._fail_stuck(s)
         # Asked on the reader: the lease connection is every lane's.
         waiting = await queue.waiting(s.reader, claim.outbox)
         if waiting.stale:  # a newer release's command nobody took: fail it, saying why
@@ -343,6 +346,18 @@ class OutboxRelay:
                 await queue.finish(conn, command.id, done.ok, done.detail)
             log.info("command done" if done.ok else "command failed", outcome=done.detail)
         return moved
+
+    async def _fail_stuck(self, s: Hold) -> None:
+        """Now and then, on the first lane's holder: fail the outbox's commands no holder
+        will carry out (written by hand for a lane it does not have, say), naming why."""
+        lease = self.ctx.relay_config.lease
+        if self.ctx.lane.index or time.monotonic() - self._stuck_checked < lease.takeover_after:
+            return
+        self._stuck_checked = time.monotonic()
+        ctx = self.ctx
+        await fail_stuck(
+            ctx.commands, s.claimed, s.reader, ctx.lane, namespace=lease.namespace, by=ctx.identity
+        )
 
     async def _halt(self, s: Hold, head: int, position: int) -> None:
         """The head went below the checkpoint: the sequence was reset, or the table replaced.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from relay.cli.console import progress_view
 from relay.cli.progress import follow_retry
 from relay.config import load_config
 from relay.postgres.database import DatabaseUnavailable
+from relay.postgres.lease import lock_key
 from tests.support.db import NewEvent, append_many, connect
 from tests.support.jetstream import delete_stream, fetch_all
 from tests.support.net import free_port
@@ -298,6 +300,203 @@ async def test_a_bad_command_row_fails_and_the_holder_carries_on(
         done = cli(config, "replay", "loans", "--from", str(positions[3]))
         assert done["ok"] is True and done["direct"] is False
         assert len(await fetch_all(nats_url, stream, expected=12)) == 12
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def split_relayed(config: Path, position: int) -> None:
+    """Until every lane of the outbox has relayed up to `position`."""
+
+    async def caught_up() -> bool:
+        return all(row["checkpoint"] == position for row in cli(config, "status"))
+
+    await eventually(caught_up, timeout=30)
+
+
+async def held_by_another_then_moved_back(
+    dsn: str,
+    lanes: list[str],
+    args: list[str],
+    move: dict[str, int],
+    meanwhile: Callable[[], Any] = lambda: None,
+) -> tuple[Any, Any]:
+    """Run `relay ARGS` while a session holds the lanes' leases (a holder that takes no
+    command); once it has asked, move the lanes in `move` back, as another operator's
+    command that came first would, and run `meanwhile`; then let go. The CLI carries it
+    out itself then. Its result, and what `meanwhile` returned."""
+    async with connect(dsn) as holder, connect(dsn) as conn:
+        for lane in lanes:
+            await holder.execute("SELECT pg_advisory_lock($1)", lock_key("relay", lane))
+        asked = asyncio.create_task(asyncio.to_thread(run_cli, args))
+
+        async def waiting() -> bool:
+            pending = "SELECT count(*) FROM relay.commands WHERE state = 'pending'"
+            return bool(await conn.fetchval(pending) == 1)
+
+        await eventually(waiting, timeout=30)
+        for lane, position in move.items():
+            await conn.execute(
+                "UPDATE relay.checkpoints SET position = $2 WHERE outbox = $1", lane, position
+            )
+        seen = await asyncio.to_thread(meanwhile)
+    return await asked, seen
+
+
+async def test_a_replay_reports_what_its_lanes_did_not_what_they_held_when_asked(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Replays and repartitions run at once: a replay from 200 printed `ok`, checkpoint 2000
+    and 1801 events, read when it was asked, while its lanes had been moved back to 99 by
+    the time it ran, and moved nothing. Here one of two lanes is moved back below the
+    replay's position between its asking and its carrying out."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path, partitions=2)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(
+                conn, [NewEvent("book", f"b{i}", 1, "BookLent", {}) for i in range(40)]
+            )
+        relay = relay_process(["run", "--config", str(config)])
+        await split_relayed(config, positions[-1])
+        relay.terminate()
+        assert await relay.wait_async(15) == 0
+        start = str(positions[20])
+        asked = cli(config, "replay", "loans", "--from", start, "--dry-run")["events"]
+
+        def dry_run_now() -> Any:
+            return cli(config, "replay", "loans", "--from", start, "--dry-run")
+
+        args = ["replay", "loans", "--from", start, "--json", "--timeout", "60"]
+        async with connect(events_table) as conn:
+            moved_back = positions[4]
+            done, now = await held_by_another_then_moved_back(
+                events_table,
+                ["loans/0", "loans/1"],
+                [*args, "--config", str(config)],
+                {"loans/1": moved_back},
+                lambda: dry_run_now()["events"],
+            )
+            lanes = {
+                r["outbox"]: r["position"]
+                for r in await conn.fetch("SELECT outbox, position FROM relay.checkpoints")
+            }
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        # loans/1 was before the replay's position when it ran: it is left as it is.
+        assert lanes == {"loans/0": positions[19], "loans/1": moved_back}
+        detail = result["detail"]["lanes"]
+        assert detail["loans/0"] == {
+            "checkpoint": positions[19],
+            "previous_checkpoint": positions[-1],
+        }
+        assert (detail["loans/1"]["checkpoint"], detail["loans/1"]["previous_checkpoint"]) == (
+            moved_back,
+            moved_back,
+        )
+        # The summary counts what it sends again: loans/0's events after position 20 only,
+        # as a dry run said once loans/1 had moved back, not both lanes' as one said when
+        # the replay was asked.
+        assert 0 < now < asked
+        assert (result["ok"], result["events"], result["checkpoint"]) == (True, now, positions[-1])
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_replay_that_became_forwards_is_refused_and_changes_nothing(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """The checkpoint moved back past the replay's position after it was asked: carried out,
+    it would move nothing. It says so (a replay forwards, exit 2), never `ok` with counts."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path)
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(12))
+        await relay_then_stop(relay_process, config, positions[-1])
+        args = ["replay", "loans", "--from", str(positions[8]), "--json", "--timeout", "60"]
+        done, _ = await held_by_another_then_moved_back(
+            events_table, ["loans"], [*args, "--config", str(config)], {"loans": positions[2]}
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stdout == ""
+        assert f"replay only moves back: position {positions[8]} is after the checkpoint" in (
+            done.stderr
+        )
+        assert "nothing was changed" in done.stderr
+        assert cli(config, "status")[0]["checkpoint"] == positions[2]
+        async with connect(events_table) as conn:
+            rows = await conn.fetch("SELECT state, outcome FROM relay.commands ORDER BY id")
+        # Withdrawn from the holder that never took it, then refused under the lease.
+        assert [r["state"] for r in rows] == ["expired", "failed"]
+        assert "only moves back" in json.loads(rows[1]["outcome"])["error"]
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_commands_no_holder_will_carry_out_are_shown_then_failed_with_a_reason(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Rows for a lane the outbox does not have (its bare name when split, `loans/9` of
+    three) stayed `pending` for ever, and one left `running` by a replica that died stayed
+    `running`; nothing reported them. `relay status` shows them stuck while no replica
+    runs; a holder fails each, naming why; status then shows them failed."""
+    config, stream = await setup_outbox(events_table, nats_url, tmp_path, partitions=3)
+    insert = (
+        "INSERT INTO relay.commands (outbox, kind, args, requested_by, state, executed_by)"
+        " VALUES ($1, $2, $3::jsonb, 'someone', $4, $5) RETURNING id"
+    )
+    try:
+        async with connect(events_table) as conn:
+            positions = await append_many(conn, loans(9))
+            bare = await conn.fetchval(insert, "loans", "replay", '{"to": 0}', "pending", None)
+            nine = await conn.fetchval(insert, "loans/9", "replay", '{"to": 0}', "pending", None)
+            gone = await conn.fetchval(
+                insert, "loans/1", "retry-parked", "{}", "running", "relay:gone:1"
+            )
+        shown = cli(config, "status")[0]["commands"]
+        assert [(c["id"], c["state"], c["stuck"]) for c in shown] == [
+            (bare, "pending", True),
+            (nine, "pending", True),
+            (gone, "running", True),
+        ]
+        assert "loans is split into 3 partitions" in shown[0]["reason"]
+        assert "'loans/9' is not a lane of loans" in shown[1]["reason"]
+        assert "by 'relay:gone:1', which no longer holds 'loans/1'" in shown[2]["reason"]
+        table = run_cli(["status", "--config", str(config)]).stdout
+        assert f"loans: command {nine} (replay of loans/9, asked" in table
+        assert "is stuck pending: 'loans/9' is not a lane of loans" in table
+
+        relay = relay_process(["run", "--config", str(config)])
+        await split_relayed(config, positions[-1])
+        async with connect(events_table) as conn:
+            # Written while the holders run: the first lane's holder fails it too.
+            seven = await conn.fetchval(insert, "loans/7", "replay", '{"to": 0}', "pending", None)
+
+            async def all_failed() -> bool:
+                states = await conn.fetch(
+                    "SELECT state FROM relay.commands WHERE id = ANY($1)", [bare, nine, seven]
+                )
+                return all(r["state"] == "failed" for r in states)
+
+            await eventually(all_failed, timeout=30)
+            rows = await conn.fetch("SELECT id, state, outcome FROM relay.commands ORDER BY id")
+        errors = {r["id"]: json.loads(r["outcome"])["error"] for r in rows}
+        assert {r["state"] for r in rows} == {"failed"}
+        assert "bare name is none of its lanes (loans/0 to loans/2)" in errors[bare]
+        assert "'loans/9' is not a lane of loans, which runs with 3 partition(s)" in errors[nine]
+        assert "'loans/7' is not a lane of loans" in errors[seven]
+        assert "stopped while carrying it out" in errors[gone]
+        # None was carried out: every checkpoint stayed where the holders had it.
+        assert all(row["checkpoint"] == positions[-1] for row in cli(config, "status"))
+        assert not [r for r in relay.logs() if r.get("event") == "carrying out command"]
+        shown = cli(config, "status")[0]["commands"]
+        assert {(c["id"], c["state"], c["stuck"]) for c in shown} == {
+            (bare, "failed", False),
+            (nine, "failed", False),
+            (gone, "failed", False),
+            (seven, "failed", False),
+        }
+        table = run_cli(["status", "--config", str(config)]).stdout
+        assert f"loans: command {seven} (replay of loans/7, asked" in table
+        assert "failed: 'loans/7' is not a lane of loans" in table
     finally:
         await delete_stream(nats_url, stream)
 

@@ -13,7 +13,14 @@ from relay.postgres.command_queue import CommandKind
 from relay.postgres.store import Store
 from tests.support.db import append, connect
 from tests.support.delivery import checkpoint
-from tests.support.jetstream import create_stream, delete_stream, fetch_all, unique_name
+from tests.support.jetstream import (
+    CAPPED,
+    STREAM_REFUSED,
+    create_stream,
+    delete_stream,
+    fetch_all,
+    unique_name,
+)
 from tests.support.operator_cli import setup_outbox
 from tests.support.scenario import (
     LIBRARY_MESSAGES,
@@ -51,7 +58,7 @@ async def test_oversized_message_is_parked_and_the_rest_flows(
         assert row["position"] == poison
         assert row["message_id"] == "book/b2@1"
         assert row["reason"] == "rejected"
-        assert row["attempts"] == 3  # park_after in the test config
+        assert row["attempts"] == 1  # found before sending: no retry can mend it
         assert "max_payload" in str(row["error"])
         assert isinstance(row["body"], bytes) and len(row["body"]) > 2 * 1024 * 1024
         assert (await status(config))[0]["parked"] == 1
@@ -105,8 +112,48 @@ async def test_headers_larger_than_jetstream_takes_are_parked_not_retried_for_ev
             await eventually(lambda: _parked_count(events_table, 1))
         assert [m.headers["ce-id"] for m in received] == ["book/b1@1"]
         (row,) = await parked_rows(events_table)
-        assert (row["position"], row["reason"], row["attempts"]) == (poison, "rejected", 3)
+        assert (row["position"], row["reason"], row["attempts"]) == (poison, "rejected", 1)
         assert "header" in str(row["error"])
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+async def test_an_id_nats_would_alter_is_parked_at_its_first_attempt(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """An aggregate id with a tab, or white space at an end, is refused by the NATS publisher
+    before it is sent, on every attempt alike. With the default park_after (10) each such
+    event held its lane for ten attempts, about 51 s, before it was parked; a few hundred of
+    them stalled the lane for hours. Each is parked at its first attempt now, while a
+    refusal only the server gives (the stream's max_msg_size) is still retried."""
+    subject = unique_name("parking")
+    await create_stream(nats_url, subject, [f"{subject}.>"], max_msg_size=CAPPED)
+    data = config_dict(events_table, nats_url, subject, park_after=10)
+    config = await load_and_migrate(tmp_path, data)
+    loan = {"loanId": "L", "memberId": "m"}
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "b1", 1, "BookLent", loan)
+            tab = await append(conn, "book", "b\t2", 1, "BookLent", loan)
+            space = await append(conn, "book", "b3 ", 1, "BookLent", loan)
+            big = await append(conn, "book", "b4", 1, "BookLent", {"loanId": "x" * STREAM_REFUSED})
+            await append(conn, "book", "b1", 2, "BookLent", loan)
+        async with running(config) as relay:
+            received = await fetch_all(nats_url, subject, expected=2)
+            await eventually(lambda: _parked_count(events_table, 3), timeout=30)
+            failures = relay.metrics.registry.get_sample_value(
+                "relay_publish_failures_total", {"outbox": "loans", "reason": "rejected"}
+            )
+        assert [m.headers["ce-id"] for m in received] == ["book/b1@1", "book/b1@2"]
+        rows = await parked_rows(events_table)
+        assert [(r["position"], r["reason"], r["attempts"]) for r in rows] == [
+            (tab, "rejected", 1),
+            (space, "rejected", 1),
+            (big, "rejected", 10),  # the stream's answer: retried park_after times
+        ]
+        assert "header Nats-Msg-Id holds a tab" in str(rows[0]["error"])
+        assert "starts or ends with whitespace" in str(rows[1]["error"])
+        assert failures == 1 + 1 + 10  # one attempt each, ten for the stream's refusal
     finally:
         await delete_stream(nats_url, subject)
 
@@ -193,8 +240,9 @@ async def _poison_config(
 
 
 async def _append_poison(dsn: str) -> int:
+    """A loan the capped stream refuses (its answer, so it is retried `park_after` times)."""
     async with connect(dsn) as conn:
-        return await append(conn, "book", "b1", 1, "BookLent", {"loanId": "x" * 2_000_000})
+        return await append(conn, "book", "b1", 1, "BookLent", {"loanId": "x" * STREAM_REFUSED})
 
 
 async def test_operator_commands_do_not_reset_the_retry_count(
@@ -202,7 +250,7 @@ async def test_operator_commands_do_not_reset_the_retry_count(
 ) -> None:
     """A CronJob's retry-parked every 250 ms must not hold a poison message for ever."""
     subject = unique_name("parking")
-    await create_stream(nats_url, subject, [f"{subject}.>"])
+    await create_stream(nats_url, subject, [f"{subject}.>"], max_msg_size=CAPPED)
     config = await _poison_config(events_table, nats_url, tmp_path, subject, "a")
     try:
         poison = await _append_poison(events_table)
@@ -231,7 +279,7 @@ async def test_retry_count_survives_a_restart(
 ) -> None:
     """The next holder goes on counting where the last one stopped."""
     subject = unique_name("parking")
-    await create_stream(nats_url, subject, [f"{subject}.>"])
+    await create_stream(nats_url, subject, [f"{subject}.>"], max_msg_size=CAPPED)
     config = await _poison_config(events_table, nats_url, tmp_path, subject, "b")
     try:
         poison = await _append_poison(events_table)

@@ -3,8 +3,9 @@
 The relay reads and maps batch N+1 while batch N waits for its acknowledgements,
 and writes N's checkpoint while N+1 is sent. These tests fail batch N, for real,
 after N+1 has been read: transiently (the stream is full) and permanently (a
-message above the server's max_payload). N is retried or parked first, N+1
-follows in order, and while N fails the checkpoint stays before its failed message.
+message above the stream's max_msg_size: the server's answer, retried `park_after`
+times). N is retried or parked first, N+1 follows in order, and while N fails the
+checkpoint stays before its failed message.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from nats.js.api import DiscardPolicy, StreamConfig
 from relay.runtime.runner import Relay
 from tests.support.db import append_many, connect
 from tests.support.delivery import checkpoint_position
+from tests.support.jetstream import CAPPED, STREAM_REFUSED, delete_stream, fetch_all, unique_name
 from tests.support.jetstream import connect as nats_connect
-from tests.support.jetstream import delete_stream, fetch_all, unique_name
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running, status
 
 BATCH = 5
@@ -60,10 +61,11 @@ def attempts(relay: Relay) -> int:
 
 
 async def write_backlog(dsn: str, poison_at: int | None = None) -> list[int]:
-    """EVENTS loans over three books; the one numbered `poison_at` (1-based) is too big."""
+    """EVENTS loans over three books; the one numbered `poison_at` (1-based) is too big for
+    a stream capped at CAPPED bytes a message."""
     rows = []
     for n in range(1, EVENTS + 1):
-        loan = "x" * (2 * 1024 * 1024) if n == poison_at else f"loan-{n}"
+        loan = "x" * STREAM_REFUSED if n == poison_at else f"loan-{n}"
         rows.append(("book", f"b{n % 3}", n // 3 + 1, "BookLent", {"loanId": loan, "n": n}))
     async with connect(dsn) as conn:
         return await append_many(conn, rows)
@@ -103,7 +105,7 @@ async def test_a_transient_failure_of_batch_n_is_retried_before_the_batch_read_a
 async def test_a_permanent_failure_of_batch_n_is_parked_before_the_batch_read_ahead(
     events_table: str, nats_url: str, tmp_path: Path
 ) -> None:
-    stream = await add_stream(nats_url, "ahead")
+    stream = await add_stream(nats_url, "ahead", max_msg_size=CAPPED)
     config = await load_and_migrate(
         tmp_path,
         config_dict(

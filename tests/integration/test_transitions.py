@@ -29,7 +29,7 @@ from relay.postgres.partitions import PartitionsChanged
 from tests.support.db import append, append_many, connect
 from tests.support.delivery import Writer, append_backlog, book_lent, event_id
 from tests.support.http import get, http_port
-from tests.support.jetstream import fetch_all
+from tests.support.jetstream import STREAM_REFUSED, cap_messages, fetch_all
 from tests.support.lanes import (
     LEASE,
     MESSAGES,
@@ -765,13 +765,14 @@ async def test_a_replay_that_times_out_on_one_lane_says_which_lanes_it_already_m
 async def test_a_message_being_retried_keeps_its_count_of_failures_across_a_change(
     events_table: str, nats_url: str, relay_process: Start, copies: str, configs: Configs
 ) -> None:
-    """A message NATS refuses (2 MB: above max_payload) is retried; the outbox goes from 2
-    to 3 partitions meanwhile. Its failures so far still count towards `park_after`."""
+    """A message the stream refuses (above its max_msg_size) is retried; the outbox goes from
+    2 to 3 partitions meanwhile. Its failures so far still count towards `park_after`."""
     slow: dict[str, Any] = {"retry": {"initial": "100ms", "max": "100ms"}, "park_after": 1000}
     two, three = configs.loans(2, **slow), configs.loans(3, **slow)
     migrate_cli(two)
+    await cap_messages(nats_url, copies)
     async with connect(events_table) as conn:
-        poison = await append(conn, "book", "big", 1, "BookLent", {"loanId": "x" * 2_000_000})
+        poison = await append(conn, "book", "big", 1, "BookLent", {"loanId": "x" * STREAM_REFUSED})
     replica = relay_process(["run", "--config", str(two)])
 
     async def failures() -> int:

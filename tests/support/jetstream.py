@@ -47,13 +47,40 @@ async def connect(url: str) -> AsyncIterator[Client]:
         await nc.close()
 
 
+# A poison message only the server refuses: a stream capped at CAPPED bytes a message
+# answers err 10054 for a body of STREAM_REFUSED bytes, so the relay retries it `park_after`
+# times. A body over max_payload would not do: the publisher refuses that before sending,
+# and it is parked at its first attempt.
+CAPPED = 16 * 1024
+STREAM_REFUSED = 64 * 1024
+
+
 async def create_stream(
-    url: str, name: str, subjects: list[str], duplicate_window: float = 120.0
+    url: str,
+    name: str,
+    subjects: list[str],
+    duplicate_window: float = 120.0,
+    max_msg_size: int = -1,
 ) -> None:
-    """Create a file-backed stream (so it survives server restarts)."""
+    """Create a file-backed stream (so it survives server restarts); `max_msg_size`: CAPPED,
+    say, for a stream that refuses a message of STREAM_REFUSED bytes."""
     async with connect(url) as nc:
-        config = StreamConfig(name=name, subjects=subjects, duplicate_window=duplicate_window)
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            duplicate_window=duplicate_window,
+            max_msg_size=max_msg_size,
+        )
         await nc.jetstream().add_stream(config)
+
+
+async def cap_messages(url: str, name: str, max_msg_size: int = CAPPED) -> None:
+    """Make an existing stream refuse messages over `max_msg_size` (JetStream err 10054)."""
+    async with connect(url) as nc:
+        js = nc.jetstream()
+        config = (await js.stream_info(name)).config
+        config.max_msg_size = max_msg_size
+        await js.update_stream(config)
 
 
 async def delete_stream(url: str, name: str) -> None:

@@ -22,7 +22,13 @@ from relay.core.event import Event
 from relay.core.lane_state import OutboxState
 from relay.core.metrics import Metrics
 from relay.core.publishing import Message, Outcome, Publisher
-from relay.errors import MappingError, PermanentPublishError, PublishError, TransientPublishError
+from relay.errors import (
+    MappingError,
+    PermanentPublishError,
+    PublishError,
+    TransientPublishError,
+    UnsendableError,
+)
 
 # Fails message `id` (or lets it through with None) on its n-th attempt (1-based).
 Script = Callable[[str, int], PublishError | None]
@@ -167,6 +173,8 @@ def fails(message_id: str, times: int, error: PublishError) -> Script:
 
 TRANSIENT = TransientPublishError("broker down")
 REJECTED = PermanentPublishError("too large")
+# What an adapter refuses before sending (a header value nats-py would alter): never sendable.
+UNSENDABLE = UnsendableError("broker 'fake': header Nats-Msg-Id holds a tab (\\x09)")
 
 
 async def test_a_whole_batch_acknowledged_leaves_the_checkpoint_to_the_loop() -> None:
@@ -206,6 +214,33 @@ async def test_a_permanent_failure_is_parked_after_park_after_and_the_rest_flows
     assert checkpoint.parked == [(2, "rejected", 3)]
     assert publisher.attempts == {"m1": 1, "m2": 3, "m3": 1}
     assert publisher.batches[-1] == ["m3"]
+
+
+async def test_a_refusal_no_retry_can_mend_is_parked_at_its_first_attempt() -> None:
+    """An id with a tab held its lane for park_after attempts (about 51 s by default) before
+    it was parked, though every attempt was refused before anything was sent."""
+    publisher = ScriptedPublisher(fails("m2", 99, UNSENDABLE))
+    checkpoint = MemoryCheckpoint()
+    relay = delivery(publisher)  # park_after: 3
+    assert await relay.deliver(checkpoint, [item(1), item(2), item(3)])
+    assert checkpoint.parked == [(2, "rejected", 1)]
+    assert publisher.attempts == {"m1": 1, "m2": 1, "m3": 1}
+    assert [state for state, _ in checkpoint.reports] == []  # never reported as retrying
+    sample = relay.metrics.registry.get_sample_value
+    labels = {"outbox": "loans", "reason": "rejected"}
+    assert sample("relay_publish_failures_total", labels) == 1
+    assert sample("relay_messages_parked_total", labels) == 1
+    assert relay.retry is None and relay.state.parked == 1
+
+
+async def test_a_refusal_at_once_after_an_outage_parks_at_that_attempt() -> None:
+    """Transient failures before it (the broker was down) do not hold it back further."""
+    verdicts = [TRANSIENT, TRANSIENT, UNSENDABLE]  # and refused from then on
+    publisher = ScriptedPublisher(lambda mid, n: verdicts[min(n, 3) - 1] if mid == "m1" else None)
+    checkpoint = MemoryCheckpoint()
+    assert await delivery(publisher).deliver(checkpoint, [item(1), item(2)])
+    assert publisher.attempts == {"m1": 3, "m2": 1}
+    assert checkpoint.parked == [(1, "rejected", 1)]  # its one refusal; the outage is not one
 
 
 async def test_park_after_counts_only_permanent_failures() -> None:

@@ -319,6 +319,32 @@ UPDATE {schema}.commands SET state = 'failed', finished_at = now(),
   outcome = '{{"error": "the holder stopped while carrying it out"}}'::jsonb
 WHERE outbox = $1 AND state = 'running';
 
+-- commands.unsettled --
+-- $1 seconds, $2 the lease namespace, $3 an outbox (NULL: every one): the commands not
+-- finished (of the outbox and its lanes), and those that failed within the last $1
+-- seconds: 500 at most, the unfinished ones first, each part newest first; `holding`: a
+-- running one's holder (`executed_by`) still holds its lane's lock. No index serves it:
+-- read at a claim, by a first lane's holder now and then, and by `relay status`.
+SELECT c.id, c.outbox, c.kind, c.state, c.executed_by, c.outcome ->> 'error' AS error,
+  extract(epoch FROM now() - c.requested_at)::float8 AS age,
+  c.state = 'running' AND EXISTS (
+    SELECT 1 FROM ({advisory_locks}) l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.key = {lane_key:$2::text, c.outbox}
+      AND a.application_name = c.executed_by || ':lease'
+  ) AS holding
+FROM {schema}.commands c
+WHERE (c.state IN ('pending', 'running')
+    OR (c.state = 'failed' AND c.finished_at > now() - make_interval(secs => $1)))
+  AND ($3::text IS NULL OR c.outbox = $3 OR left(c.outbox, length($3) + 1) = $3 || '/')
+ORDER BY c.state IN ('pending', 'running') DESC, c.id DESC LIMIT 500;
+
+-- commands.fail_stuck --
+-- $1 id, $2 the state it was found in, $3 outcome (JSON), $4 who fails it (kept as
+-- executed_by unless a holder ran it), $5 lock key (holder only): if still in state $2.
+UPDATE {schema}.commands SET state = 'failed', finished_at = now(), outcome = $3::jsonb,
+  executed_by = coalesce(executed_by, $4)
+WHERE id = $1 AND state = $2 AND {holds_lock:$5};
+
 
 -- membership.members --
 -- The replicas' heartbeat rows of namespace $1 but identity $2, silent for less than $3

@@ -22,14 +22,14 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
 
 import pytest
 from pydantic import TypeAdapter
 
-from relay.brokers import create_publisher, create_reader
+from relay.brokers import Probing, create_publisher, create_reader
 from relay.config.brokers import BrokerConfig
-from relay.core.publishing import Message, Publisher
+from relay.core.publishing import Message, Outcome, Publisher
 from relay.core.readback import Reader, Stored
 from relay.errors import PermanentPublishError, TransientPublishError
 from tests.contract.harness import BrokerHarness, Consumed
@@ -186,6 +186,17 @@ def lending(kit: PublisherKit[Any], sizes: Sequence[int]) -> list[list[Message]]
     return [messages[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
 
+def parked_at_once_as_foretold(pub: Publisher, sent: Message, outcome: Outcome) -> None:
+    """A refusal `refusal()` names (known before sending: no retry can mend it) is parked at
+    once, in the same words; one only the broker's answer gives is retried `park_after`
+    times. Asked after the publish: some adapters know a limit only once connected."""
+    assert isinstance(outcome, PermanentPublishError)
+    foretold = cast(Probing, pub).refusal(sent)
+    assert outcome.at_once == (foretold is not None), (str(outcome), foretold)
+    if foretold is not None:
+        assert str(outcome) == foretold
+
+
 def per_key(ids_and_keys: Sequence[tuple[str, str | None]]) -> dict[str | None, list[str]]:
     keys: dict[str | None, list[str]] = defaultdict(list)
     for message_id, key in ids_and_keys:
@@ -251,6 +262,7 @@ class PublisherTestcase:
             assert outcomes[0] is None
             assert isinstance(outcomes[1], PermanentPublishError)
             assert big.oversize_says in str(outcomes[1])
+            parked_at_once_as_foretold(pub, batch[1], outcomes[1])
             assert isinstance(outcomes[2], TransientPublishError)  # never sent ahead of it
             assert [c.id for c in await big.consume(expected=1)] == [batch[0].id]
             # What the relay does next: the head again (still refused), then the rest; the
@@ -262,9 +274,10 @@ class PublisherTestcase:
     async def test_a_destination_the_broker_cannot_have_is_permanent(
         self, kit: PublisherKit[Any]
     ) -> None:
+        sent = message(kit.invalid_destination, "b1")
         async with kit.publishing() as pub:
-            (outcome,) = await pub.publish([message(kit.invalid_destination, "b1")])
-        assert isinstance(outcome, PermanentPublishError)
+            (outcome,) = await pub.publish([sent])
+            parked_at_once_as_foretold(pub, sent, outcome)
         assert kit.invalid_destination_says in str(outcome)
 
     async def test_an_unreachable_broker_is_transient_and_named(
