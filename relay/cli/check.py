@@ -31,7 +31,7 @@ from relay.errors import (
     SourceError,
 )
 from relay.fleet.identity import identity
-from relay.mapping.expressions import template_pieces
+from relay.mapping.expressions import static_text
 from relay.mapping.mapper import CompiledRule, Mapper
 from relay.postgres.database import Database, too_old
 from relay.postgres.migrations import LATEST, ensure_migrated, newer_schema, schema_version
@@ -181,12 +181,6 @@ def _run_time_destinations(config: RelayConfig) -> list[str]:
         for rule in rules
         if static_text(rule.config.destination) is None
     ]
-
-
-def static_text(template: str) -> str | None:
-    """The text of a template without placeholders (`{{` and `}}` are braces), else None."""
-    placeholders, text = template_pieces(template)
-    return None if placeholders else text
 
 
 Preview = tuple[dict[str, Any], Message | None]  # a row, and the message it would send

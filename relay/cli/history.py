@@ -13,7 +13,7 @@ from typing import Any
 from relay.cli.check import Report, probes, publishers_of
 from relay.cli.console import ProgressView, say
 from relay.config import RelayConfig
-from relay.errors import UsageError
+from relay.errors import SourceError, UsageError
 from relay.fleet.history import HistoryCheck
 from relay.fleet.identity import identity
 from relay.postgres.database import Database
@@ -46,7 +46,7 @@ async def run_history(cfg: RelayConfig, asked: HistoryRange, *, offline: bool) -
         await conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
         await source.check(conn)
         after, upto = await _range(conn, source, asked)
-        walk = HistoryCheck(cfg, publishers)
+        walk = HistoryCheck(cfg, publishers, probe=not offline)
         outboxes, seconds = await walk.run(
             conn, after, upto, view.show if sys.stderr.isatty() else None
         )
@@ -64,22 +64,28 @@ async def run_history(cfg: RelayConfig, asked: HistoryRange, *, offline: bool) -
 
 
 async def _range(conn: Any, source: EventSource, asked: HistoryRange) -> tuple[int, int]:
-    """(after, upto]: the end fixed when the walk begins (a writer may go on writing)."""
+    """(after, upto]: the end fixed when the walk begins (a writer may go on writing). A
+    range the options give by position that starts after its end is a usage error; one
+    that is empty because the table is (a new service's CI) or no event is as new as
+    `--from-time`, is an empty walk."""
     position = quote(source.config.columns.position)
     last = int(await conn.fetchval(f"SELECT coalesce(max({position}), 0) FROM {source.table}"))
     upto = last if asked.to is None else asked.to
     if asked.start is not None:
         after = asked.start - 1
+        if asked.to is not None and after >= upto:
+            raise UsageError(
+                f"the range starts at position {asked.start}, after its end ({asked.to})"
+            )
     elif asked.time is not None:
-        first = await source.first_position_since(conn, asked.time)
+        try:
+            first = await source.first_position_since(conn, asked.time)
+        except SourceError as exc:  # no created_at column: the options are wrong here
+            raise UsageError(str(exc)) from exc
         after = upto if first is None else first - 1
     else:
         after = 0
-    if after >= upto:
-        raise UsageError(
-            f"nothing to check: the range starts at position {after + 1}, after its end ({upto})"
-        )
-    return after, upto
+    return min(after, upto), upto
 
 
 def say_history(result: dict[str, Any]) -> None:
@@ -99,6 +105,10 @@ def say_history(result: dict[str, Any]) -> None:
                         + f": {example['error']}"
                     )
                 )
+        for problem in found["destinations"]:
+            say(printable(f"  would hold the outbox back: {problem}"))
+        for note in found["notes"]:
+            say(printable(f"  note: {note}"))
         for shared in found["shared"]:
             positions = ", ".join(map(str, shared["positions"]))
             say(
@@ -123,4 +133,8 @@ def _outbox_line(found: dict[str, Any]) -> str:
         line += f" ({parks})"
     if found["shared_ids"]:
         line += f"; {found['shared_ids']} id(s) shared by two events or more"
+    if found["destinations"]:
+        line += f"; {len(found['destinations'])} destination(s) the broker would not take"
+    if found["before_start"]:
+        line += f"; {found['before_start']} before its start (start: end), never read"
     return line

@@ -22,11 +22,13 @@ from typing import Any
 
 import asyncpg
 
-from relay.brokers import Probing
+from relay.brokers import Probing, probe_broker
 from relay.config import RelayConfig
 from relay.core.event import Event
 from relay.errors import MalformedEventError, MappingError, SchemaViolation
+from relay.mapping.expressions import static_text
 from relay.mapping.mapper import Mapper
+from relay.postgres.partitions import Partitions
 from relay.postgres.source import EventSource
 
 PAGE = 5_000  # events read at a time
@@ -34,6 +36,7 @@ EXAMPLES = 3  # per outcome
 BLOOM_BITS = 1 << 27  # 16 MiB: about one false "seen before" in ten million ids at a million
 BLOOM_HASHES = 5
 SHARED_LISTED = 20  # shared ids named in a report
+DESTINATIONS_PROBED = 1_000  # destinations made by the events, asked of the broker
 
 OnProgress = Callable[[int, int], None]  # (events done, events in the range)
 
@@ -50,6 +53,11 @@ class OutboxHistory:
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     shared: list[dict[str, Any]] = field(default_factory=list)  # ids two events would share
     shared_count: int = 0  # ids shared, all of them
+    before_start: int = 0  # events at or before a `start: end` outbox's recorded start
+    # What the broker says of the destinations the events make (a template's): a subject no
+    # stream captures holds the outbox back for ever; a key of another type refuses it.
+    destinations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def note(self, outcome: str, example: dict[str, Any]) -> None:
         listed = self.examples.setdefault(outcome, [])
@@ -58,7 +66,7 @@ class OutboxHistory:
 
     @property
     def failing(self) -> bool:
-        return bool(self.parked) or self.shared_count > 0
+        return bool(self.parked) or self.shared_count > 0 or bool(self.destinations)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +78,9 @@ class OutboxHistory:
             "shared_ids": self.shared_count,
             "shared": self.shared,
             "examples": self.examples,
+            "before_start": self.before_start,
+            "destinations": self.destinations,
+            "notes": self.notes,
         }
 
 
@@ -104,18 +115,30 @@ class _Walk:
     bloom: _Bloom = field(default_factory=_Bloom)
     maybe: set[str] = field(default_factory=set)  # ids the filter said it had seen
     last_maybe: int = 0  # the position where the filter said so last
+    start: int = 0  # a `start: end` outbox's recorded start: events up to it are never read
+    templated: bool = False  # some rule's destination is made from the event
+    made: set[str] = field(default_factory=set)  # the destinations its events make
 
 
 class HistoryCheck:
     """Walks (after, upto] of the event table through every outbox of the config."""
 
-    def __init__(self, config: RelayConfig, publishers: dict[str, Probing]) -> None:
+    def __init__(
+        self, config: RelayConfig, publishers: dict[str, Probing], *, probe: bool = True
+    ) -> None:
         self.config = config
+        self.publishers = publishers
+        self.probe = probe  # ask the broker about the destinations the events make
         self.walks = [
             _Walk(
                 OutboxHistory(name),
                 Mapper(name, outbox),
                 publishers[outbox.broker].refusal if outbox.broker in publishers else None,
+                templated=any(
+                    static_text(rule.config.destination) is None
+                    for rules in outbox.rules(name).values()
+                    for rule in rules
+                ),
             )
             for name, outbox in config.outboxes.items()
         ]
@@ -132,6 +155,7 @@ class HistoryCheck:
     ) -> tuple[list[OutboxHistory], float]:
         """Every outbox's outcomes, and the seconds the walk took."""
         began = time.monotonic()
+        await self._starts(conn)
         total = await self.source.count(
             conn, after=after, upto=upto, aggregates=None, types=self._types
         )
@@ -146,7 +170,41 @@ class HistoryCheck:
         for walk in self.walks:
             if walk.maybe:
                 await self._count_shared(conn, walk, after)
+            if self.probe and walk.made:
+                await self._probe_made(walk)
         return [w.history for w in self.walks], time.monotonic() - began
+
+    async def _starts(self, conn: asyncpg.Connection) -> None:
+        """Where each `start: end` outbox started, as its record says (relay.outboxes, when
+        the relay's tables are in this database): `relay run` never reads before it."""
+        partitions = Partitions(self.config.database.schema_)
+        for walk in self.walks:
+            if self.config.outboxes[walk.history.outbox].start != "end":
+                continue
+            try:
+                record = await partitions.read(conn, walk.history.outbox)
+            except asyncpg.UndefinedTableError:
+                record = None
+            if record is not None and record.start_position is not None:
+                walk.start = record.start_position
+            else:
+                walk.history.notes.append(
+                    "start: end, and no start recorded here (it has not run, or the relay's"
+                    " tables are elsewhere): every event of the range is checked"
+                )
+
+    async def _probe_made(self, walk: _Walk) -> None:
+        """The destinations the events made, each asked of the broker as `relay check` asks
+        the fixed ones: a subject no stream captures would hold the outbox back for ever."""
+        publisher = self.publishers.get(self.config.outboxes[walk.history.outbox].broker)
+        if publisher is None:
+            return
+        walk.history.destinations = await probe_broker(publisher, sorted(walk.made))
+        if len(walk.made) >= DESTINATIONS_PROBED:
+            walk.history.notes.append(
+                f"the events make more than {DESTINATIONS_PROBED} destinations: the first"
+                f" {DESTINATIONS_PROBED} were asked of the broker"
+            )
 
     async def _pages(self, conn: asyncpg.Connection, after: int, upto: int) -> Any:
         position = after
@@ -164,6 +222,9 @@ class HistoryCheck:
         if not rules:
             return
         history = walk.history
+        if event.position <= walk.start:
+            history.before_start += 1
+            return
         history.events += 1
         for rule in rules:
             try:
@@ -181,6 +242,8 @@ class HistoryCheck:
                 history.note("rejected", _example(event, rule.name, refused))
                 continue
             history.published += 1
+            if walk.templated and len(walk.made) < DESTINATIONS_PROBED:
+                walk.made.add(message.destination)
             if walk.bloom.seen_then_add(message.id):
                 walk.maybe.add(message.id)
                 walk.last_maybe = event.position

@@ -143,6 +143,12 @@ def template_pieces(source: str) -> tuple[list[tuple[str, str]], str]:
     return steps, "".join(literal)
 
 
+def static_text(template: str) -> str | None:
+    """The text of a template without placeholders (`{{` and `}}` are braces), else None."""
+    placeholders, text = template_pieces(template)
+    return None if placeholders else text
+
+
 def compile_template(source: str, *, distinct: bool = False) -> Template:
     """Compile `library.{aggregate_type}`; `{{` and `}}` stand for braces.
 

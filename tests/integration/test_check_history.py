@@ -168,3 +168,79 @@ async def test_a_million_events_in_flat_memory(
     # Ten times the events, the same memory: pages and a fixed-size filter, nothing per event.
     assert large_rss - small_rss < 16 * 1024, (small_rss, large_rss)
     print(f"1M events: {large['events_per_second']:,} events/s, peak RSS {large_rss} KiB")
+
+
+async def test_an_empty_range_passes_and_options_this_table_cannot_serve_exit_2(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Found by an attack: a new service's empty table failed the documented CI gate."""
+    config = save(tmp_path, config_dict(events_table, nats_url, "nowhere"))
+    code, result = history(config, "--from-start", "--offline")
+    assert code == 0 and result["outboxes"][0]["events"] == 0
+    code, result = history(config, "--from-time", "2999-01-01T00:00:00", "--offline")
+    assert code == 0 and result["outboxes"][0]["events"] == 0
+    data = config_dict(events_table, nats_url, "nowhere")
+    data["source"]["columns"] = {"created_at": None}
+    no_times = save(tmp_path, data, "no-times.yaml")
+    done = run_cli(["check", "--history", "--from-time", "2026-01-01", "--config", str(no_times)])
+    assert done.returncode == 2 and "created_at" in done.stderr
+    done = run_cli(["check", "--history", "--from", "9", "--to", "3", "--config", str(config)])
+    assert done.returncode == 2 and "after its end" in done.stderr
+
+
+async def test_a_destination_an_event_makes_that_no_stream_captures_fails_the_check(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Found by an attack: only fixed destinations were asked of the broker; a subject made
+    from the event that no stream captures would hold the outbox back for ever."""
+    stream = unique_name("history")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    lent = {
+        "type": "library.book-lent.v1",
+        "destination": "{data.subject}",
+        "payload": {"bookId": "aggregate_id"},
+    }
+    config = save(
+        tmp_path, config_dict(events_table, nats_url, stream, messages={"BookLent": lent})
+    )
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "b1", 1, "BookLent", {"subject": f"{stream}.ok"})
+            await append(conn, "book", "b2", 1, "BookLent", {"subject": "nowhere.at.all"})
+        code, result = history(config)
+        assert code == 1
+        (found,) = result["outboxes"]
+        assert found["published"] == 2 and len(found["destinations"]) == 1
+        assert "nowhere.at.all" in found["destinations"][0]
+        code, _ = history(config, "--offline")
+        assert code == 0  # the broker is not asked: as documented
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_events_before_a_start_end_outbox_started_are_not_checked(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Found by an attack: events `relay run` never reads (before `start: end`) were
+    reported as parked."""
+    stream = unique_name("history")
+    await create_stream(nats_url, stream, [f"{stream}.>"])
+    data = config_dict(events_table, nats_url, stream, start="end")
+    config = save(tmp_path, data)
+    assert run_cli(["migrate", "--config", str(config)]).returncode == 0
+    try:
+        async with connect(events_table) as conn:
+            await append(conn, "book", "old", 1, "FineCharged", {})  # not mapped: not read
+            old = await append(conn, "book", "old", 2, "BookLent", {"loanId": None})
+        relay = relay_process(["run", "--config", str(config)])
+        await relay.wait_for_log("lease acquired: relaying")
+        async with connect(events_table) as conn:
+            await append_many(conn, loans(3))
+        relay.terminate()
+        assert await relay.wait_async(15) == 0
+        code, result = history(config, "--offline")
+        assert code == 0, result
+        assert result["outboxes"][0]["before_start"] >= 1
+        assert result["outboxes"][0]["published"] == 3 and old < result["to"]
+    finally:
+        await delete_stream(nats_url, stream)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relay.brokers.nats import captures
-from relay.cli.check import static_text
+from relay.mapping.expressions import static_text
 
 
 @pytest.mark.parametrize(
