@@ -259,6 +259,8 @@ def test_production_values(chart: Any, tmp_path: Path, monkeypatch: pytest.Monke
         "RelayPublishErrors",
         "RelayBarrierStuck",
         "RelayStandbysMissing",
+        "RelayAuditMissing",
+        "RelayAuditStuck",
     }
     (lag,) = [r for r in rules if r["alert"] == "RelayLagHigh"]
     assert lag["expr"].strip().endswith("> 120")
