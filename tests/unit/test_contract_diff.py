@@ -236,3 +236,18 @@ def test_a_file_that_is_neither_is_refused_naming_it(tmp_path: Path, text: str, 
         read_side(path)
     assert said in str(raised.value)
     assert "side.yaml" in str(raised.value)
+
+
+def test_merge_arguments_swapped_let_data_override_the_key(tmp_path: Path) -> None:
+    """`merge(data, {bookId: ...})` sets bookId last; swapped, `data` may override it."""
+    last = V1.replace(
+        "payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}",
+        'payload: "merge(data, {bookId: aggregate_id})"',
+    )
+    first = last.replace(
+        "merge(data, {bookId: aggregate_id})", "merge({bookId: aggregate_id}, data)"
+    )
+    found = changes(tmp_path, last, first)
+    assert found and {(p, v) for _, p, v, _ in found} == {("$.payload.bookId", "breaking")}
+    narrower = changes(tmp_path, first, last)
+    assert {(p, v) for _, p, v, _ in narrower} == {("$.payload.bookId", "compatible")}
