@@ -224,6 +224,8 @@ class Shape:
         """Admits nothing, as far as plain bounds show; then it is left out."""
         if self.values is not None:
             return not self.values
+        if any(step.denominator == 1 for step in self.multiples):
+            self.kinds.discard("fraction")  # a multiple of an integer is an integer
         if self.low and self.high:
             (low, open_low), (high, open_high) = self.low, self.high
             if low > high or (low == high and (open_low or open_high)):

@@ -215,6 +215,12 @@ PAIRS: dict[str, Pair] = {
         "$",
         0.25,
     ),
+    "an integer written as a number that is a multiple of 1": Pair(
+        INT, {"type": "number", "multipleOf": 1}, "equal"
+    ),
+    "a number that is a multiple of 3 and an integer multiple of 3": Pair(
+        {"type": "integer", "multipleOf": 3}, {"type": "number", "multipleOf": 3}, "equal"
+    ),
     "multipleOf tightened": Pair(
         {"type": "integer", "multipleOf": 2}, {"type": "integer", "multipleOf": 6}, "compatible"
     ),
