@@ -251,3 +251,30 @@ def test_merge_arguments_swapped_let_data_override_the_key(tmp_path: Path) -> No
     assert found and {(p, v) for _, p, v, _ in found} == {("$.payload.bookId", "breaking")}
     narrower = changes(tmp_path, first, last)
     assert {(p, v) for _, p, v, _ in narrower} == {("$.payload.bookId", "compatible")}
+
+
+def between(tmp_path: Path, old: str, new: str) -> list[Change]:
+    """Two whole configs."""
+    (tmp_path / "old.yaml").write_text(old)
+    (tmp_path / "new.yaml").write_text(new)
+    return diff(read_side(tmp_path / "old.yaml"), read_side(tmp_path / "new.yaml"))
+
+
+ON = """\
+database: {url: "postgresql://relay@db.invalid/app"}
+brokers:
+  out: %s
+outboxes:
+  loans:
+    broker: out
+    messages:
+      BookLent: {type: library.book-lent.v1, destination: %s%s}
+"""
+
+
+def test_the_contract_keeps_no_secret_of_a_webhook_url(tmp_path: Path) -> None:
+    hook = '{type: http, url: "https://user:pass@hooks.example.com/in/{type}?token=s3cret&k={key}"}'
+    (tmp_path / "c.yaml").write_text(ON % (hook, "loans", ""))
+    server = read_side(tmp_path / "c.yaml")["servers"]["out"]
+    assert server["x-relay-url"] == "https://hooks.example.com/in/{type}?token=***&k={key}"
+    assert "s3cret" not in json.dumps(server) and "pass" not in json.dumps(server)
