@@ -7,15 +7,20 @@ written before a field existed reads as "not recorded" (None), never as a value.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import jmespath
+from jmespath.exceptions import JMESPathError
+
 from relay.asyncapi.document import RULES_EXTENSION
 from relay.asyncapi.envelopes import ID_TEXT, KEY_TEXT, RECORD_KEY_TEXT
-from relay.asyncapi.servers import URL_EXTENSION
+from relay.asyncapi.servers import URL_EXTENSION, hosts_of
 from relay.core.publishing import STRUCTURED
 from relay.errors import ContractError
+from relay.mapping.expressions import ExpressionError, template_pieces
 
 
 @dataclass(frozen=True)
@@ -23,15 +28,15 @@ class Endpoint:
     """What a consumer connects to: a broker's protocol, hosts and path (a webhook's URL)."""
 
     protocol: str
-    hosts: tuple[str, ...]
+    hosts: tuple[str, ...]  # a cluster's: consumers reach it through any of them
     pathname: str
     url: str | None  # a webhook's URL template; None: not recorded, or not a webhook
 
     def same(self, other: Endpoint) -> bool:
-        """The same server: the same host and path."""
+        """The same server: one cluster (a host in common, in any order), the same path."""
         mine, theirs = (self.protocol, self.pathname), (other.protocol, other.pathname)
         urls = None in (self.url, other.url) or self.url == other.url
-        return mine == theirs and urls and self.hosts == other.hosts
+        return mine == theirs and urls and bool(set(self.hosts) & set(other.hosts))
 
     def __str__(self) -> str:
         return self.url or f"{self.protocol}://{self.hosts[0]}{self.pathname}"
@@ -87,7 +92,7 @@ def deliveries(document: Any) -> list[Delivery]:
         url = server.get(URL_EXTENSION)
         endpoint = Endpoint(
             protocol=str(server.get("protocol", "")),
-            hosts=(str(server.get("host", "")),),
+            hosts=hosts_of(dict(server)),
             pathname=str(server.get("pathname", "")),
             url=url if isinstance(url, str) else None,
         )
@@ -126,13 +131,50 @@ def deliveries(document: Any) -> list[Delivery]:
 
 
 def template(text: str | None) -> str | None:
-    """A `{...}` template as compared."""
-    return text
+    """A `{...}` template as compared: each placeholder's JMESPath tree, `@.` dropped, so that
+    `{@.aggregate_id}`, `{ aggregate_id }` and `{aggregate_id}` are one template."""
+    if text is None:
+        return None
+    try:
+        pieces, tail = template_pieces(text)
+    except ExpressionError:
+        return text
+    parts: list[Any] = []
+    for before, expression in pieces:
+        parts += [before, _tree(expression)]
+    return json.dumps([*parts, tail], sort_keys=True)
 
 
 def condition(when: str | None) -> str | None:
-    """A `when` as compared."""
-    return when
+    """A `when` as compared: its JMESPath tree; None when it takes every event (`` `true` ``,
+    any literal JMESPath holds true)."""
+    if when is None:
+        return None
+    tree = _tree(when)
+    if isinstance(tree, Mapping) and tree.get("type") == "literal":
+        value = tree.get("value")
+        if value is not None and value is not False and value not in ("", [], {}):
+            return None
+    return json.dumps(tree, sort_keys=True)
+
+
+def _tree(expression: str) -> Any:
+    try:
+        return _plain(jmespath.compile(expression.strip()).parsed)
+    except JMESPathError:
+        return expression.strip()
+
+
+def _plain(node: Any) -> Any:
+    """A JMESPath tree without `@.` in front of a path: `@.a` reads what `a` reads."""
+    if not isinstance(node, Mapping):
+        return node
+    children = [_plain(child) for child in node.get("children", [])]
+    current = bool(children) and children[0].get("type") == "current"
+    if node.get("type") == "subexpression" and current:
+        rest = children[1:]
+        return rest[0] if len(rest) == 1 else {**node, "children": rest}
+    return {**node, "children": children} if children else dict(node)
 
 
 def _routing_keys(document: Any) -> dict[str, tuple[str, ...]]:

@@ -380,6 +380,8 @@ def test_a_rabbitmq_routing_key_changed_is_breaking(tmp_path: Path) -> None:
     assert "queues bound to `library.book-lent.v1` no longer receive them" in change.why
     same = ON % (rabbit, "library", ", routing_key: library.book-lent.v1")
     assert between(tmp_path, old, same) == []
+    spelled = ON % (rabbit, "library", ', routing_key: "loans.{@.aggregate_type}"')
+    assert between(tmp_path, keyed, spelled) == []
 
 
 @pytest.mark.parametrize(
@@ -412,6 +414,37 @@ def test_the_contract_keeps_no_secret_of_a_webhook_url(tmp_path: Path) -> None:
     server = read_side(tmp_path / "c.yaml")["servers"]["out"]
     assert server["x-relay-url"] == "https://hooks.example.com/in/{type}?token=***&k={key}"
     assert "s3cret" not in json.dumps(server) and "pass" not in json.dumps(server)
+
+
+NATS = '{type: nats, servers: ["nats://n1.invalid:4222", "nats://n2.invalid:4222"]}'
+
+
+@pytest.mark.parametrize(
+    ("broker", "rule"),
+    [
+        ('{type: nats, servers: ["nats://n2.invalid:4222", "nats://n1.invalid:4222"]}', ""),
+        (NATS, ', when: "`true`"'),
+        (NATS, ', key: "{@.aggregate_id}"'),
+        (NATS, ', key: "{ aggregate_id }"'),
+    ],
+    ids=["servers reordered", "when true", "key @.", "key spaced"],
+)
+def test_what_is_written_another_way_changes_nothing(
+    tmp_path: Path, broker: str, rule: str
+) -> None:
+    """False alarms: the same cluster's servers in another order, a `when` that takes every
+    event, a template's placeholder written another way."""
+    old = ON % (NATS, "library.loans", "")
+    assert between(tmp_path, old, ON % (broker, "library.loans", rule)) == []
+
+
+def test_another_cluster_is_another_server(tmp_path: Path) -> None:
+    old = ON % (NATS, "library.loans", "")
+    elsewhere = '{type: nats, servers: ["nats://n3.invalid:4222"]}'
+    (moved,) = between(tmp_path, old, ON % (elsewhere, "library.loans", ""))
+    assert (moved.path, moved.verdict) == ("$.channel.server", "breaking")
+    more = '{type: nats, servers: ["nats://n2.invalid:4222", "nats://n3.invalid:4222"]}'
+    assert between(tmp_path, old, ON % (more, "library.loans", "")) == []  # n2 still serves
 
 
 def test_trace_context_removed_drops_optional_headers_compatibly(tmp_path: Path) -> None:
