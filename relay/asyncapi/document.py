@@ -30,7 +30,7 @@ from relay.mapping.inference import Schema, payload_schema
 
 ASYNCAPI_VERSION = "3.0.0"
 # Each channel lists the rules that publish to it, so that `relay contract diff` can tell which
-# condition (`when`) and which stored events feed which destination.
+# condition (`when`), which stored events, ids, keys and routing keys feed which destination.
 RULES_EXTENSION = "x-relay-rules"
 # The newest versions @asyncapi/parser 3.6 knows (its @asyncapi/specs lags for SQS).
 BINDING_VERSIONS = {
@@ -80,6 +80,11 @@ class _Builder:
             feed["aggregates"] = list(outbox.aggregates)
         if rule.when is not None:
             feed["when"] = rule.when
+        # Per rule, since one message may be sent by several: which events are copies of each
+        # other (two ids for one event), and which queues a RabbitMQ message reaches.
+        feed.update(id=rule.id, key=rule.key)
+        if outbox.protocol == "rabbitmq":
+            feed["routing_key"] = rule.routing_key or rule.type
         channel.feeds.append(feed)
         origin = f"outbox `{outbox.name}`, stored `{event_type}` events"
         if outbox.aggregates is not None:

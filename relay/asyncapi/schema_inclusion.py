@@ -172,7 +172,7 @@ class Inclusion:
         ):
             unless = f"unless {new}'s oneOf refuses it for matching two alternatives"
             found = [_unsure(f, unless) for f in found]
-        return exact + found
+        return [_drafted(f, shape, new) for f in exact + found]
 
     def _kind(self, shape: Shape, kind: str, olds: list[Shape], path: str) -> list[Finding]:
         new, old = self.new.name, self.old.name
@@ -215,6 +215,11 @@ class Inclusion:
                     f"{old}'s `{keyword}` is compared only with the very same `{keyword}` in "
                     f"{new}, which is not there"
                 )
+                for draft in (d for k, d in shape.ignored if k == keyword):
+                    why = (
+                        f"{old}'s `{keyword}` is not enforced by {new}: {new}'s schema is draft "
+                        f"{draft}, which does not define `{keyword}`"
+                    )
                 found.append(Finding("unknown", path, why))
         if kind in ("integer", "fraction"):
             found += self._numbers(shape, o, kind, path)
@@ -516,6 +521,15 @@ def _above(new: Bound, old: Bound) -> bool:
 
 def _fraction(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else str(float(value))
+
+
+def _drafted(finding: Finding, shape: Shape, new: str) -> Finding:
+    """A finding that names the keywords NEW wrote but its draft does not define."""
+    said = [(k, d) for k, d in shape.ignored if f"`{k}`" not in finding.why]
+    if not said:
+        return finding
+    notes = "; ".join(f"`{k}` is not a keyword of draft {d}" for k, d in said)
+    return Finding(finding.verdict, finding.path, f"{finding.why} ({new}'s {notes})")
 
 
 def _unsure(finding: Finding, unless: str) -> Finding:

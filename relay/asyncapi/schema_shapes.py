@@ -3,7 +3,9 @@
 `relay contract diff` compares payload schemas by what they admit, not by how they are
 written. This module reads one schema (its local `$ref`s, `allOf` merged, `anyOf`/`oneOf`
 spread into alternatives) into `Shape`s the comparison in schema_inclusion.py can reason
-about. A keyword it does not model is kept by name: the comparison then says `unknown`.
+about. A keyword it does not model is kept by name: the comparison then says `unknown`. Each
+node is read by the keywords of its own draft (its `$schema`): one its draft does not define
+is no constraint, since the relay's validator ignores it too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ OPAQUE = {
     "dependentRequired": ("object",),
     "dependentSchemas": ("object",),
     "patternProperties": ("object",),
+}
+# The drafts that define a keyword not every draft has (tests hold this to jsonschema's
+# validators). In a schema of another draft it is no constraint: its validator ignores it.
+_SINCE_6 = ("6", "7", "2019-09", "2020-12")
+_SINCE_2019 = ("2019-09", "2020-12")
+DEFINED_IN = {
+    "const": _SINCE_6,
+    "contains": _SINCE_6,
+    "propertyNames": _SINCE_6,
+    "if": _SINCE_6[1:],
+    "then": _SINCE_6[1:],
+    "else": _SINCE_6[1:],
+    "dependencies": ("4", "6", "7"),
+    "dependentRequired": _SINCE_2019,
+    "dependentSchemas": _SINCE_2019,
+    "minContains": _SINCE_2019,
+    "maxContains": _SINCE_2019,
+    "unevaluatedProperties": _SINCE_2019,
+    "unevaluatedItems": _SINCE_2019,
 }
 # Keywords that depend on what the rest of the schema evaluated: never compared.
 UNMODELLED = {"unevaluatedProperties": ("object",), "unevaluatedItems": ("array",)}
@@ -158,6 +179,7 @@ class Shape:
     opaque: list[tuple[str, str]] = field(default_factory=list)  # (keyword, value as JSON)
     unmodelled: list[str] = field(default_factory=list)
     loose: list[str] = field(default_factory=list)  # NEW's keywords left out: NEW may be less
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (keyword, draft not its)
     exclusive: bool = False  # an alternative of a oneOf
 
     def copy(self) -> Shape:
@@ -175,6 +197,7 @@ class Shape:
             opaque=list(self.opaque),
             unmodelled=list(self.unmodelled),
             loose=list(self.loose),
+            ignored=list(self.ignored),
         )
 
     def item(self, index: int) -> list[Ref]:
@@ -201,6 +224,8 @@ class Shape:
         """Admits nothing, as far as plain bounds show; then it is left out."""
         if self.values is not None:
             return not self.values
+        if any(step.denominator == 1 for step in self.multiples):
+            self.kinds.discard("fraction")  # a multiple of an integer is an integer
         if self.low and self.high:
             (low, open_low), (high, open_high) = self.low, self.high
             if low > high or (low == high and (open_low or open_high)):
@@ -215,6 +240,10 @@ class Shape:
         if any(_never(self.property(name)) for name in self.required):
             self.kinds.discard("object")
         return not self.kinds
+
+
+def _defined(keyword: str, draft: str) -> bool:
+    return keyword not in DEFINED_IN or draft in DEFINED_IN[keyword]
 
 
 def _never(refs: list[Ref]) -> bool:
@@ -283,8 +312,11 @@ class Folder:
         if "type" in node:
             types = node["type"] if isinstance(node["type"], list) else [node["type"]]
             shape.kinds &= {kind for t in types for kind in _TYPE_KINDS.get(t, ())}
+        for keyword in sorted(DEFINED_IN.keys() & node.keys()):
+            if ref.draft not in DEFINED_IN[keyword]:
+                shape.ignored.append((keyword, ref.draft))
         for keyword in ("enum", "const"):
-            if keyword in node:
+            if keyword in node and _defined(keyword, ref.draft):
                 allowed = node["enum"] if keyword == "enum" else [node["const"]]
                 if shape.values is not None:
                     keep = {same_value(v) for v in shape.values}
@@ -295,11 +327,13 @@ class Folder:
         self._arrays(ref, shape)
         self._objects(ref, shape)
         for keyword in sorted(OPAQUE.keys() & node.keys()):
-            if keyword == "patternProperties":
-                continue  # with the objects' keywords
+            if keyword == "patternProperties" or not _defined(keyword, ref.draft):
+                continue  # with the objects' keywords; not a keyword of this draft
             shape.opaque.append((keyword, same_value(node[keyword])))
             shape.loose.append(keyword)
         for keyword in sorted(UNMODELLED.keys() & node.keys()):
+            if not _defined(keyword, ref.draft):
+                continue
             shape.unmodelled.append(keyword)
             shape.loose.append(keyword)
 

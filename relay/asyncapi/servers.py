@@ -7,6 +7,7 @@ only which kind of credential a broker wants, never its value.
 
 from __future__ import annotations
 
+import re
 from functools import singledispatch
 from typing import Any
 
@@ -15,6 +16,10 @@ from relay.config.broker_identity import host_of
 
 Object = dict[str, Any]
 
+# A webhook's URL template as the contract keeps it: `relay contract diff` compares it whole.
+URL_EXTENSION = "x-relay-url"
+_LISTED = re.compile(r"^(?:Servers|Bootstrap servers): (?P<hosts>[^ ]+(?:, [^ ]+)*)\.$")
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _SASL = {"PLAIN": "plain", "SCRAM-SHA-256": "scramSha256", "SCRAM-SHA-512": "scramSha512"}
 
 
@@ -47,6 +52,13 @@ def _listing(kind: str, hosts: list[str]) -> Object:
     if len(hosts) > 1:
         server["description"] = f"{kind}: {', '.join(hosts)}."
     return server
+
+
+def hosts_of(server: Any) -> tuple[str, ...]:
+    """Every host of a server `_listing` wrote: the cluster's, else its one host."""
+    host = str(server.get("host", "")) if isinstance(server, dict) else ""
+    listed = _LISTED.match(str(server.get("description", ""))) if host else None
+    return tuple(listed["hosts"].split(", ")) if listed else (host,)
 
 
 def _mutual_tls(tls: Any) -> Object:
@@ -185,6 +197,7 @@ def _http(broker: cfg.HttpBrokerConfig) -> tuple[Object, Object]:
         server["protocol"] = broker.url.partition(":")[0].lower()
         if path not in ("", "/"):
             server["pathname"] = path
+    server[URL_EXTENSION] = url_template(broker.url)
     needs: Object = {
         f"header-{name.lower()}": {"type": "httpApiKey", "name": name, "in": "header"}
         for name in broker.headers  # the names only: their values are secrets
@@ -195,3 +208,26 @@ def _http(broker: cfg.HttpBrokerConfig) -> tuple[Object, Object]:
             "description": "Standard Webhooks: webhook-signature, HMAC-SHA256 with a whsec_ key.",
         }
     return server, {**needs, **_mutual_tls(broker.tls)}
+
+
+def url_template(url: str) -> str:
+    """A webhook URL with its placeholders, and nothing that may be secret: everything up to
+    the last `@` goes (a user and password, as `host_of` drops them), and a query keeps its
+    names and placeholders, each literal value (or bare token) written `***`."""
+    scheme, sep, rest = url.strip().partition("://")
+    url = f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url.strip().rpartition("@")[2]
+    base, mark, query = url.partition("?")
+    if not mark:
+        return base
+    fields = []
+    for field in query.split("&"):
+        name, equals, value = field.partition("=")
+        if not equals:  # a bare token: as secret as a value
+            name, value = "", name
+        literal = _PLACEHOLDER.split(value)
+        placeholders = [*_PLACEHOLDER.findall(value), ""]
+        kept = "".join(
+            ("***" if text else "") + p for text, p in zip(literal, placeholders, strict=True)
+        )
+        fields.append(f"{name}{'=' if equals else ''}{kept}")
+    return f"{base}?{'&'.join(fields)}"

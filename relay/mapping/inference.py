@@ -2,7 +2,8 @@
 
 Inference reads the JMESPath syntax tree and says only what is certain: the envelope's own
 fields have known types, a value read from `data` or `metadata` can be anything (null
-included), a multi-select hash is an object with exactly those keys.
+included), a multi-select hash is an object with exactly those keys, and `merge` takes each
+key from the last argument that may hold it.
 """
 
 from __future__ import annotations
@@ -98,14 +99,32 @@ def _infer(node: Mapping[str, Any]) -> Schema:
 def _function(name: str, args: list[Mapping[str, Any]]) -> Schema:
     if name != "merge":
         return dict(_FUNCTIONS.get(name, {}))
-    # The keys of the hashes merged in are certain; whatever else `data` holds is not.
+    # Later arguments override earlier keys. A hash's keys are certain; an argument whose keys
+    # are not (`data`) may override any key before it with anything, so those become unknown.
     properties: dict[str, Schema] = {}
     required: list[str] = []
+    closed = True
     for arg in args:
-        schema = _infer(arg)
-        properties.update(schema.get("properties", {}))
-        required += [key for key in schema.get("required", []) if key not in required]
+        keys, present, known = _keys(_infer(arg))
+        if not known:
+            properties = {key: {} for key in properties}
+            closed = False
+        properties.update(keys)
+        required += [key for key in present if key not in required]
     merged: Schema = {"type": "object"}
     if properties:
         merged.update(properties=properties, required=required)
+    if closed:
+        merged["additionalProperties"] = False
     return merged
+
+
+def _keys(schema: Schema) -> tuple[dict[str, Schema], list[str], bool]:
+    """(the keys an object argument of merge is known to have, those always present, whether
+    it has no others)."""
+    if isinstance(value := schema.get("const"), dict):
+        return {key: {"const": v} for key, v in value.items()}, list(value), True
+    if schema.get("type") != "object":
+        return {}, [], False
+    closed = schema.get("additionalProperties") is False
+    return dict(schema.get("properties", {})), list(schema.get("required", [])), closed

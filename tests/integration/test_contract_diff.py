@@ -113,3 +113,49 @@ def test_contract_still_writes_the_document() -> None:
     assert code == 0
     assert out.startswith("asyncapi: 3.0.0\n")
     assert "x-relay-rules:" in out
+
+
+HOOK = """\
+database: {url: "${DATABASE_URL}"}
+brokers: {hook: {type: http, url: "%s"}}
+outboxes:
+  loans:
+    broker: hook
+    messages:
+      BookLent: %s
+"""
+RULE = "{type: library.book-lent.v1, destination: loans, payload: {bookId: aggregate_id}}"
+COPIES = (
+    "[{type: library.book-lent.v1, destination: loans, payload: {bookId: aggregate_id},"
+    ' id: "{aggregate_type}/{aggregate_id}@{version}"},'
+    " {type: library.book-lent.v1, destination: loans, payload: data,"
+    ' id: "{aggregate_type}/{aggregate_id}@{version}/legacy"}]'
+)
+
+
+def test_documents_carry_what_the_diff_compares(tmp_path: Path) -> None:
+    """Written to files and read back: a webhook URL changed past its first placeholder, and a
+    second rule of the type to the same destination (copies under another id, another
+    shape), each exit 1; the URL's secret query value is in neither document."""
+    url = "https://hooks.example.com/in/{type}?token=s3cret"
+    sides = {
+        "old": HOOK % (url, RULE),
+        "url": HOOK % (url.replace("{type}", "{key}"), RULE),
+        "copies": HOOK % (url, COPIES),
+    }
+    for name, text in sides.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        code, _, _ = relay("contract", "-c", tmp_path / f"{name}.yaml", "-o", tmp_path / name)
+        assert code == 0
+        assert "s3cret" not in (tmp_path / name).read_text()
+    code, out, _ = relay("contract", "diff", tmp_path / "old", tmp_path / "url", "--json")
+    assert code == 1
+    assert [(c["path"], c["verdict"]) for c in json.loads(out)] == [
+        ("$.channel.server", "breaking")
+    ]
+    code, out, _ = relay("contract", "diff", tmp_path / "old", tmp_path / "copies", "--json")
+    assert code == 1
+    found = {(c["path"], c["verdict"]) for c in json.loads(out)}
+    assert {("$.id", "breaking"), ("$.payload.bookId", "breaking")} <= found
+    code, out, _ = relay("contract", "diff", tmp_path / "copies", tmp_path / "copies")
+    assert (code, out) == (0, "no changes: every message of OLD reaches its consumers as before\n")

@@ -148,6 +148,27 @@ def test_a_multi_select_hash_and_a_merge_name_their_keys() -> None:
     }  # other keys of `data` are allowed: no additionalProperties
 
 
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        # a later argument's keys override: `data` may hold a bookId of any type
+        ("merge({bookId: aggregate_id}, data)", {"bookId": {}}),
+        ("merge(data, {bookId: aggregate_id})", {"bookId": {"type": "string"}}),
+        ('merge({a: aggregate_id}, `{"a": 5}`)', {"a": {"const": 5}}),
+        ("merge({a: aggregate_id}, {a: version})", {"a": {"type": "integer"}}),
+        ("merge({a: aggregate_id}, @)", {"a": {}}),
+    ],
+)
+def test_a_merge_takes_each_key_from_its_last_argument(
+    expression: str, expected: dict[str, Any]
+) -> None:
+    """JMESPath's merge: later arguments override earlier keys; an argument whose keys are
+    not known may override any of them with anything (the key stays: it is required)."""
+    merged = payload_schema(expression)
+    assert {name: merged["properties"][name] for name in expected} == expected
+    assert merged["required"] == list(expected)
+
+
 def test_template_placeholders_become_channel_parameters() -> None:
     doc = document(
         outbox(

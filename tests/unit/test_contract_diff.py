@@ -236,3 +236,227 @@ def test_a_file_that_is_neither_is_refused_naming_it(tmp_path: Path, text: str, 
         read_side(path)
     assert said in str(raised.value)
     assert "side.yaml" in str(raised.value)
+
+
+def test_merge_arguments_swapped_let_data_override_the_key(tmp_path: Path) -> None:
+    """`merge(data, {bookId: ...})` sets bookId last; swapped, `data` may override it."""
+    last = V1.replace(
+        "payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}",
+        'payload: "merge(data, {bookId: aggregate_id})"',
+    )
+    first = last.replace(
+        "merge(data, {bookId: aggregate_id})", "merge({bookId: aggregate_id}, data)"
+    )
+    found = changes(tmp_path, last, first)
+    assert found and {(p, v) for _, p, v, _ in found} == {("$.payload.bookId", "breaking")}
+    narrower = changes(tmp_path, first, last)
+    assert {(p, v) for _, p, v, _ in narrower} == {("$.payload.bookId", "compatible")}
+
+
+LEGACY = """\
+      BookLentLegacy:
+        type: library.book-lent.v1
+        destination: library.loans
+        payload: %s
+"""
+
+
+def test_a_second_shape_of_a_type_on_a_channel_is_compared_too(tmp_path: Path) -> None:
+    """Every NEW message of a type on a channel must be one OLD's messages admit."""
+    found = whys(tmp_path, V1, V1 + LEGACY % "data")
+    assert {(c.path, c.verdict) for c in found} >= {
+        ("$", "compatible"),  # BookLentLegacy's events: new here
+        ("$.payload.bookId", "breaking"),
+        ("$.payload.*", "breaking"),
+    }
+    assert all(c.verdict != "unknown" for c in found)
+    assert "NEW's message `library.book-lent.v1.nats`: " in found[-1].why
+    same = LEGACY % "{bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}"
+    assert changes(tmp_path, V1, V1 + same) == [
+        ("library.book-lent.v1", "$", "compatible", "library.loans")
+    ]
+
+
+def test_a_second_rule_in_a_list_with_another_shape_is_compared(tmp_path: Path) -> None:
+    listed = """\
+    messages:
+      BookLent:
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}/short"
+          payload: {bookId: aggregate_id}
+"""
+    assert changes(tmp_path, V1, listed) == [
+        ("library.book-lent.v1", "$.id", "breaking", "library.loans"),  # a copy of each event
+        ("library.book-lent.v1", "$.payload.loanId", "breaking", "library.loans"),
+        ("library.book-lent.v1", "$.payload.memberId", "breaking", "library.loans"),
+    ]
+
+
+def test_two_shapes_of_a_type_reordered_change_nothing(tmp_path: Path) -> None:
+    """Compared as sets: OLD's shapes, each admitted by one of NEW's, are the same."""
+    legacy = LEGACY % "{legacyId: version}"
+    reordered = "    messages:\n" + legacy + V1.removeprefix("    messages:\n")
+    assert changes(tmp_path, V1 + legacy, reordered) == []
+    found = changes(tmp_path, V1 + legacy, V1)  # a shape fewer: still within OLD's
+    assert {(p, v) for _, p, v, _ in found} == {("$", "breaking"), ("$", "compatible")}
+    assert ("$", "breaking") in {(p, v) for _, p, v, _ in found}  # the legacy events are gone
+
+
+def test_a_copy_of_each_event_under_another_id_is_breaking(tmp_path: Path) -> None:
+    """A consumer that drops duplicates by id processes each event twice."""
+    copied = """\
+    messages:
+      BookLent:
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+        - type: library.book-lent.v1
+          destination: library.loans
+          id: "{aggregate_type}/{aggregate_id}@{version}/copy"
+          payload: {bookId: aggregate_id, loanId: data.loanId, memberId: data.memberId}
+"""
+    (change,) = whys(tmp_path, V1, copied)
+    assert (change.path, change.verdict) == ("$.id", "breaking")
+    assert "published here twice" in change.why
+    assert "processes each event twice" in change.why
+    assert changes(tmp_path, copied, copied) == []
+    late, early = '          when: "data.late"\n', '          when: "data.early"\n'
+    first, _, second = copied.rpartition("        - type")
+    exclusive = first + late + "        - type" + second + early
+    assert ("$.id", "unknown") in {(p, v) for _, p, v, _ in changes(tmp_path, V1, exclusive)}
+
+
+def test_a_second_outbox_publishing_the_same_events_under_other_ids(tmp_path: Path) -> None:
+    second = V1 + (
+        '  lending:\n    broker: nats\n    id: "{aggregate_id}@{version}"\n'
+        + V1.replace("      BookLent:\n", "      BookLent:\n")
+    )
+    found = changes(tmp_path, V1, second)
+    assert ("library.book-lent.v1", "$.id", "breaking", "library.loans") in found
+    same_ids = V1 + "  lending:\n    broker: nats\n" + V1
+    assert ("$.id", "breaking") not in {(p, v) for _, p, v, _ in changes(tmp_path, V1, same_ids)}
+    other_aggregates = V1.replace("    messages:", "    aggregates: [book]\n    messages:")
+    apart = other_aggregates + (
+        '  lending:\n    broker: nats\n    aggregates: [dvd]\n    id: "{aggregate_id}@{version}"\n'
+        + V1
+    )
+    assert ("$.id", "breaking") not in {
+        (p, v) for _, p, v, _ in changes(tmp_path, other_aggregates, apart)
+    }
+
+
+def between(tmp_path: Path, old: str, new: str) -> list[Change]:
+    """Two whole configs."""
+    (tmp_path / "old.yaml").write_text(old)
+    (tmp_path / "new.yaml").write_text(new)
+    return diff(read_side(tmp_path / "old.yaml"), read_side(tmp_path / "new.yaml"))
+
+
+ON = """\
+database: {url: "postgresql://relay@db.invalid/app"}
+brokers:
+  out: %s
+outboxes:
+  loans:
+    broker: out
+    messages:
+      BookLent: {type: library.book-lent.v1, destination: %s%s}
+"""
+
+
+def test_a_rabbitmq_routing_key_changed_is_breaking(tmp_path: Path) -> None:
+    """Queues bound to the old routing key get nothing."""
+    rabbit = '{type: rabbitmq, url: "amqp://guest:guest@rabbit.invalid:5672/"}'
+    old = ON % (rabbit, "library", "")
+    keyed = ON % (rabbit, "library", ', routing_key: "loans.{aggregate_type}"')
+    (change,) = between(tmp_path, old, keyed)
+    assert (change.path, change.verdict) == ("$.routingKey", "breaking")
+    assert "queues bound to `library.book-lent.v1` no longer receive them" in change.why
+    same = ON % (rabbit, "library", ", routing_key: library.book-lent.v1")
+    assert between(tmp_path, old, same) == []
+    spelled = ON % (rabbit, "library", ', routing_key: "loans.{@.aggregate_type}"')
+    assert between(tmp_path, keyed, spelled) == []
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("https://hooks.example.com/in/{type}", "https://hooks.example.com/in/{key}"),
+        (
+            "https://hooks.example.com/in/{destination}",
+            "https://hooks.example.com/in/{destination}/v2",
+        ),
+        ("https://hooks.example.com/in/{type}?v=1", "https://hooks.example.com/in/{type}?w=1"),
+        ("https://hooks.example.com/in/{type}", "https://hooks.example.com/in/{type}?k={key}"),
+        ("{destination}", "{destination}/v2"),
+    ],
+)
+def test_a_webhook_url_changed_past_its_first_placeholder_is_breaking(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    destination = "https://hooks.example.com/loans" if before.startswith("{") else "loans"
+    old = ON % (f'{{type: http, url: "{before}"}}', destination, "")
+    new = ON % (f'{{type: http, url: "{after}"}}', destination, "")
+    (change,) = between(tmp_path, old, new)
+    assert (change.path, change.verdict) == ("$.channel.server", "breaking")
+    assert f"the webhook URL changed from `{before.partition('?')[0]}" in change.why
+
+
+def test_the_contract_keeps_no_secret_of_a_webhook_url(tmp_path: Path) -> None:
+    hook = '{type: http, url: "https://user:pass@hooks.example.com/in/{type}?token=s3cret&k={key}"}'
+    (tmp_path / "c.yaml").write_text(ON % (hook, "loans", ""))
+    server = read_side(tmp_path / "c.yaml")["servers"]["out"]
+    assert server["x-relay-url"] == "https://hooks.example.com/in/{type}?token=***&k={key}"
+    assert "s3cret" not in json.dumps(server) and "pass" not in json.dumps(server)
+
+
+NATS = '{type: nats, servers: ["nats://n1.invalid:4222", "nats://n2.invalid:4222"]}'
+
+
+@pytest.mark.parametrize(
+    ("broker", "rule"),
+    [
+        ('{type: nats, servers: ["nats://n2.invalid:4222", "nats://n1.invalid:4222"]}', ""),
+        (NATS, ', when: "`true`"'),
+        (NATS, ', key: "{@.aggregate_id}"'),
+        (NATS, ', key: "{ aggregate_id }"'),
+    ],
+    ids=["servers reordered", "when true", "key @.", "key spaced"],
+)
+def test_what_is_written_another_way_changes_nothing(
+    tmp_path: Path, broker: str, rule: str
+) -> None:
+    """False alarms: the same cluster's servers in another order, a `when` that takes every
+    event, a template's placeholder written another way."""
+    old = ON % (NATS, "library.loans", "")
+    assert between(tmp_path, old, ON % (broker, "library.loans", rule)) == []
+
+
+def test_another_cluster_is_another_server(tmp_path: Path) -> None:
+    old = ON % (NATS, "library.loans", "")
+    elsewhere = '{type: nats, servers: ["nats://n3.invalid:4222"]}'
+    (moved,) = between(tmp_path, old, ON % (elsewhere, "library.loans", ""))
+    assert (moved.path, moved.verdict) == ("$.channel.server", "breaking")
+    more = '{type: nats, servers: ["nats://n2.invalid:4222", "nats://n3.invalid:4222"]}'
+    assert between(tmp_path, old, ON % (more, "library.loans", "")) == []  # n2 still serves
+
+
+def test_trace_context_removed_drops_optional_headers_compatibly(tmp_path: Path) -> None:
+    found = changes(tmp_path, "    trace_context: true\n" + V1, V1)
+    assert found and {verdict for _, _, verdict, _ in found} == {"compatible"}
+    assert {path for _, path, _, _ in found} == {
+        "$.headers['ce-traceparent']",
+        "$.headers['ce-tracestate']",
+    }
+    structured = "    cloudevents: structured\n"
+    found = changes(tmp_path, structured + "    trace_context: true\n" + V1, structured + V1)
+    assert {(p, v) for _, p, v, _ in found} == {
+        ("$.payload.traceparent", "compatible"),
+        ("$.payload.tracestate", "compatible"),
+    }

@@ -19,9 +19,12 @@ from jsonschema import FormatChecker
 from jsonschema.validators import validator_for
 
 from relay.asyncapi.schema_inclusion import compare
+from relay.asyncapi.schema_shapes import DEFINED_IN
 
 Expected = Literal["equal", "compatible", "breaking", "unknown"]
 DRAFT_2020 = "https://json-schema.org/draft/2020-12/schema"
+DRAFT_7 = "http://json-schema.org/draft-07/schema#"
+DRAFT_4 = "http://json-schema.org/draft-04/schema#"
 NO_WITNESS = object()
 
 
@@ -212,6 +215,12 @@ PAIRS: dict[str, Pair] = {
         "$",
         0.25,
     ),
+    "an integer written as a number that is a multiple of 1": Pair(
+        INT, {"type": "number", "multipleOf": 1}, "equal"
+    ),
+    "a number that is a multiple of 3 and an integer multiple of 3": Pair(
+        {"type": "integer", "multipleOf": 3}, {"type": "number", "multipleOf": 3}, "equal"
+    ),
     "multipleOf tightened": Pair(
         {"type": "integer", "multipleOf": 2}, {"type": "integer", "multipleOf": 6}, "compatible"
     ),
@@ -325,6 +334,33 @@ PAIRS: dict[str, Pair] = {
         {"type": "object", "patternProperties": {"^x": INT}},
         "unknown",
     ),
+    # -- each schema read by its own draft's keywords: one its draft does not define is no
+    # constraint there
+    "2020-12's dependentRequired, in a draft 7 schema": Pair(
+        {"$schema": DRAFT_2020, **obj({"a": S, "b": S}), "dependentRequired": {"a": ["b"]}},
+        {"$schema": DRAFT_7, **obj({"a": S, "b": S}), "dependentRequired": {"a": ["b"]}},
+        "unknown",
+    ),
+    "draft 7's dependencies, in a 2020-12 schema": Pair(
+        {"$schema": DRAFT_7, **obj({"a": S, "b": S}), "dependencies": {"a": ["b"]}},
+        {"$schema": DRAFT_2020, **obj({"a": S, "b": S}), "dependencies": {"a": ["b"]}},
+        "unknown",
+    ),
+    "a const, in a draft 4 schema": Pair(
+        {"$schema": DRAFT_7, "type": "string", "const": "a"},
+        {"$schema": DRAFT_4, "type": "string", "const": "a"},
+        "breaking",
+        "$",
+        "b",
+    ),
+    "contains, in a draft 4 schema": Pair(
+        {"$schema": DRAFT_7, "type": "array", "contains": INT},
+        {"$schema": DRAFT_4, "type": "array", "contains": INT},
+        "unknown",
+    ),
+    "OLD's const in draft 4 constrains nothing": Pair(
+        {"$schema": DRAFT_4, "type": "string", "const": "a"}, S, "equal"
+    ),
     # -- boolean schemas
     "NEW admits nothing": Pair(LENT, False, "compatible"),
     "OLD admits anything": Pair(True, LENT, "compatible"),
@@ -397,3 +433,27 @@ def test_findings_say_where_and_why() -> None:
     assert named.path == "$.headers['ce-id']"
     (unknown,) = compare({"not": {"const": 0}}, INT)
     assert "`not`" in unknown.why
+    pair = PAIRS["2020-12's dependentRequired, in a draft 7 schema"]
+    (drafts,) = compare(pair.old, pair.new)
+    assert "`dependentRequired`" in drafts.why and "draft 7" in drafts.why
+    pair = PAIRS["a const, in a draft 4 schema"]
+    assert all("draft 4" in f.why for f in compare(pair.old, pair.new))
+
+
+def test_which_draft_defines_a_keyword_is_what_jsonschema_enforces() -> None:
+    """The table agrees with jsonschema's validators (`then` and `else` are read by `if`;
+    2019-09's minContains and maxContains by `contains`)."""
+    uris = {
+        "4": DRAFT_4,
+        "6": "http://json-schema.org/draft-06/schema#",
+        "7": DRAFT_7,
+        "2019-09": "https://json-schema.org/draft/2019-09/schema",
+        "2020-12": DRAFT_2020,
+    }
+    for keyword, drafts in DEFINED_IN.items():
+        if keyword in ("minContains", "maxContains"):
+            continue
+        checked = {"then": "if", "else": "if"}.get(keyword, keyword)
+        for draft, uri in uris.items():
+            enforced = checked in validator_for({"$schema": uri}).VALIDATORS
+            assert (draft in drafts) == enforced, (keyword, draft)
