@@ -407,7 +407,7 @@ COMPATIBLE = [
 @pytest.mark.parametrize("name", COMPATIBLE)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hypothesis-jsonschema's RefResolver
 @settings(
-    max_examples=40,
+    max_examples=15,  # derandomized: the same fifteen each run, the unit tier kept under 10 s
     derandomize=True,
     database=None,
     deadline=None,
