@@ -30,8 +30,6 @@ import json
 import math
 import re
 from collections.abc import Collection, Sequence
-from typing import Any
-from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -44,7 +42,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.brokers._header_values import altered
-from relay.config.base import TlsConfig
+from relay.brokers._nats import open_connection, text_of
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.core.publishing import ATTRIBUTES, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
@@ -419,75 +417,6 @@ def _read_reply(msg: Msg) -> Reply:
     return _STORED
 
 
-async def open_connection(
-    name: str,
-    config: NatsBrokerConfig,
-    clients: tuple[type[Client], type[Client]] | None = None,
-) -> Client:
-    """A connection to broker `name`, authenticated, that never reconnects by itself;
-    TransientPublishError when refused or unreachable. The publisher's and the audit's;
-    `clients`: the client classes to use without and with TLS (the second must refuse a
-    server without TLS, as TlsOnlyClient does)."""
-    c = config
-    options: dict[str, Any] = {
-        "servers": c.servers,
-        "connect_timeout": c.connect_timeout,
-        "allow_reconnect": False,
-        # Give up on a server after one retry; the outbox's backoff decides when to
-        # try again (nats-py would otherwise try 60 times, 2 s apart, per connect).
-        "max_reconnect_attempts": 1,
-        "reconnect_time_wait": 0.1,
-        "error_cb": _ignore,
-        "name": "outbox-relay",
-        # publish() checks each subject with a stricter rule of its own.
-        "skip_subject_validation": True,
-    }
-    if c.user:
-        options["user"] = c.user
-    if c.password:
-        options["password"] = c.password.get_secret_value()
-    if c.token:
-        options["token"] = c.token.get_secret_value()
-    if c.creds_file:
-        options["user_credentials"] = c.creds_file
-    tls = c.tls is not None or any(urlsplit(url).scheme == "tls" for url in c.servers)
-    if tls:
-        options["tls"] = (c.tls or TlsConfig()).context()
-    plain, secure = clients or (Client, TlsOnlyClient)
-    nc = secure() if tls else plain()
-    try:
-        await nc.connect(**options)
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        _drop_transport(nc)
-        raise TransientPublishError(f"broker {name!r}: cannot connect: {_text(exc)}") from exc
-    return nc
-
-
-class TlsOnlyClient(Client):
-    """A nats-py client that sends CONNECT only over TLS.
-
-    nats-py upgrades to TLS only when the server's INFO says `tls_required`; any other
-    server gets CONNECT, credentials included, in cleartext, even from a tls:// URL.
-    `_connect_command` runs after INFO is read and any upgrade is done, just before CONNECT
-    is written: raising there sends nothing. It is private to nats-py; the test of a
-    server without TLS fails if a new version stops calling it.
-    """
-
-    def _connect_command(self) -> bytes:
-        assert self._current_server is not None  # set before the INFO was read
-        if not self._server_info.get("tls_required"):
-            uri = self._current_server.uri
-            raise _NoTlsError(
-                f"server {uri.hostname}:{uri.port} does not require TLS;"
-                " refusing to send credentials in cleartext"
-            )
-        return super()._connect_command()
-
-
-class _NoTlsError(nats.errors.Error):
-    """A nats-py error, so that connect() fails the way it does for any refused server."""
-
-
 def _unsendable(message: Message) -> str | None:
     """Why the message's subject or headers cannot go out as written; None when they can."""
     subject = message.destination
@@ -592,17 +521,5 @@ def message_headers(message: Message) -> dict[str, str]:
     return headers
 
 
-def _drop_transport(nc: Client) -> None:
-    """nats-py leaves the socket open when the handshake times out (a silent server)."""
-    transport = getattr(nc, "_transport", None)
-    if transport is not None:
-        with contextlib.suppress(Exception):
-            transport.close()
-
-
 def _text(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__).removeprefix("nats: ")
-
-
-async def _ignore(exc: Exception) -> None:
-    """Connection errors surface as failed batches; nats-py need not print them."""
+    return text_of(exc)
