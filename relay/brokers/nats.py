@@ -81,6 +81,8 @@ class NatsPublisher:
         self.duplicates = 0
         self.last_duplicates: list[int] = []
         self._max_payload: int | None = None  # the server's, once a connection learnt it
+        # subject -> (its stream, the stream's max_msg_size), as `probe` found them
+        self._stream_limits: dict[str, tuple[str, int]] = {}
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -160,13 +162,16 @@ class NatsPublisher:
         ):
             return None  # the configured stream captures it, and is created at start
         try:
-            await js.find_stream_name_by_subject(subject)
+            stream = await js.find_stream_name_by_subject(subject)
+            limit = (await js.stream_info(stream)).config.max_msg_size
         except nats.js.errors.NotFoundError:
             return (
                 f"broker {self.name!r}: no JetStream stream captures subject {subject!r}:"
                 " every message to it would be retried for ever; create a stream for it"
                 " (or configure brokers.<name>.stream)"
             )
+        if limit is not None and limit > 0:  # `refusal` judges its messages by it
+            self._stream_limits[subject] = (stream, limit)
         return None
 
     async def _provision_stream(self, wanted: NatsStreamConfig) -> None:
@@ -232,6 +237,14 @@ class NatsPublisher:
         if problem is None and self._max_payload is not None:
             carried = message_headers(message)
             problem = _oversized(message, carried, self._max_payload, self._header_limit)
+        if problem is None and (known := self._stream_limits.get(message.destination)):
+            stream, limit = known
+            size = len(message.body) + _header_bytes(message_headers(message))
+            if size > limit:  # the stream refuses it (10054), as `relay run` would find
+                problem = (
+                    f"message {excerpt(message.id)} is {size:,} bytes with its headers,"
+                    f" larger than stream {stream}'s max_msg_size ({limit:,})"
+                )
         return None if problem is None else f"broker {self.name!r}: {problem}"
 
     async def _send(
@@ -455,8 +468,7 @@ def _oversized(
     headers_limit = header_limit or limit
     if len(message.body) + bound <= limit and bound <= headers_limit:
         return None
-    block = _HEADER_BLOCK
-    block += sum(len(name) + 4 + len(value.encode()) for name, value in headers.items())
+    block = _header_bytes(headers)
     if header_limit is not None and block > header_limit:
         return (
             f"message {excerpt(message.id)} has {block:,} bytes of headers, more than"
@@ -468,6 +480,13 @@ def _oversized(
     return (
         f"message {excerpt(message.id)} is {size:,} bytes with its headers, larger than the"
         f" server's max_payload ({limit:,})"
+    )
+
+
+def _header_bytes(headers: dict[str, str]) -> int:
+    """The header block as the server counts it: `NATS/1.0`, each `name: value`, CRLFs."""
+    return _HEADER_BLOCK + sum(
+        len(name) + 4 + len(value.encode()) for name, value in headers.items()
     )
 
 

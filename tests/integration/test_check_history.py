@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nats.js.api import StreamConfig
+
 from tests.support.db import append, append_many, connect
+from tests.support.jetstream import connect as nats_connect
 from tests.support.jetstream import create_stream, delete_stream, unique_name
 from tests.support.relay_process import run_cli
 from tests.support.scenario import config_dict, loans, save
@@ -242,5 +245,37 @@ async def test_events_before_a_start_end_outbox_started_are_not_checked(
         assert code == 0, result
         assert result["outboxes"][0]["before_start"] >= 1
         assert result["outboxes"][0]["published"] == 3 and old < result["to"]
+    finally:
+        await delete_stream(nats_url, stream)
+
+
+async def test_a_message_over_its_streams_max_msg_size_would_park(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Found by an attack: the stream's own limit was not looked at; `relay run` parks such a
+    message (10054), the check passed it."""
+    stream = unique_name("history")
+    async with nats_connect(nats_url) as nc:
+        await nc.jetstream().add_stream(
+            StreamConfig(name=stream, subjects=[f"{stream}.>"], max_msg_size=2_000)
+        )
+    lent = {
+        "type": "library.book-lent.v1",
+        "destination": "{subject}.loans",
+        "payload": {"bookId": "aggregate_id", "loanId": "data.loanId"},
+    }
+    config = save(
+        tmp_path, config_dict(events_table, nats_url, stream, messages={"BookLent": lent})
+    )
+    try:
+        async with connect(events_table) as conn:
+            await append_many(conn, loans(2))
+            big = await append(conn, "book", "big", 1, "BookLent", {"loanId": "x" * 3_000})
+        code, result = history(config)
+        assert code == 1
+        (found,) = result["outboxes"]
+        assert found["would_park"] == {"rejected": 1} and found["published"] == 2
+        assert found["examples"]["rejected"][0]["position"] == big
+        assert "max_msg_size (2,000)" in found["examples"]["rejected"][0]["error"]
     finally:
         await delete_stream(nats_url, stream)
