@@ -113,6 +113,9 @@ class TraceContext:
             return TraceDrop("traceparent", problem)
         message.traceparent = traceparent
         if tracestate is None or tracestate == "" or tracestate_valid(tracestate):
-            message.tracestate = tracestate or None
+            # White space around the list is allowed and means nothing (W3C's OWS), but a
+            # header value that begins or ends with it is one a broker's client alters: NATS
+            # refused such a message, and the whole event was parked for its trace context.
+            message.tracestate = (tracestate or "").strip(" \t") or None
             return None
         return TraceDrop("tracestate", "not a W3C tracestate list")

@@ -167,6 +167,19 @@ def test_an_invalid_tracestate_alone_is_dropped() -> None:
     assert counter == [1]
 
 
+@pytest.mark.parametrize("padded", [" a=b", "a=b\t", " \ta=b,c=d \t"])
+def test_white_space_around_a_tracestate_is_dropped_and_the_message_goes_out(
+    padded: str,
+) -> None:
+    """Found by an attack: W3C allows it, and NATS refuses a header value that begins or ends
+    with it, so the whole event was parked for its trace context."""
+    counter: list[int] = []
+    e = event(metadata={"traceparent": TRACEPARENT, "tracestate": padded})
+    message = mapped(outbox(trace_context=True), e, counter)
+    assert message.tracestate == padded.strip(" \t") and counter == []
+    assert nats_headers(message)["ce-tracestate"] == padded.strip(" \t")
+
+
 def test_an_event_without_trace_context_is_not_counted() -> None:
     counter: list[int] = []
     message = mapped(outbox(trace_context=True), event(metadata={}), counter)
