@@ -9,6 +9,7 @@ writer transactions against real Postgres and checks the stream as a consumer wo
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from relay.runtime.runner import Relay
 from tests.support import postgres
 from tests.support.db import append, connect
 from tests.support.jetstream import Received, create_stream, delete_stream, fetch_all, unique_name
+from tests.support.relay_process import run_cli
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running, status
 
 LENT = "BookLent"
@@ -329,5 +331,49 @@ async def test_start_end_survives_a_crash_before_the_open_transaction_ends(
             async with running(config):
                 received = await fetch_all(nats_url, subject, expected=1)
         assert ids(received) == ["book/in-flight@1"]
+    finally:
+        await delete_stream(nats_url, subject)
+
+
+# Column types an application may choose for its names: an enum of event types, a uuid
+# aggregate id, a varchar aggregate type and a domain over text. The relay reads them as text.
+ODD_TYPES = """
+    CREATE TYPE event_kind AS ENUM ('BookLent', 'BookReturned');
+    CREATE DOMAIN aggregate_name AS varchar(40) CHECK (VALUE <> '');
+    CREATE TABLE events (
+      position bigserial PRIMARY KEY, aggregate_type aggregate_name NOT NULL,
+      aggregate_id uuid NOT NULL, version bigint NOT NULL, type event_kind NOT NULL,
+      payload jsonb NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',
+      created_at timestamptz NOT NULL DEFAULT now()
+    );
+"""
+
+
+@pytest.mark.parametrize("partitions", [1, 2], ids=["one lane", "split"])
+async def test_names_held_in_enum_uuid_and_domain_columns_are_relayed_and_checked(
+    partitions: int, private_database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """`relay check --history` passed such a table while `relay run` failed every read (an
+    enum compared with text) and exited, again on every restart."""
+    dsn = private_database
+    async with connect(dsn) as conn:
+        await conn.execute(ODD_TYPES)
+    subject = await stream_for(nats_url)
+    data = config_dict(dsn, nats_url, subject, partitions=partitions)
+    config = await load_and_migrate(tmp_path, data)
+    books = [f"00000000-0000-0000-0000-00000000000{n}" for n in range(1, 6)]
+    try:
+        async with connect(dsn) as conn:
+            for book in books:
+                await append(conn, "book", book, 1, LENT, lent(book))
+        file = str(tmp_path / "relay.yaml")
+        checked = run_cli(["check", "--history", "--config", file, "--json"])
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=len(books), timeout=30)
+            assert sorted(ids(received)) == sorted(f"book/{b}@1" for b in books)
+        audited = run_cli(["audit", "loans", "--from-start", "--config", file, "--json"])
+        assert audited.returncode == 0, audited.stdout + audited.stderr
+        assert json.loads(audited.stdout)["found"] == len(books)
     finally:
         await delete_stream(nats_url, subject)

@@ -30,6 +30,13 @@ def lane_expression(aggregate_type: str, aggregate_id: str, count: int | str) ->
     return f"((hashtextextended({key}, 0) % {count}) + {count}) % {count}"
 
 
+def names_as_text(columns: ColumnsConfig) -> tuple[str, str]:
+    """The aggregate type and event type columns as text, as the filters compare them with
+    the config's names: an application may keep them in an enum, a domain or varchar, and
+    an enum has no `=` with text (every read failed, and the relay exited)."""
+    return quote(columns.aggregate_type) + "::text", quote(columns.type) + "::text"
+
+
 class ReplicationQueries:
     """Where the primary's WAL is, and how far its streaming standbys have flushed it."""
 
@@ -147,6 +154,7 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
             ]
         )
         pos, table, only = quote(cols.position), self.table, self._only
+        aggregate_type, event_type = names_as_text(cols)
         # The page.
         self.read: Final = f"SELECT {self._select} {self._page()}"
         # The page, and $6 the most bytes of stored payload: see `_bounded`.
@@ -163,22 +171,22 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         # aggregate types (NULL: all), $4 event types.
         self.count: Final = (
             f"SELECT count(*) FROM {table} WHERE {pos} > $1 AND {pos} <= $2{only}"
-            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
-            f" AND {quote(cols.type)} = ANY($4::text[])"
+            f" AND ($3::text[] IS NULL OR {aggregate_type} = ANY($3::text[]))"
+            f" AND {event_type} = ANY($4::text[])"
         )
         # The position of the event the outbox maps ($2 aggregate types or NULL, $3 event
         # types) that is the $4-th (from 0) at or below $1, counting back: where an audit of
         # the last $4 + 1 events starts.
         self.nth_back: Final = (
             f"SELECT {pos} FROM {table} WHERE {pos} <= $1{only}"
-            f" AND ($2::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($2::text[]))"
-            f" AND {quote(cols.type)} = ANY($3::text[]) ORDER BY {pos} DESC OFFSET $4 LIMIT 1"
+            f" AND ($2::text[] IS NULL OR {aggregate_type} = ANY($2::text[]))"
+            f" AND {event_type} = ANY($3::text[]) ORDER BY {pos} DESC OFFSET $4 LIMIT 1"
         )
         # The same, counting forward: the $5-th (from 0) after $1, up to $2.
         self.nth_after: Final = (
             f"SELECT {pos} FROM {table} WHERE {pos} > $1 AND {pos} <= $2{only}"
-            f" AND ($3::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($3::text[]))"
-            f" AND {quote(cols.type)} = ANY($4::text[]) ORDER BY {pos} OFFSET $5 LIMIT 1"
+            f" AND ($3::text[] IS NULL OR {aggregate_type} = ANY($3::text[]))"
+            f" AND {event_type} = ANY($4::text[]) ORDER BY {pos} OFFSET $5 LIMIT 1"
         )
         # Seconds since the lane's first event after $1 was written (database clock); None
         # without a created_at column.
@@ -231,10 +239,11 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
     def _page(self, skip: str = "") -> str:
         cols = self._columns
         pos = quote(cols.position)
+        aggregate_type, event_type = names_as_text(cols)
         return (
             f"FROM {self.table} WHERE {pos} > $1 AND {pos} <= $2{self._only}{skip} "
-            f"AND ($4::text[] IS NULL OR {quote(cols.aggregate_type)} = ANY($4::text[])) "
-            f"AND {quote(cols.type)} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
+            f"AND ($4::text[] IS NULL OR {aggregate_type} = ANY($4::text[])) "
+            f"AND {event_type} = ANY($5::text[]) ORDER BY {pos} LIMIT $3"
         )
 
     def _bounded(self, rows: str) -> str:
