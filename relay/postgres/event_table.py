@@ -42,12 +42,21 @@ def _within_bigint(version: str) -> str:
     return f"({version} BETWEEN (-9223372036854775807 - 1) AND 9223372036854775807)"
 
 
+def as_time(created_at: str) -> str:
+    """SQL for `created_at` as a timestamptz: a timestamp (without time zone) is read in the
+    session's time zone, as PostgreSQL casts it (asyncpg gave it without an offset, and a
+    CloudEvents `time` without one is not RFC 3339); a timestamptz stays as it is."""
+    return f"{created_at}::timestamptz"
+
+
 def readable_time(created_at: str) -> str:
-    """SQL true when `created_at` (timestamptz or timestamp) is a time Python's datetime
-    holds: the years 1 to 9999, in UTC for a timestamptz (asyncpg's decoding fails for any
-    other row, and the whole read with it); not infinity nor -infinity. The literals take
-    the column's type, so a timestamp's bounds are its own, without a time zone."""
-    return f"({created_at} BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00')"
+    """SQL true when `created_at` (timestamptz or timestamp), read `as_time`, is a time
+    Python's datetime holds: the years 1 to 9999 in UTC (asyncpg's decoding fails for any
+    other row, and the whole read with it); not infinity nor -infinity."""
+    return (
+        f"({as_time(created_at)} BETWEEN '0001-01-01 00:00:00+00'::timestamptz"
+        " AND '9999-12-31 23:59:59.999999+00'::timestamptz)"
+    )
 
 
 def unreadable(cols: ColumnsConfig) -> str:

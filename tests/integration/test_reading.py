@@ -338,3 +338,37 @@ async def test_events_without_metadata_or_created_at_columns(
         assert "ce-time" not in received[0].headers
     finally:
         await delete_stream(nats_url, subject)
+
+
+async def test_a_timestamp_without_time_zone_is_read_in_the_sessions_zone_and_sent_in_rfc3339(
+    private_database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """CloudEvents' `time` is RFC 3339, which requires an offset: a `timestamp` column's value
+    went out as `2026-03-01T12:30:00` (no offset), which consumers' parsers refuse. The docs
+    say such a value is read in the session's time zone; the database's is New York's, where
+    the last second of 9999 is in the year 10000 in UTC: that row is parked, not published."""
+    dsn = private_database
+    subject = await stream_for(nats_url)
+    async with connect(dsn) as conn:
+        database_name = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f"ALTER DATABASE {database_name} SET timezone = 'America/New_York'")
+        await conn.execute(
+            "CREATE TABLE events (position bigserial PRIMARY KEY, aggregate_type text NOT NULL,"
+            " aggregate_id text NOT NULL, version bigint NOT NULL, type text NOT NULL,"
+            " payload jsonb NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',"
+            " created_at timestamp NOT NULL)"
+        )
+        await conn.execute(
+            "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload,"
+            " created_at) VALUES ('book', 'b2', 1, 'BookLent', $1, '9999-12-31 23:59:59'),"
+            " ('book', 'b1', 1, 'BookLent', $1, '2026-03-01 12:30:00.25')",
+            json.dumps(lent("L1")),
+        )
+    config = await load_and_migrate(tmp_path, config_dict(dsn, nats_url, subject))
+    try:
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=1)
+        assert ids(received) == ["book/b1@1"]
+        assert received[0].headers["ce-time"] == "2026-03-01T17:30:00.250000+00:00"
+    finally:
+        await delete_stream(nats_url, subject)

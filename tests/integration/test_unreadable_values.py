@@ -135,9 +135,10 @@ async def _parked(config: Any, count: int) -> bool:
 async def test_a_timestamp_without_time_zone_at_the_edge_of_the_range(
     database: str, nats_url: str, tmp_path: Path
 ) -> None:
-    """A `timestamp` is read as it is written: the first day of year 1 is a time the relay
-    reads and publishes (only its end-to-end latency, from a local time that would fall
-    before year 1, cannot be measured); infinity is parked as for a timestamptz."""
+    """A `timestamp` is read in the session's time zone (UTC here) and goes out with its
+    offset: the first day of year 1 is a time the relay reads and publishes; infinity is
+    parked as for a timestamptz. (A zone that moves such a time out of the years 1 to 9999
+    parks it: test_reading.py.)"""
     subject = unique_name("unreadable")
     await create_stream(nats_url, subject, [f"{subject}.>"])
     async with connect(database) as conn:
@@ -155,8 +156,8 @@ async def test_a_timestamp_without_time_zone_at_the_edge_of_the_range(
             await eventually(lambda: _parked(config, 1))
         assert [m.headers["ce-id"] for m in received] == ["book/first@1", "book/last@1"]
         assert [json.loads(m.data)["at"] for m in received] == [
-            "0001-01-01T00:00:00",
-            "9999-12-31T23:59:59.999999",
+            "0001-01-01T00:00:00+00:00",
+            "9999-12-31T23:59:59.999999+00:00",
         ]
     finally:
         await delete_stream(nats_url, subject)

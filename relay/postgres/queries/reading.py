@@ -137,7 +137,7 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         readable = event_table.readable_time(quote(cols.created_at)) if cols.created_at else None
         optional = [
             quote(cols.metadata) + "::text" if cols.metadata and metadata else "NULL::text",
-            f"CASE WHEN {readable} THEN {quote(cols.created_at)} END"
+            f"CASE WHEN {readable} THEN {event_table.as_time(quote(cols.created_at))} END"
             if cols.created_at
             else "NULL::timestamptz",
         ]
@@ -193,7 +193,8 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         # Not for a time the relay cannot read: infinity cannot be subtracted at all.
         self.pending_age: Final = (
             f"SELECT CASE WHEN {readable} THEN"
-            f" extract(epoch FROM clock_timestamp() - {quote(cols.created_at)})::float8 END"
+            f" extract(epoch FROM clock_timestamp() - {event_table.as_time(quote(cols.created_at))})"
+            "::float8 END"
             f" FROM {table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
             if cols.created_at
             else None
