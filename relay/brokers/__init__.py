@@ -87,6 +87,13 @@ class Probing(Protocol):
         broker may still refuse it (a limit only the server knows)."""
         ...
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """Where the broker keeps the first message of an id and drops the others (a
+        JetStream stream, a FIFO queue, a Redis stream's window), named so that two
+        destinations in one scope give one string; None where it keeps every message.
+        `relay check --history` judges ids that two outboxes share by it."""
+        ...
+
 
 def create_prober(name: str, config: BrokerConfig) -> Probing:
     """The publisher for broker `name`, as `relay check` uses it; connects nothing."""

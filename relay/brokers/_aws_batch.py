@@ -115,6 +115,13 @@ class EntryBatchPublisher(AwsPublisher):
         entry = self._entry(0, message, destination.rstrip("/").endswith(".fifo"))
         return None if entry.error is None else str(entry.error)
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """A FIFO queue or topic drops a message whose deduplication id (the message id) it
+        saw within five minutes; a standard one keeps every message."""
+        if not destination.rstrip("/").endswith(".fifo"):
+            return None
+        return f"broker {self.name!r}, {destination.rstrip('/')}"
+
     @abstractmethod
     async def _find(self, destination: str) -> Target:
         """The target a destination names; raises PublishError."""

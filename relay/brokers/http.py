@@ -184,6 +184,10 @@ class HttpPublisher:
             if outcome is not None:
                 return
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """A webhook receiver is a consumer: it drops duplicates by id, if at all."""
+        return None
+
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         problem = self._unsendable(message, self._url(message))

@@ -454,6 +454,10 @@ class KafkaPublisher:
             raise _Discard(self._fenced(discard)) from discard
         return ok
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """Kafka keeps every message: its consumers drop duplicates by id, if at all."""
+        return None
+
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`):
         its topic name, or its size against max_request_size. A topic's own

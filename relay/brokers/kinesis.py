@@ -109,6 +109,10 @@ class KinesisPublisher(AwsPublisher):
 
     # -- one stream ----------------------------------------------------------------------------
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """Kinesis keeps every message: its consumers drop duplicates by id, if at all."""
+        return None
+
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         try:

@@ -83,6 +83,7 @@ class NatsPublisher:
         self._max_payload: int | None = None  # the server's, once a connection learnt it
         # subject -> (its stream, the stream's max_msg_size), as `probe` found them
         self._stream_limits: dict[str, tuple[str, int]] = {}
+        self._streams: dict[str, str] = {}  # subject -> the stream `probe` found capturing it
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -170,6 +171,7 @@ class NatsPublisher:
                 " every message to it would be retried for ever; create a stream for it"
                 " (or configure brokers.<name>.stream)"
             )
+        self._streams[subject] = stream
         if limit is not None and limit > 0:  # `refusal` judges its messages by it
             self._stream_limits[subject] = (stream, limit)
         return None
@@ -246,6 +248,20 @@ class NatsPublisher:
                     f" larger than stream {stream}'s max_msg_size ({limit:,})"
                 )
         return None if problem is None else f"broker {self.name!r}: {problem}"
+
+    def dedup_scope(self, destination: str) -> str | None:
+        """JetStream drops a message whose Nats-Msg-Id its stream has seen within its
+        duplicate window: the stream is the scope (the configured one for a subject it
+        captures, else the one `probe` found). Not asked (`--offline`), it is the whole
+        broker, which may join two streams. Core NATS keeps every message."""
+        if not self._config.jetstream:
+            return None
+        wanted = self._config.stream
+        if wanted is not None and any(captures(p, destination) for p in wanted.subjects):
+            return f"broker {self.name!r}, stream {wanted.name}"
+        if (stream := self._streams.get(destination)) is not None:
+            return f"broker {self.name!r}, stream {stream}"
+        return f"broker {self.name!r} (its streams not asked)"
 
     async def _send(
         self, messages: Sequence[Message], headers: Sequence[dict[str, str]]

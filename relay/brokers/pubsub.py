@@ -267,6 +267,10 @@ class PubSubPublisher:
 
     # -- messages to Pub/Sub messages ----------------------------------------------------------
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """Pub/Sub keeps every message: its consumers drop duplicates by id, if at all."""
+        return None
+
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`)."""
         prepared = self._prepare(message)

@@ -255,6 +255,10 @@ class RabbitMqPublisher:
         count = declared.message_count
         return None if count is None else int(count)
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """RabbitMQ keeps every message: its consumers drop duplicates by id, if at all."""
+        return None
+
     def refusal(self, message: Message) -> str | None:
         """What `publish` would refuse this message for, without sending it (`relay check`).
         The server's max_message_size is not known until a message goes over it."""

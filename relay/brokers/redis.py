@@ -250,6 +250,10 @@ class RedisPublisher:
         entry = self._entry(0, message)
         return str(entry) if isinstance(entry, UnsendableError) else None
 
+    def dedup_scope(self, destination: str) -> str | None:
+        """The relay's own window of ids, kept per stream (`dedup_window`)."""
+        return f"broker {self.name!r}, stream {destination}"
+
     def refused(self, stream: str) -> str | None:
         """Why `stream` can never be a destination here; None when it can."""
         if not stream:

@@ -117,6 +117,15 @@ def say_history(result: dict[str, Any]) -> None:
                     f" {positions}: the broker (or consumers) would drop all but one"
                 )
             )
+        for shared in found["shared_across"]:
+            positions = ", ".join(map(str, shared["positions"]))
+            say(
+                printable(
+                    f"  id {shared['id']} (positions {positions}) also published by"
+                    f" {', '.join(shared['with'])} into {shared['scope']}, which keeps the first"
+                    " message of an id and drops the other"
+                )
+            )
     for problem in result["problems"]:
         say(f"error: {problem}", err=True)
     say("result: " + ("nothing would park" if result["ok"] else "some events would not go out"))
@@ -133,6 +142,8 @@ def _outbox_line(found: dict[str, Any]) -> str:
         line += f" ({parks})"
     if found["shared_ids"]:
         line += f"; {found['shared_ids']} id(s) shared by two events or more"
+    if found["shared_across_outboxes"]:
+        line += f"; {found['shared_across_outboxes']} id(s) shared with another outbox"
     if found["destinations"]:
         line += f"; {len(found['destinations'])} destination(s) the broker would not take"
     if found["before_start"]:

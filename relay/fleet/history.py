@@ -9,7 +9,10 @@ counted per outbox: published, skipped, or would park by reason, with the first 
 
 Ids two events would share are found with bounded memory: a Bloom filter of every id
 (16 MiB, whatever the range) names the ids it may have seen before; only if there are any,
-a second pass, up to the last of them, counts those ids exactly.
+a second pass, up to the last of them, counts those ids exactly. Two outboxes on one broker
+share a second filter: an id both publish into one scope where the broker keeps only the
+first message of an id (a JetStream stream, a FIFO queue: `Probing.dedup_scope`) loses the
+other outbox's message.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class OutboxHistory:
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     shared: list[dict[str, Any]] = field(default_factory=list)  # ids two events would share
     shared_count: int = 0  # ids shared, all of them
+    # ids it shares with another outbox in one of the broker's dedup scopes
+    shared_across: list[dict[str, Any]] = field(default_factory=list)
+    shared_across_count: int = 0
     before_start: int = 0  # events at or before a `start: end` outbox's recorded start
     # What the broker says of the destinations the events make (a template's): a subject no
     # stream captures holds the outbox back for ever; a key of another type refuses it.
@@ -66,7 +72,12 @@ class OutboxHistory:
 
     @property
     def failing(self) -> bool:
-        return bool(self.parked) or self.shared_count > 0 or bool(self.destinations)
+        return (
+            bool(self.parked)
+            or self.shared_count > 0
+            or self.shared_across_count > 0
+            or bool(self.destinations)
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +88,8 @@ class OutboxHistory:
             "would_park": dict(sorted(self.parked.items())),
             "shared_ids": self.shared_count,
             "shared": self.shared,
+            "shared_across_outboxes": self.shared_across_count,
+            "shared_across": self.shared_across,
             "examples": self.examples,
             "before_start": self.before_start,
             "destinations": self.destinations,
@@ -118,6 +131,28 @@ class _Walk:
     start: int = 0  # a `start: end` outbox's recorded start: events up to it are never read
     templated: bool = False  # some rule's destination is made from the event
     made: set[str] = field(default_factory=set)  # the destinations its events make
+    # The broker's dedup scope of a destination, when another outbox uses the same broker
+    # (None: not looked for); cached per destination, up to DESTINATIONS_PROBED of them.
+    dedup_scope: Callable[[str], str | None] | None = None
+    scopes: dict[str, str | None] = field(default_factory=dict)
+
+    def scope(self, destination: str) -> str | None:
+        if destination in self.scopes:
+            return self.scopes[destination]
+        assert self.dedup_scope is not None
+        scope = self.dedup_scope(destination)
+        if len(self.scopes) < DESTINATIONS_PROBED:
+            self.scopes[destination] = scope
+        return scope
+
+
+@dataclass
+class _Across:
+    """Ids that outboxes on one broker may share: a filter keyed by broker and id."""
+
+    bloom: _Bloom = field(default_factory=_Bloom)
+    maybe: set[str] = field(default_factory=set)
+    last_maybe: int = 0
 
 
 class HistoryCheck:
@@ -142,6 +177,12 @@ class HistoryCheck:
             )
             for name, outbox in config.outboxes.items()
         ]
+        brokers = Counter(outbox.broker for outbox in config.outboxes.values())
+        for walk in self.walks:
+            broker = config.outboxes[walk.history.outbox].broker
+            if brokers[broker] > 1 and broker in publishers:
+                walk.dedup_scope = publishers[broker].dedup_scope
+        self.across = _Across()
         reads_metadata = any(w.mapper.reads_metadata for w in self.walks)
         self.source = EventSource(config.source, metadata=reads_metadata)
         self._types = sorted({t for o in config.outboxes.values() for t in o.messages})
@@ -172,6 +213,8 @@ class HistoryCheck:
                 await self._count_shared(conn, walk, after)
             if self.probe and walk.made:
                 await self._probe_made(walk)
+        if self.across.maybe:
+            await self._count_across(conn, after)
         return [w.history for w in self.walks], time.monotonic() - began
 
     async def _starts(self, conn: asyncpg.Connection) -> None:
@@ -247,6 +290,11 @@ class HistoryCheck:
             if walk.bloom.seen_then_add(message.id):
                 walk.maybe.add(message.id)
                 walk.last_maybe = event.position
+            if walk.dedup_scope is not None and walk.scope(message.destination) is not None:
+                key = _across_key(self.config.outboxes[history.outbox].broker, message.id)
+                if self.across.bloom.seen_then_add(key):
+                    self.across.maybe.add(key)
+                    self.across.last_maybe = event.position
 
     async def _count_shared(self, conn: asyncpg.Connection, walk: _Walk, after: int) -> None:
         """The second pass: each id the filter named, counted exactly, with its events."""
@@ -266,6 +314,59 @@ class HistoryCheck:
             {"id": i, "events": len(p), "positions": p[:5]}
             for i, p in sorted(shared.items(), key=lambda item: item[1][0])[:SHARED_LISTED]
         ]
+
+
+    async def _count_across(self, conn: asyncpg.Connection, after: int) -> None:
+        """The second pass for ids outboxes share: each candidate's messages, grouped by the
+        broker's dedup scope of their destinations (asked after `_probe_made`, so a
+        template's subjects have their streams); a scope two outboxes publish one id into
+        keeps one of them."""
+        seen: dict[tuple[str, str], dict[str, list[int]]] = {}  # (id, scope) -> outboxes
+        async for page in self._pages(conn, after, self.across.last_maybe):
+            for event in page:
+                for walk in self.walks:
+                    if walk.dedup_scope is not None and event.position > walk.start:
+                        self._note_across(walk, event, seen)
+        for (message_id, scope), outboxes in sorted(
+            seen.items(), key=lambda item: min(min(p) for p in item[1].values())
+        ):
+            if len(outboxes) < 2:
+                continue
+            for walk in self.walks:
+                mine = outboxes.get(walk.history.outbox)
+                if mine is None:
+                    continue
+                walk.history.shared_across_count += 1
+                if len(walk.history.shared_across) < SHARED_LISTED:
+                    walk.history.shared_across.append(
+                        {
+                            "id": message_id,
+                            "scope": scope,
+                            "with": sorted(o for o in outboxes if o != walk.history.outbox),
+                            "positions": mine[:5],
+                        }
+                    )
+
+    def _note_across(
+        self, walk: _Walk, event: Event, seen: dict[tuple[str, str], dict[str, list[int]]]
+    ) -> None:
+        broker = self.config.outboxes[walk.history.outbox].broker
+        assert walk.dedup_scope is not None
+        for rule in walk.mapper.rules_for(event):
+            try:
+                message = walk.mapper.message(event, rule)
+            except MappingError:
+                continue
+            if message is None or _across_key(broker, message.id) not in self.across.maybe:
+                continue
+            scope = walk.dedup_scope(message.destination)
+            if scope is not None:
+                positions = seen.setdefault((message.id, scope), {})
+                positions.setdefault(walk.history.outbox, []).append(event.position)
+
+
+def _across_key(broker: str, message_id: str) -> str:
+    return f"{broker}\0{message_id}"
 
 
 def _error_of(exc: MappingError) -> str:

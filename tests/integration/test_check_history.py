@@ -279,3 +279,47 @@ async def test_a_message_over_its_streams_max_msg_size_would_park(
         assert "max_msg_size (2,000)" in found["examples"]["rejected"][0]["error"]
     finally:
         await delete_stream(nats_url, stream)
+
+
+async def test_an_id_two_outboxes_publish_into_one_stream_is_found_and_one_per_stream_passes(
+    events_table: str, nats_url: str, tmp_path: Path
+) -> None:
+    """Found by an attack: two outboxes on one broker that map the same events with the
+    default id publish each id twice into one JetStream stream, which keeps the first and
+    drops the other as a duplicate (one consumer never gets its message); each outbox's own
+    ids were unique, so the check passed. The same two outboxes on two streams pass."""
+    shared, other = unique_name("history"), unique_name("history")
+    await create_stream(nats_url, shared, [f"{shared}.>"])
+    await create_stream(nats_url, other, [f"{other}.>"])
+    lent = {"type": "library.book-lent.v1", "payload": {"bookId": "aggregate_id"}}
+
+    def two_outboxes(second: str) -> Path:
+        data = config_dict(
+            events_table,
+            nats_url,
+            shared,
+            messages={"BookLent": {**lent, "destination": "{subject}.loans"}},
+        )
+        data["outboxes"]["reports"] = {
+            "broker": "nats",
+            "messages": {"BookLent": {**lent, "destination": f"{second}.reports"}},
+        }
+        return save(tmp_path, data, f"{second}.yaml")
+
+    try:
+        async with connect(events_table) as conn:
+            await append_many(conn, [("book", f"b{n}", 1, "BookLent", {}) for n in range(4)])
+        code, result = history(two_outboxes(shared))
+        assert code == 1
+        for found in result["outboxes"]:
+            assert found["shared_ids"] == 0  # unique within each outbox
+            assert found["shared_across_outboxes"] == 4
+            first = found["shared_across"][0]
+            assert first["id"] == "book/b0@1" and shared in first["scope"]
+            assert first["with"] == [{"loans": "reports", "reports": "loans"}[found["outbox"]]]
+        code, result = history(two_outboxes(other))
+        assert code == 0, result
+        assert [o["shared_across_outboxes"] for o in result["outboxes"]] == [0, 0]
+    finally:
+        await delete_stream(nats_url, shared)
+        await delete_stream(nats_url, other)

@@ -78,3 +78,48 @@ def test_each_adapter_meets_the_publisher_port_and_probing(kind: str) -> None:
                 assert all(p.default is not p.empty for p in extra), (
                     f"{kind}.{name}: the port calls it without {[p.name for p in extra]}"
                 )
+
+
+DEDUP_SCOPES = {
+    # broker type, extra config: {destination: whether the broker keeps one message an id}
+    ("nats", ()): {"orders.created": True},
+    ("nats", (("jetstream", False),)): {"orders.created": False},
+    ("sqs", ()): {"orders.fifo": True, "orders": False},
+    ("sns", ()): {"orders.fifo": True, "orders": False},
+    ("redis", ()): {"orders": True},
+    ("kafka", ()): {"orders": False},
+    ("kinesis", ()): {"orders": False},
+    ("pubsub", ()): {"orders": False},
+    ("rabbitmq", ()): {"orders": False},
+    ("http", ()): {"orders": False},
+}
+
+
+@pytest.mark.parametrize(("kind", "extra"), list(DEDUP_SCOPES), ids=str)
+def test_each_adapter_names_where_its_broker_drops_a_second_message_of_an_id(
+    kind: str, extra: tuple[tuple[str, Any], ...]
+) -> None:
+    """`check --history` finds ids two outboxes share by it: a scope where only FIFO
+    queues, JetStream and the Redis adapter's window drop a message, one string per queue or
+    stream, and the same string for two subjects of one configured stream."""
+    config = TypeAdapter(BrokerConfig).validate_python(
+        {"type": kind, **MINIMAL[kind], **dict(extra)}
+    )
+    prober = typing.cast(Probing, create_publisher("b", config))
+    for destination, drops in DEDUP_SCOPES[kind, extra].items():
+        scope = prober.dedup_scope(destination)
+        assert (scope is not None) == drops, (kind, destination, scope)
+        if drops:
+            assert prober.dedup_scope(destination) == scope
+            assert prober.dedup_scope("other" + destination) != scope or kind == "nats"
+    if kind == "nats" and not extra:
+        streamed = {
+            "type": "nats",
+            **MINIMAL["nats"],
+            "stream": {"name": "ORDERS", "subjects": ["orders.>"]},
+        }
+        prober = typing.cast(
+            Probing, create_publisher("b", TypeAdapter(BrokerConfig).validate_python(streamed))
+        )
+        assert prober.dedup_scope("orders.a") == prober.dedup_scope("orders.b")
+        assert "ORDERS" in (prober.dedup_scope("orders.a") or "")
