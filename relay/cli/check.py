@@ -101,6 +101,7 @@ async def _database(config: RelayConfig, last: int, report: Report) -> None:
             except SourceError as exc:
                 report.problems.append(str(exc))
                 return
+            report.warnings += await source.warnings(conn)
             if (why := too_old(conn)) is not None:
                 report.problems.append(why)
             await _migration_state(conn, config, report)

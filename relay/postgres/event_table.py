@@ -175,6 +175,37 @@ async def verify(conn: asyncpg.Connection, config: SourceConfig, table: str) -> 
 
 
 _OPTIONAL = ("metadata", "created_at")
+# A NULL in one of these takes the row out of every outbox's reads (a NULL is no type and
+# no aggregate an outbox names), or parks it: warned of, not refused (an older table may
+# allow NULL and hold none).
+_NULL_MEANS = {
+    "type": "is no outbox's event: never published and never parked",
+    "aggregate_type": (
+        "is parked as malformed by an outbox that maps its type without `aggregates`,"
+        " and never read by one with `aggregates`"
+    ),
+}
+
+
+async def nullable_names(conn: asyncpg.Connection, config: SourceConfig, table: str) -> list[str]:
+    """Warnings for the name columns that allow NULL, each with what such a row becomes and
+    the statement that forbids it (docs/event-table.md)."""
+    warnings = []
+    for key, means in _NULL_MEANS.items():
+        column = getattr(config.columns, key)
+        nullable = await conn.fetchval(
+            "SELECT NOT attnotnull FROM pg_attribute WHERE attrelid = $1::regclass"
+            " AND attname = $2 AND NOT attisdropped",
+            table,
+            column,
+        )
+        if nullable:
+            warnings.append(
+                f"source.columns.{key}: column {column!r} of table {config.table!r} allows"
+                f" NULL; a row with a NULL there {means}: ALTER TABLE {table}"
+                f" ALTER COLUMN {quote(column)} SET NOT NULL"
+            )
+    return warnings
 
 
 async def _children_share_the_sequence(

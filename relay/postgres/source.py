@@ -103,6 +103,11 @@ class EventSource:
         """Fail at start-up on what would silently break the gap-free read."""
         self._sequence = await event_table.verify(conn, self.config, self.table)
 
+    async def warnings(self, conn: asyncpg.Connection) -> list[str]:
+        """What the table allows that would take a row out of the relay's reads (after
+        `check`): a name column that allows NULL."""
+        return await event_table.nullable_names(conn, self.config, self.table)
+
     async def _last_value(self, conn: asyncpg.Connection, statement: str) -> asyncpg.Record:
         """The sequence's last value, and what else `statement` reads with it."""
         if self._sequence is None:

@@ -222,7 +222,10 @@ class Relay:
         schema = self.config.database.schema_
         if (newer := newer_schema(schema, await ensure_migrated(conn, schema))) is not None:
             log.warning("relay older than its schema", detail=newer)
-        await EventSource(self.config.source).check(conn)
+        source = EventSource(self.config.source)
+        await source.check(conn)
+        for warning in await source.warnings(conn):
+            log.warning("event table allows what the relay skips", detail=warning)
 
     async def _supervise(
         self,

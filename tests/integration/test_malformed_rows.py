@@ -136,3 +136,57 @@ async def test_relay_check_shows_malformed_rows_as_they_would_be_handled(
 
 def _refuse(constant: str) -> None:
     raise AssertionError(f"{constant} published")
+
+
+async def test_null_names_are_warned_of_and_parked_or_skipped_as_documented(
+    private_database: str, nats_url: str, tmp_path: Path
+) -> None:
+    """A row with a NULL type is no outbox's event; one with a NULL aggregate type is parked
+    by an outbox that maps its type for every aggregate, and never read by one that lists
+    `aggregates`. Both were taken out of the reads without a word: `relay check` and the
+    relay's start now warn of a table that allows it, with the statement that forbids it."""
+    dsn, subject, books = private_database, unique_name("malformed"), unique_name("malformed")
+    await create_stream(nats_url, subject, [f"{subject}.>"])
+    await create_stream(nats_url, books, [f"{books}.>"])  # one id a stream: see check --history
+    async with connect(dsn) as conn:
+        await conn.execute(LAX_TABLE.replace("type text NOT NULL", "type text"))
+        for aggregate_type, aggregate_id, type_ in [
+            ("book", "untyped", None),
+            (None, "no-aggregate", "BookLent"),
+            ("book", "good", "BookLent"),
+        ]:
+            await conn.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, version, type, payload,"
+                " metadata) VALUES ($1, $2, 1, $3, $4, '{}')",
+                aggregate_type,
+                aggregate_id,
+                type_,
+                GOOD,
+            )
+    data = config_dict(dsn, nats_url, subject, park_after=1)
+    data["outboxes"]["books"] = {**data["outboxes"]["loans"], "aggregates": ["book"]}
+    rule = data["outboxes"]["books"]["messages"]["BookLent"]
+    data["outboxes"]["books"]["messages"] = {"BookLent": {**rule, "destination": f"{books}.books"}}
+    config = await load_and_migrate(tmp_path, data)
+    checked = run_cli(["check", "--config", str(tmp_path / "relay.yaml")])
+    for column in ("type", "aggregate_type"):
+        assert f"source.columns.{column}: column '{column}' of table 'events' allows NULL" in (
+            checked.stdout + checked.stderr
+        ), checked.stdout + checked.stderr
+    assert "SET NOT NULL" in checked.stdout + checked.stderr
+    try:
+        async with running(config):
+            received = await fetch_all(nats_url, subject, expected=1)
+            received += await fetch_all(nats_url, books, expected=1)
+            await eventually(lambda: _parked_in(config, {"loans": 1, "books": 0}))
+        assert [m.headers["ce-id"] for m in received] == ["book/good@1", "book/good@1"]
+        await assert_parked_as_malformed(dsn, {"no-aggregate": "column 'aggregate_type' is NULL"})
+    finally:
+        await delete_stream(nats_url, subject)
+        await delete_stream(nats_url, books)
+
+
+async def _parked_in(config: RelayConfig, counts: dict[str, int]) -> bool:
+    rows = await status(config)
+    found = {row["name"]: row["parked"] for row in rows}
+    return all(row["checkpoint"] == 3 for row in rows) and found == counts
