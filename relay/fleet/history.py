@@ -315,7 +315,6 @@ class HistoryCheck:
             for i, p in sorted(shared.items(), key=lambda item: item[1][0])[:SHARED_LISTED]
         ]
 
-
     async def _count_across(self, conn: asyncpg.Connection, after: int) -> None:
         """The second pass for ids outboxes share: each candidate's messages, grouped by the
         broker's dedup scope of their destinations (asked after `_probe_made`, so a

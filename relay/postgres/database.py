@@ -285,3 +285,16 @@ def too_old(conn: asyncpg.Connection) -> str | None:
         f"PostgreSQL {version.major} is too old: the relay needs 14 or newer"
         " (client_connection_check_interval frees a dead holder's lease)"
     )
+
+
+def is_lost_reply(context: dict[str, object]) -> bool:
+    """Whether asyncio's report of an unretrieved error is asyncpg's reply waiter, failed by
+    the connection's loss after its caller had given up (a statement timed out or was
+    cancelled, then the connection dropped). The caller already saw its own error and
+    handled it; nothing else can retrieve this one."""
+    exc = context.get("exception")
+    return (
+        context.get("message") == "Future exception was never retrieved"
+        and isinstance(exc, ConnectionError)
+        and str(exc) == "unexpected connection_lost() call"  # asyncpg's coreproto
+    ) or isinstance(exc, asyncpg.ConnectionDoesNotExistError)

@@ -9,11 +9,17 @@ window; the next one that passes says how many were held back since.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from relay.postgres.database import is_lost_reply
 
 # Loggers of the broker and cloud clients the relay uses (and their children).
 CLIENT_LOGGERS = ("aiokafka", "aiormq", "aio_pika", "nats", "botocore", "aiobotocore", "urllib3")
@@ -74,3 +80,24 @@ class RepeatFilter(logging.Filter):
                 del self._kinds[key]
         if len(self._kinds) >= _MAX_KINDS:  # all recent: a library logging unique texts
             self._kinds.clear()
+
+
+def quiet_lost_replies(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Say asyncpg's lost replies (`is_lost_reply`) at debug, not as asyncio's error line,
+    which every cut connection wrote after a timed-out statement; every other report goes
+    to the handler that was there. Returns what puts that handler back."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if is_lost_reply(context):
+            _log.debug("lost connection's late reply dropped", error=str(context["exception"]))
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    return lambda: loop.set_exception_handler(previous)
+
+
+_log = structlog.get_logger("relay.database")

@@ -41,6 +41,7 @@ from relay.postgres.source import EventSource
 from relay.runtime.context import OutboxContext
 from relay.runtime.heap import start_up_heap_frozen
 from relay.runtime.http import Health, HttpServer
+from relay.runtime.log_noise import quiet_lost_replies
 from relay.runtime.replica import OutboxReplica
 from relay.runtime.status_page import StatusCache, StatusPage
 
@@ -66,6 +67,13 @@ class Relay:
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
         db = Database.of(self.config, self.identity)
+        restore = quiet_lost_replies(asyncio.get_running_loop())
+        try:
+            return await self._run(db)
+        finally:
+            restore()
+
+    async def _run(self, db: Database) -> int:
         log.info(
             "relay starting",
             version=__version__,

@@ -191,10 +191,10 @@ WHERE l.locktype = 'transactionid' AND l.pid IS NULL AND l.virtualtransaction = 
         # Seconds since the lane's first event after $1 was written (database clock); None
         # without a created_at column.
         # Not for a time the relay cannot read: infinity cannot be subtracted at all.
+        written = event_table.as_time(quote(cols.created_at)) if cols.created_at else None
         self.pending_age: Final = (
             f"SELECT CASE WHEN {readable} THEN"
-            f" extract(epoch FROM clock_timestamp() - {event_table.as_time(quote(cols.created_at))})"
-            "::float8 END"
+            f" extract(epoch FROM clock_timestamp() - {written})::float8 END"
             f" FROM {table} WHERE {pos} > $1{only} ORDER BY {pos} LIMIT 1"
             if cols.created_at
             else None
