@@ -27,7 +27,7 @@ from bench import backlog, measure
 from bench.report import Results
 from relay.config import RelayConfig
 from relay.fleet.snapshot import snapshot
-from relay.postgres.database import Database
+from relay.postgres.database import Database, KeptConnection
 from relay.runtime.logs import configure
 
 # One process of viewers: `--viewers` threads, each a tab asking every 2 s until killed.
@@ -92,25 +92,38 @@ async def drain(events: int, page: bool, viewers: int) -> dict[str, Any]:
 
 async def read_times(config: RelayConfig, reads: int) -> dict[str, float]:
     """Milliseconds one read of the fleet takes (the median of `reads`): the bench's outbox
-    alone, one lane; and with a second outbox of 16 partitions beside it, 17 lanes."""
+    alone, one lane; and with a second outbox of 16 partitions beside it, 17 lanes. On the
+    page's kept connection, and (`_fresh`) on a connection of its own each time, as the
+    page read before it kept one."""
     db = Database(config.database, "relay:bench:0")
     outbox = config.outboxes[backlog.OUTBOX]
     wide = {**config.outboxes, "wide": outbox.model_copy(update={"partitions": 16})}
     out = {}
-    for lanes, shaped in ((1, config), (17, config.model_copy(update={"outboxes": wide}))):
-        times = []
-        for _ in range(reads):
-            started = time.perf_counter()
-            await snapshot(db, shaped)
-            times.append((time.perf_counter() - started) * 1000)
-        out[f"read_ms_{lanes}"] = median(times)
+    kept = KeptConnection(db, "status")
+    try:
+        for lanes, shaped in ((1, config), (17, config.model_copy(update={"outboxes": wide}))):
+            times: dict[str, list[float]] = {"": [], "_fresh": []}
+            for _ in range(reads):
+                for kind in times:
+                    session = kept if not kind else KeptConnection(db, "status")
+                    started = time.perf_counter()
+                    await snapshot(session, shaped)
+                    if kind:
+                        await session.close()
+                    times[kind].append((time.perf_counter() - started) * 1000)
+            for kind, values in times.items():
+                out[f"read_ms_{lanes}{kind}"] = median(values)
+    finally:
+        await kept.close()
     return out
 
 
 async def main_async(args: argparse.Namespace) -> None:
     configure("warning", "json")
     cpu: dict[str, list[float]] = {"off": [], "on": []}
-    reads: dict[str, list[float]] = {"read_ms_1": [], "read_ms_17": []}
+    reads: dict[str, list[float]] = {
+        key: [] for key in ("read_ms_1", "read_ms_1_fresh", "read_ms_17", "read_ms_17_fresh")
+    }
     print("| round | page | CPU µs per event | events/s |\n|---|---|---|---|")
     for n in range(1, args.rounds + 1):
         for page in (False, True) if n % 2 else (True, False):

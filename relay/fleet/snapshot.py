@@ -16,7 +16,7 @@ from relay.config import RelayConfig
 from relay.fleet import status
 from relay.fleet.parked import summary
 from relay.fleet.status import OutboxStatus
-from relay.postgres.database import Database
+from relay.postgres.database import KeptConnection
 from relay.postgres.membership import Member
 from relay.postgres.store import ParkedMessage, Store
 from relay.redaction import redact
@@ -52,9 +52,9 @@ class FleetSnapshot:
         }
 
 
-async def snapshot(db: Database, config: RelayConfig) -> FleetSnapshot:
-    """One read of the fleet, on one connection."""
-    async with db.one_shot("status") as conn:
+async def snapshot(session: KeptConnection, config: RelayConfig) -> FleetSnapshot:
+    """One read of the fleet, on the status page's connection."""
+    async with session.use() as conn:
         lanes, members = await status.read(conn, config)
         parked = await Store(config.database.schema_).newest_parked(
             conn, [lane.name for lane in lanes], NEWEST_PARKED, TEXT_CUT

@@ -213,6 +213,45 @@ class Database:
                 conn.terminate()
 
 
+class KeptConnection:
+    """One connection kept between uses, for reads repeated every second or so (the status
+    page's): a connection each time cost a backend's start-up per read. Opened on first use,
+    and again after one failed or was cancelled (its state is then unknown); one use at a
+    time; driver errors translated as `one_shot` does."""
+
+    def __init__(self, db: Database, role: str) -> None:
+        self._db, self._role = db, role
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self._lock:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await self._db.connect(self._role)
+            conn, done = self._conn, False
+            try:
+                yield conn
+                done = True
+            except CONNECTION_LOST as exc:
+                raise DatabaseUnavailable(describe(exc)) from exc
+            except asyncpg.PostgresError as exc:
+                raise DatabaseError(describe(exc)) from exc
+            finally:
+                if not done:
+                    self._conn = None
+                    conn.terminate()
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await asyncio.wait_for(conn.close(), timeout=2)
+            except (OSError, TimeoutError, asyncpg.InterfaceError):
+                conn.terminate()
+
+
 def keep_alive(conn: asyncpg.Connection, keepalives: KeepaliveConfig) -> None:
     """The relay's side of TCP keepalives, which asyncpg does not set (asyncpg #606).
 

@@ -32,7 +32,13 @@ from relay.errors import DatabaseError
 from relay.fleet.identity import identity
 from relay.fleet.snapshot import snapshot
 from relay.postgres.command_queue import COMMAND_CHANNEL
-from relay.postgres.database import CONNECTION_LOST, Database, DatabaseUnavailable, too_old
+from relay.postgres.database import (
+    CONNECTION_LOST,
+    Database,
+    DatabaseUnavailable,
+    KeptConnection,
+    too_old,
+)
 from relay.postgres.lease import LEASE_CHANNEL, LeaseBudget, LeaseConnection
 from relay.postgres.membership import Membership
 from relay.postgres.migrations import ensure_migrated, newer_schema
@@ -63,6 +69,7 @@ class Relay:
         self._tasks: list[asyncio.Task[None]] = []
         self._db_seen = float("-inf")
         self._page: StatusPage | None = None
+        self._status_session: KeptConnection | None = None
 
     async def run(self) -> int:
         """Run until stopped; the process exit code."""
@@ -94,6 +101,8 @@ class Relay:
         finally:
             if http is not None:
                 await http.close()
+            if self._status_session is not None:
+                await self._status_session.close()
 
     async def _relay_all(self, db: Database) -> int:
         config = self.config
@@ -158,7 +167,8 @@ class Relay:
         if not c.enabled:
             return None
         if c.status_page:
-            read = StatusCache(lambda: snapshot(db, self.config), timeout=c.request_timeout)
+            session = self._status_session = KeptConnection(db, "status")
+            read = StatusCache(lambda: snapshot(session, self.config), timeout=c.request_timeout)
             self._page = StatusPage(read, self.identity)
         port = self.http_port if self.http_port is not None else c.port
         health = Health(

@@ -331,3 +331,34 @@ async def test_a_database_outage_keeps_the_last_good_read_and_says_why(
             assert body["error"] and body["lanes"] and body["taken_at"] >= good["taken_at"]
             assert "Data from" in driver.find_element(By.ID, "meta").text
             assert_only_local(driver, port)
+
+
+async def test_the_page_reads_the_fleet_on_one_kept_connection(
+    events_table: str, nats_url: str, tmp_path: Path, relay_process: Any
+) -> None:
+    """Each read of the fleet (once a second while viewed, every 5 s for the lag samples)
+    opened and closed a connection of its own: a backend's start-up per read. One session,
+    `<identity>:status`, now serves them all, and is there between reads."""
+
+    async def status_sessions() -> list[int]:
+        async with connect(events_table) as conn:
+            pids: list[int] = [
+                r["pid"]
+                for r in await conn.fetch(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name LIKE '%:status'"
+                )
+            ]
+        return pids
+
+    async with library(events_table, nats_url, tmp_path) as path:
+        ((_, port),) = await start(relay_process, path, 1)
+        await eventually(lambda: status_json(path)[0]["holder"] is not None, timeout=30)
+        first = json.loads((await get(port, "/status.json"))[1])["taken_at"]
+        sessions = await status_sessions()
+        assert len(sessions) == 1, sessions
+
+        async def read_again() -> bool:
+            return json.loads((await get(port, "/status.json"))[1])["taken_at"] != first
+
+        await eventually(read_again, timeout=10)
+        assert await status_sessions() == sessions
