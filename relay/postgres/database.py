@@ -20,11 +20,17 @@ from relay.postgres.primary import (
     address,
     ask_each,
     hosts,
+    server_of,
     no_primary,
     split_brain,
     url_user,
 )
 from relay.redaction import redact
+
+# How long a split-brain check's verdict (only one host answers as a primary) stands for
+# new connections to that same server: lanes connecting together share one check of the
+# hosts. A server restarted since, or another one, is always checked.
+CHECKED_FOR = 2.0
 
 # The one classifier of driver errors: these mean "the database went away or the
 # connection broke", so the caller retries (with backoff) and never crashes. Everything
@@ -86,6 +92,10 @@ class Database:
         self.config = config
         self.identity = identity
         self.keepalives = keepalives or KeepaliveConfig()
+        # The server the hosts were last found to have as their only primary, and when: see
+        # `_one_primary`. One check at a time, so that lanes connecting together share it.
+        self._sole_primary: tuple[tuple[str, str], float] | None = None
+        self._checking = asyncio.Lock()
 
     @classmethod
     def of(cls, config: RelayConfig, identity: str) -> Database:
@@ -183,7 +193,18 @@ class Database:
         again as it was would otherwise get a holder of every lane beside the fleet's."""
         if len(hosts(self.config.url.get_secret_value())) < 2:
             return conn
-        why = split_brain(await self._hosts())
+        try:
+            server = await server_of(conn)
+        except CONNECTION_LOST as exc:
+            conn.terminate()
+            raise DatabaseUnavailable(f"the database at {self.address} {describe(exc)}") from exc
+        async with self._checking:
+            known = self._sole_primary
+            loop = asyncio.get_running_loop()
+            if known is not None and known[0] == server and loop.time() - known[1] < CHECKED_FOR:
+                return conn  # the same server, found the only primary moments ago
+            why = split_brain(await self._hosts())
+            self._sole_primary = None if why is not None else (server, loop.time())
         if why is None:
             return conn
         conn.terminate()

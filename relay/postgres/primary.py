@@ -87,6 +87,12 @@ _WHAT_IS = (
 )
 
 
+async def server_of(conn: asyncpg.Connection) -> tuple[str, str]:
+    """The server `conn` reaches, as `Host.server` names it: a restarted server is another."""
+    row = await conn.fetchrow(_WHAT_IS)
+    return str(row["started"]), str(row["port"])
+
+
 async def ask_each(
     url: str,
     open_any: Callable[[str, int], Awaitable[asyncpg.Connection]],
@@ -108,7 +114,7 @@ async def ask_each(
             return Host(here, "down", f"{here} did not answer: {text(exc)}")
         finally:
             conn.terminate()
-        server = (str(row["started"]), str(row["port"]))
+        server = str(row["started"]), str(row["port"])
         if row["recovering"]:
             said = f"{here} is a standby (in recovery: read-only until it is promoted)"
             return Host(here, "standby", said, server)

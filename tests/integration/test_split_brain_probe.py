@@ -1,0 +1,60 @@
+"""The split-brain check asks every host of a multi-host URL what it is, on a connection
+of its own, for each new connection of the relay: a replica with many lanes opened as many
+probes, at start and after every reconnect. A verdict is kept for a short time
+(`SPLIT_BRAIN_CHECKED_FOR`), and only for connections to the very server it found the sole
+primary: a restarted or another server is asked about again."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from relay.config import DatabaseConfig
+from relay.postgres.database import Database
+from tests.support.scenario import eventually
+
+
+@contextmanager
+def counting_listener() -> Iterator[tuple[int, list[int]]]:
+    """A port that accepts and closes at once (a host that is down for PostgreSQL), and
+    the count of connections it accepted."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted = [0]
+
+    def serve() -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            client.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        server.close()
+
+
+async def test_connections_opened_together_ask_the_hosts_once(database: str) -> None:
+    rest = database.split("@", 1)[1].split("/", 1)
+    with counting_listener() as (port, accepted):
+        url = f"postgresql://postgres@{rest[0]},127.0.0.1:{port}/{rest[1]}"
+        db = Database(DatabaseConfig(url=url), "relay:tests:0")
+        conns = [await db.connect("reader") for _ in range(6)]
+        try:
+            assert accepted[0] == 1, f"{accepted[0]} probes of the second host for 6 connections"
+
+            async def asked_again() -> bool:  # once the verdict is older than it may be
+                conn = await db.connect("reader")
+                conns.append(conn)
+                return accepted[0] == 2
+
+            await eventually(asked_again, timeout=10, interval=0.5)
+        finally:
+            for conn in conns:
+                conn.terminate()
