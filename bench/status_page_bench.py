@@ -104,13 +104,13 @@ async def read_times(config: RelayConfig, reads: int) -> dict[str, float]:
         for lanes, shaped in ((1, config), (17, config.model_copy(update={"outboxes": wide}))):
             times: dict[str, list[float]] = {"": [], "_fresh": []}
             for _ in range(reads):
-                for kind in times:
+                for kind, kept_times in times.items():
                     session = kept if not kind else KeptConnection(db, "status")
                     started = time.perf_counter()
                     await snapshot(session, shaped)
                     if kind:
                         await session.close()
-                    times[kind].append((time.perf_counter() - started) * 1000)
+                    kept_times.append((time.perf_counter() - started) * 1000)
             for kind, values in times.items():
                 out[f"read_ms_{lanes}{kind}"] = median(values)
     finally:

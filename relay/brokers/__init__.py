@@ -59,9 +59,26 @@ def create_reader(name: str, config: BrokerConfig) -> Reader:
     return reader
 
 
+def create_publishers(name: str, config: BrokerConfig, count: int) -> list[Publisher]:
+    """The publishers of an outbox's `count` lanes on broker `name`, not connected: one
+    each, so that lanes publish side by side; an adapter whose client setup is costly
+    shares it among them (`for_lanes`: the AWS adapters' session)."""
+    module_name, class_name, _ = _ADAPTERS[config.type]
+    adapter = _adapter(config, name, module_name, class_name)
+    for_lanes = getattr(adapter, "for_lanes", None)
+    if for_lanes is not None:
+        return cast(list[Publisher], for_lanes(name, config, count))
+    return [cast(Publisher, adapter(name, config)) for _ in range(count)]
+
+
 def _built(name: str, config: BrokerConfig, module_name: str, class_name: str) -> Any:
-    """`class_name` of `module_name`, made for broker `name`; a missing client library is a
-    ConfigError naming the extra that brings it."""
+    """`class_name` of `module_name`, made for broker `name`."""
+    return _adapter(config, name, module_name, class_name)(name, config)
+
+
+def _adapter(config: BrokerConfig, name: str, module_name: str, class_name: str) -> Any:
+    """The class `class_name` of `module_name`; a missing client library is a ConfigError
+    naming the extra that brings it."""
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -70,7 +87,7 @@ def _built(name: str, config: BrokerConfig, module_name: str, class_name: str) -
             f"brokers.{name}: type {config.type!r} needs its client library ({exc.name}); "
             f"install it with: pip install 'outbox-relay[{extra}]'"
         ) from exc
-    return getattr(module, class_name)(name, config)
+    return getattr(module, class_name)
 
 
 class Probing(Protocol):

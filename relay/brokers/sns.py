@@ -45,7 +45,6 @@ class SnsPublisher(EntryBatchPublisher):
 
     def __init__(self, name: str, config: SnsBrokerConfig) -> None:
         super().__init__(name, config)
-        self._region = config.region
         self._account: tuple[str, str] | None = None  # (partition, account) of the credentials
 
     def _listing(self) -> tuple[Awaitable[Any], Callable[[str], bool]]:
@@ -78,7 +77,7 @@ class SnsPublisher(EntryBatchPublisher):
     async def _caller(self) -> tuple[str, str]:
         """(partition, account) of the credentials, asked of STS once: a topic name's ARN."""
         if self._account is None:
-            assert self._stack is not None
+            assert self._stack is not None and self._session is not None  # connected
             try:
                 sts = await self._stack.enter_async_context(
                     self._session.client("sts", endpoint_url=self._endpoint_url)

@@ -20,8 +20,8 @@ from relay.postgres.primary import (
     address,
     ask_each,
     hosts,
-    server_of,
     no_primary,
+    server_of,
     split_brain,
     url_user,
 )

@@ -21,7 +21,7 @@ import asyncpg
 import structlog
 
 from relay import __version__
-from relay.brokers import create_publisher
+from relay.brokers import create_publishers
 from relay.config import RelayConfig
 from relay.core.lane_state import OutboxState
 from relay.core.lanes import lanes_of
@@ -141,19 +141,23 @@ class Relay:
     ) -> OutboxReplica:
         """The outbox's lanes (one publisher each, so that they publish side by side)."""
         outbox = self.config.outboxes[name]
-        lanes = [
+        lanes = lanes_of(name, outbox.partitions)
+        publishers = create_publishers(
+            outbox.broker, self.config.brokers[outbox.broker], len(lanes)
+        )
+        contexts = [
             OutboxContext.build(
                 lane,
                 self.config,
                 identity=self.identity,
-                publisher=create_publisher(outbox.broker, self.config.brokers[outbox.broker]),
+                publisher=publisher,
                 metrics=self.metrics,
                 shutdown=self.stop,
             )
-            for lane in lanes_of(name, outbox.partitions)
+            for lane, publisher in zip(lanes, publishers, strict=True)
         ]
         return OutboxReplica(
-            lanes,
+            contexts,
             session=session,
             budget=self._budget,
             db=db,

@@ -16,7 +16,7 @@ import pytest
 
 from relay.runtime.log_noise import quiet_lost_replies
 from tests.support.proxy import TcpProxy
-from tests.support.scenario import config_dict, load_and_migrate, running
+from tests.support.scenario import config_dict, eventually, load_and_migrate, running
 
 
 async def _timed_out_then_cut(dsn_host: str, proxy: TcpProxy) -> None:
@@ -25,8 +25,7 @@ async def _timed_out_then_cut(dsn_host: str, proxy: TcpProxy) -> None:
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(conn.fetchval("SELECT 1"), 0.3)
     proxy.cut()
-    while not conn.is_closed():  # asyncpg sees the loss: connection_lost() fails the waiter
-        await asyncio.sleep(0.01)
+    await eventually(conn.is_closed)  # asyncpg sees the loss: connection_lost() fails the waiter
     del conn
     for _ in range(3):  # the waiter is logged when it is collected
         gc.collect()

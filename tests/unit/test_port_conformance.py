@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from relay.brokers import _ADAPTERS, Probing, create_publisher
+from relay.brokers import _ADAPTERS, Probing, create_publisher, create_publishers
 from relay.config import BrokerConfig
 from relay.core.publishing import Publisher
 
@@ -123,3 +123,27 @@ def test_each_adapter_names_where_its_broker_drops_a_second_message_of_an_id(
         )
         assert prober.dedup_scope("orders.a") == prober.dedup_scope("orders.b")
         assert "ORDERS" in (prober.dedup_scope("orders.a") or "")
+
+
+@pytest.mark.parametrize("kind", ["sqs", "sns", "kinesis"])
+async def test_an_outboxs_lanes_on_an_aws_broker_share_one_session(kind: str) -> None:
+    """Each lane's publisher made an AWS session of its own, and each session loads
+    botocore's models anew: eight Kinesis lanes took 67 MiB and 1.2 s against 10 MiB and
+    0.6 s for one. The lanes of an outbox now share one; each still has its own client."""
+    config = TypeAdapter(BrokerConfig).validate_python({"type": kind, **MINIMAL[kind]})
+    lanes = create_publishers("b", config, 4)
+    try:
+        for publisher in lanes:
+            await publisher.connect()  # makes the client; no request is sent
+        sessions = {id(getattr(p, "_session", None)) for p in lanes}
+        clients = {id(getattr(p, "_client", None)) for p in lanes}
+        assert len(sessions) == 1 and len(clients) == 4
+    finally:
+        for publisher in lanes:
+            await publisher.close()
+
+
+def test_lanes_of_other_brokers_are_made_one_by_one() -> None:
+    config = TypeAdapter(BrokerConfig).validate_python({"type": "nats", **MINIMAL["nats"]})
+    lanes = create_publishers("b", config, 3)
+    assert len({id(p) for p in lanes}) == 3

@@ -353,12 +353,13 @@ async def test_the_page_reads_the_fleet_on_one_kept_connection(
     async with library(events_table, nats_url, tmp_path) as path:
         ((_, port),) = await start(relay_process, path, 1)
         await eventually(lambda: status_json(path)[0]["holder"] is not None, timeout=30)
-        first = json.loads((await get(port, "/status.json"))[1])["taken_at"]
+        first: str = json.loads((await get(port, "/status.json"))[1])["taken_at"]
         sessions = await status_sessions()
         assert len(sessions) == 1, sessions
 
         async def read_again() -> bool:
-            return json.loads((await get(port, "/status.json"))[1])["taken_at"] != first
+            taken_at: str = json.loads((await get(port, "/status.json"))[1])["taken_at"]
+            return taken_at != first
 
         await eventually(read_again, timeout=10)
         assert await status_sessions() == sessions
