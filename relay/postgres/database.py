@@ -106,16 +106,10 @@ class Database:
         self, role: str, *, keepalives: KeepaliveConfig | None = None, **server_settings: str
     ) -> asyncpg.Connection:
         """A connection named `role`; `keepalives` instead of this factory's, on both sides."""
-        k = keepalives or self.keepalives
         settings = {
             "application_name": f"{self.identity}:{role}"[:63],
             **_OWN_SETTINGS,
-            # Postgres's side of the keepalives: it ends the backend of a relay whose path
-            # died, instead of keeping its slot (and its locks) for hours.
-            "tcp_keepalives_idle": str(int(k.idle)),
-            "tcp_keepalives_interval": str(int(k.interval)),
-            "tcp_keepalives_count": str(k.count),
-            "tcp_user_timeout": str(int(k.dead_after * 1000)),
+            **server_keepalives(keepalives or self.keepalives),
             **server_settings,
         }
         try:
@@ -155,7 +149,7 @@ class Database:
             raise DatabaseError(
                 f"the database at {self.address} refused the connection: {self._said(exc)}"
             ) from exc
-        keep_alive(conn, k)
+        keep_alive(conn, keepalives or self.keepalives)
         return await self._one_primary(conn)
 
     def _said(self, exc: BaseException) -> str:
@@ -175,7 +169,10 @@ class Database:
                 host=host,
                 port=port,
                 timeout=self.config.connect_timeout,
-                server_settings={"application_name": f"{self.identity}:probe"[:63]},
+                server_settings={
+                    "application_name": f"{self.identity}:probe"[:63],
+                    **server_keepalives(self.keepalives),
+                },
                 target_session_attrs="any",
             )
 
@@ -271,6 +268,18 @@ class KeptConnection:
                 await asyncio.wait_for(conn.close(), timeout=2)
             except (OSError, TimeoutError, asyncpg.InterfaceError):
                 conn.terminate()
+
+
+def server_keepalives(k: KeepaliveConfig) -> dict[str, str]:
+    """Postgres's side of the keepalives, for every session the relay opens: it ends the
+    backend of a relay whose path died, instead of keeping its slot (and its locks) for
+    the server's default two hours."""
+    return {
+        "tcp_keepalives_idle": str(int(k.idle)),
+        "tcp_keepalives_interval": str(int(k.interval)),
+        "tcp_keepalives_count": str(k.count),
+        "tcp_user_timeout": str(int(k.dead_after * 1000)),
+    }
 
 
 def keep_alive(conn: asyncpg.Connection, keepalives: KeepaliveConfig) -> None:

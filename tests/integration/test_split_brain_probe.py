@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from relay.config import DatabaseConfig
 from relay.postgres.database import Database
+from tests.support.proxy import TcpProxy
 from tests.support.scenario import eventually
 
 
@@ -58,3 +59,26 @@ async def test_connections_opened_together_ask_the_hosts_once(database: str) -> 
         finally:
             for conn in conns:
                 conn.terminate()
+
+
+async def test_the_hosts_are_asked_on_sessions_the_server_ends_when_their_path_dies(
+    database: str,
+) -> None:
+    """The relay's own connections ask the server to probe them (`tcp_keepalives_*`,
+    `tcp_user_timeout`), so a backend whose client's path died is ended in seconds; the
+    probes of the hosts did not, and one caught by a dead path kept its slot for the
+    server's default two hours."""
+    host, port = database.split("@", 1)[1].split("/", 1)[0].split(":")
+    proxy = TcpProxy(host, int(port), record=True)
+    try:
+        rest = database.split("@", 1)[1].split("/", 1)
+        url = f"postgresql://postgres@{rest[0]},{proxy.host}:{proxy.port}/{rest[1]}"
+        db = Database(DatabaseConfig(url=url), "relay:tests:0")
+        conn = await db.connect("reader")  # the first host; the proxy's is only asked
+        conn.terminate()
+        sent = proxy.client_bytes()
+        assert b"relay:tests:0:probe" in sent
+        for setting in (b"tcp_keepalives_idle", b"tcp_keepalives_count", b"tcp_user_timeout"):
+            assert setting in sent, setting
+    finally:
+        proxy.close()
