@@ -19,9 +19,12 @@ from relay.core.delivery import Parking, RetryCount
 from relay.core.event import Event
 from relay.core.publishing import Message
 from relay.errors import FencedError
-from relay.postgres.queries import statements
+from relay.postgres.queries import lock_wait, statements
 from relay.postgres.skipping import Skip, skip_of
 from relay.postgres.source import Blocker
+
+# Seconds a gauge's read of relay.parked waits for a lock another session holds.
+GAUGE_LOCK_WAIT = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,8 +302,16 @@ class Store:
         rows = await conn.fetch(self.queries["parked_lanes"], ids, lanes)
         return {int(r["id"]): str(r["outbox"]) for r in rows}
 
-    async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int:
-        return int(await conn.fetchval(self.queries["parked_count"], outbox))
+    async def parked_count(self, conn: asyncpg.Connection, outbox: str) -> int | None:
+        """For the gauge: None when the table is locked by another session (a `LOCK TABLE`,
+        a backup, a migration) for longer than GAUGE_LOCK_WAIT. The holder reads it on the
+        loop that delivers, and waited behind such a lock: the lane stalled for a gauge."""
+        try:
+            async with conn.transaction(readonly=True):
+                await conn.execute(lock_wait(GAUGE_LOCK_WAIT))
+                return int(await conn.fetchval(self.queries["parked_count"], outbox))
+        except asyncpg.LockNotAvailableError:
+            return None
 
     async def parked_keys(
         self, conn: asyncpg.Connection, lanes: list[str], after: int, upto: int

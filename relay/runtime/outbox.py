@@ -409,7 +409,8 @@ class OutboxRelay:
         age = await source.pending_age(s.reader, position) if behind > 0 else 0.0
         metrics.lag_seconds.labels(*self.labels).set(age)
         parked = await self.ctx.store.parked_count(s.reader, s.claimed.claim.outbox)
-        metrics.parked.labels(*self.labels).set(parked)  # a read: on the reader, not the lease
+        if parked is not None:  # None: the table is locked; the gauge keeps its last value
+            metrics.parked.labels(*self.labels).set(parked)  # on the reader, not the lease
 
     def _skipped(self, rule: CompiledRule) -> None:
         self.ctx.metrics.skipped.labels(*self.labels, rule.type, "when").inc()

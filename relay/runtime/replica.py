@@ -149,7 +149,8 @@ class LaneHolder:
         holding.warn_if_broker_changed(self.log, ctx.lane.outbox, claim)
         holding.warn_if_skip_unreadable(self.log, claim)
         self._transition("acquired")
-        ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
+        if parked is not None:  # None: relay.parked is locked by another session
+            ctx.metrics.parked.labels(*ctx.lane.labels).set(parked)
         return Hold(reader=reader, claimed=claimed)
 
     async def _relay_while_held(self, hold: Hold) -> str | None:

@@ -15,12 +15,13 @@ import asyncpg
 import pytest
 
 from relay.runtime.log_noise import quiet_lost_replies
+from tests.support import postgres
 from tests.support.proxy import TcpProxy
 from tests.support.scenario import config_dict, eventually, load_and_migrate, running
 
 
-async def _timed_out_then_cut(dsn_host: str, proxy: TcpProxy) -> None:
-    conn = await asyncpg.connect(f"postgresql://postgres@{dsn_host}:{proxy.port}/postgres")
+async def _timed_out_then_cut(dsn: str, proxy: TcpProxy) -> None:
+    conn = await asyncpg.connect(postgres.with_address(dsn, proxy.host, proxy.port))
     proxy.pause()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(conn.fetchval("SELECT 1"), 0.3)
@@ -34,16 +35,16 @@ async def _timed_out_then_cut(dsn_host: str, proxy: TcpProxy) -> None:
 
 @pytest.mark.parametrize("quiet", [False, True], ids=["asyncio's handler", "the relay's"])
 async def test_a_reply_lost_after_its_caller_gave_up_is_not_an_error(
-    quiet: bool, caplog: pytest.LogCaptureFixture
+    quiet: bool, database: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
-    proxy = TcpProxy("127.0.0.1", 5432)
+    proxy = TcpProxy(*postgres.address(database))
     try:
         if quiet:
             quiet_lost_replies(loop)
         with caplog.at_level(logging.DEBUG, logger="asyncio"):
-            await _timed_out_then_cut("127.0.0.1", proxy)
+            await _timed_out_then_cut(database, proxy)
         errors = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
         if quiet:
             assert errors == []

@@ -10,9 +10,11 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
 
 from relay.config import DatabaseConfig
 from relay.postgres.database import Database
+from tests.support import postgres
 from tests.support.proxy import TcpProxy
 from tests.support.scenario import eventually
 
@@ -41,10 +43,18 @@ def counting_listener() -> Iterator[tuple[int, list[int]]]:
         server.close()
 
 
+def second_host(dsn: str, host: str, port: int) -> str:
+    """`dsn` with a second host after its own."""
+    parts = urlsplit(dsn)
+    first = "{}:{}".format(*postgres.address(dsn))
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{first},{host}:{port}" if userinfo else f"{first},{host}:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 async def test_connections_opened_together_ask_the_hosts_once(database: str) -> None:
-    rest = database.split("@", 1)[1].split("/", 1)
     with counting_listener() as (port, accepted):
-        url = f"postgresql://postgres@{rest[0]},127.0.0.1:{port}/{rest[1]}"
+        url = second_host(database, "127.0.0.1", port)
         db = Database(DatabaseConfig(url=url), "relay:tests:0")
         conns = [await db.connect("reader") for _ in range(6)]
         try:
@@ -68,11 +78,9 @@ async def test_the_hosts_are_asked_on_sessions_the_server_ends_when_their_path_d
     `tcp_user_timeout`), so a backend whose client's path died is ended in seconds; the
     probes of the hosts did not, and one caught by a dead path kept its slot for the
     server's default two hours."""
-    host, port = database.split("@", 1)[1].split("/", 1)[0].split(":")
-    proxy = TcpProxy(host, int(port), record=True)
+    proxy = TcpProxy(*postgres.address(database), record=True)
     try:
-        rest = database.split("@", 1)[1].split("/", 1)
-        url = f"postgresql://postgres@{rest[0]},{proxy.host}:{proxy.port}/{rest[1]}"
+        url = second_host(database, proxy.host, proxy.port)
         db = Database(DatabaseConfig(url=url), "relay:tests:0")
         conn = await db.connect("reader")  # the first host; the proxy's is only asked
         conn.terminate()
