@@ -153,7 +153,7 @@ class NatsPublisher:
         return None
 
     async def _probe_subject(self, js: JetStreamContext, subject: str) -> str | None:
-        if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
+        if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject) or _reserved(subject):
             return f"broker {self.name!r}: {_invalid(subject)}"
         wanted = self._config.stream
         if (
@@ -346,6 +346,8 @@ class NatsPublisher:
             return PermanentPublishError(text)
         if isinstance(exc, nats.js.errors.NoStreamResponseError):
             return TransientPublishError(f"{text}: no stream captures this subject")
+        if isinstance(exc, NotAPubAck):  # a responder answers there: no retry makes it a stream
+            return PermanentPublishError(text)
         return TransientPublishError(text)
 
     async def close(self) -> None:
@@ -429,7 +431,7 @@ def _read_reply(msg: Msg) -> Reply:
         if msg.headers["Status"] == "503":  # no stream captures the subject
             return nats.js.errors.NoStreamResponseError()
         return nats.js.errors.APIError(code=int(msg.headers["Status"]))
-    if b'"error"' not in data and b'"duplicate"' not in data:
+    if b'"error"' not in data and b'"duplicate"' not in data and b'"seq"' in data:
         return _STORED
     try:
         answer = json.loads(data)
@@ -441,15 +443,26 @@ def _read_reply(msg: Msg) -> Reply:
             nats.js.errors.APIError.from_error(error)
         except nats.js.errors.APIError as exc:
             return exc
-    if isinstance(answer, dict) and answer.get("duplicate") is True:
+    if not isinstance(answer, dict) or "seq" not in answer or "stream" not in answer:
+        return NotAPubAck(data)
+    if answer.get("duplicate") is True:
         return _DUPLICATE
     return _STORED
+
+
+class NotAPubAck(Exception):
+    """A reply without a stream and a sequence: a service answering on the subject (a
+    request-reply responder), which no stream stores. Never taken for stored."""
+
+    def __init__(self, data: bytes) -> None:
+        said = excerpt(data.decode("utf-8", "replace"))
+        super().__init__(f"the reply is not a PubAck (no stream stored the message): {said}")
 
 
 def _unsendable(message: Message) -> str | None:
     """Why the message's subject or headers cannot go out as written; None when they can."""
     subject = message.destination
-    if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject):
+    if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject) or _reserved(subject):
         return _invalid(subject)
     # What comes from the event; the rest is the config's, checked at load.
     return altered(
@@ -510,6 +523,12 @@ def _invalid(subject: str) -> str:
     return f"invalid subject {excerpt(subject)}: {_broken_rule(subject)}"
 
 
+def _reserved(subject: str) -> bool:
+    """A subject of the server's own API or system account: `$JS.API.STREAM.PURGE.X` from
+    event data purged a stream. A key-value bucket's `$KV.` is a stream like any other."""
+    return subject[0] == "$" and not subject.startswith("$KV.")
+
+
 def _too_long(subject: str) -> bool:
     """Over MAX_SUBJECT_BYTES once encoded; encoded only when it could be (UTF-8: 4 a char)."""
     return len(subject) * 4 > MAX_SUBJECT_BYTES and len(subject.encode()) > MAX_SUBJECT_BYTES
@@ -519,6 +538,12 @@ def _broken_rule(subject: str) -> str:
     """Why a subject that failed _VALID_SUBJECT cannot be published to; off the hot path."""
     if not subject:
         return "it is empty"
+    if _reserved(subject):
+        return (
+            "subjects starting with '$' are the server's own ($JS.API, $JS.ACK, $SYS...):"
+            " a message sent there is a command to the server, not an event (only $KV., a"
+            " key-value bucket's stream, may be published to)"
+        )
     if _too_long(subject):
         return (
             f"it is {len(subject.encode()):,} bytes long; NATS reads a publish's protocol line up"

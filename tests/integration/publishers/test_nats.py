@@ -576,3 +576,49 @@ async def test_the_audit_reader_leaves_the_cloudevents_headers_unparsed(
     finally:
         await client.close()
         await delete_stream(nats_url, stream)
+
+
+async def test_a_subject_of_the_servers_own_api_is_refused_and_nothing_is_purged(
+    nats_url: str,
+) -> None:
+    """Found by an attack: a destination made from event data of
+    `$JS.API.STREAM.PURGE.<stream>` was sent: the server purged the stream, and its API reply
+    was taken for a PubAck, so the event counted as published. Subjects starting with `$`
+    are the server's (NATS reserves them for the system): refused before sending, for good,
+    but for a key-value bucket's `$KV.`, which a stream stores."""
+    victim = unique_name("victim")
+    await create_stream(nats_url, victim, [f"{victim}.>"])
+    pub = publisher(nats_url)
+    try:
+        await pub.publish([message(f"{victim}.kept", n) for n in (1, 2)])
+        reserved = (f"$JS.API.STREAM.PURGE.{victim}", f"$JS.ACK.{victim}.c.1.1.1.1.0", "$SYS.x")
+        assert pub.refusal(message("$KV.bucket.key", 3)) is None
+        for subject in reserved:
+            (refused,) = await pub.publish([message(subject, 3)])
+            assert isinstance(refused, PermanentPublishError), (subject, refused)
+            assert "the server's own" in str(refused)
+            assert pub.refusal(message(subject, 3)) is not None
+        assert len(await fetch_all(nats_url, victim, expected=2)) == 2
+    finally:
+        await pub.close()
+        await delete_stream(nats_url, victim)
+
+
+async def test_a_reply_that_is_not_a_puback_is_not_taken_for_one(nats_url: str) -> None:
+    """A service answering on a subject no stream captures (a request-reply responder) sent
+    a reply the adapter read as `stored`: the message counted as published and was not."""
+    subject = unique_name("responder")
+    async with connect(nats_url) as nc:
+
+        async def answer(msg: Any) -> None:
+            await msg.respond(b'{"type":"io.example.response","success":true}')
+
+        await nc.subscribe(f"{subject}.>", cb=answer)
+        await nc.flush()
+        pub = publisher(nats_url)
+        try:
+            (outcome,) = await pub.publish([message(f"{subject}.x", 1)])
+            assert outcome is not None, "a responder's reply was taken for a PubAck"
+            assert "not a PubAck" in str(outcome)
+        finally:
+            await pub.close()
