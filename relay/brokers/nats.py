@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 from collections.abc import Collection, Sequence
 
 import nats
@@ -43,6 +42,13 @@ from nats.js.api import StorageType, StreamConfig
 from relay.brokers._batch import connect_or_fail, connected, not_sent
 from relay.brokers._header_values import altered
 from relay.brokers._nats import open_connection, text_of
+from relay.brokers._nats_subjects import (
+    VALID_SUBJECT,
+    captures,
+    invalid,
+    reserved,
+    too_long,
+)
 from relay.config.brokers import NatsBrokerConfig, NatsStreamConfig
 from relay.core.publishing import ATTRIBUTES, Message, Outcome, cloudevent_attributes
 from relay.errors import PermanentPublishError, PublishError, TransientPublishError, UnsendableError
@@ -56,16 +62,8 @@ _PERMANENT_CODES = {
     10097,  # header size exceeds the maximum allowed (64 KiB): an id or key that long
 }
 
-# A token of a publish subject: not empty, and free of the separator, the wildcards,
-# whitespace and control characters (a CR or LF would end the protocol line). One regex
-# match per message keeps the check cheap on the hot path.
-_TOKEN = r"[^.*>\s\x00-\x1f\x7f-\x9f]+"
-_VALID_SUBJECT = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")
-# The server reads a publish's protocol line (HPUB, subject, reply inbox, sizes) up to
-# max_control_line, 4 KiB by default, and closes the connection on a longer one: a failure
-# that would look transient and hold the outbox back for ever. The inbox and sizes take
-# under 128 bytes.
-MAX_SUBJECT_BYTES = 4096 - 128
+# Subjects whose stream `refusal` and `dedup_scope` remember (a template's may be many).
+_SUBJECTS_KEPT = 10_000
 # A JetStream stream refuses a message whose header block is longer (err_code 10097).
 MAX_HEADER_BYTES = 65_535
 
@@ -82,8 +80,11 @@ class NatsPublisher:
         self.last_duplicates: list[int] = []
         self._max_payload: int | None = None  # the server's, once a connection learnt it
         # subject -> (its stream, the stream's max_msg_size), as `probe` found them
-        self._stream_limits: dict[str, tuple[str, int]] = {}
-        self._streams: dict[str, str] = {}  # subject -> the stream `probe` found capturing it
+        self._streams: dict[str, str | None] = {}  # subject -> the stream capturing it
+        self._limits: dict[str, int] = {}  # stream -> its max_msg_size, where it has one
+        # every stream's (name, subjects), as `probe` listed them: a subject made from an
+        # event finds its stream here, without a request each
+        self._listed: list[tuple[str, list[str]]] = []
 
     async def connect(self) -> None:
         if self._nc is not None and self._nc.is_connected:
@@ -128,6 +129,7 @@ class NatsPublisher:
             js = nc.jetstream(timeout=c.ack_timeout)
             try:
                 await js.account_info()
+                await self._list_streams(js)
             except (OSError, TimeoutError, nats.errors.Error) as exc:
                 return [f"broker {self.name!r}: JetStream unavailable: {_text(exc)}"]
             return [p for p in [await self._probe_stream(js)] if p] + [
@@ -153,8 +155,8 @@ class NatsPublisher:
         return None
 
     async def _probe_subject(self, js: JetStreamContext, subject: str) -> str | None:
-        if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject) or _reserved(subject):
-            return f"broker {self.name!r}: {_invalid(subject)}"
+        if not VALID_SUBJECT.fullmatch(subject) or too_long(subject) or reserved(subject):
+            return f"broker {self.name!r}: {invalid(subject)}"
         wanted = self._config.stream
         if (
             wanted is not None
@@ -173,8 +175,36 @@ class NatsPublisher:
             )
         self._streams[subject] = stream
         if limit is not None and limit > 0:  # `refusal` judges its messages by it
-            self._stream_limits[subject] = (stream, limit)
+            self._limits[stream] = limit
         return None
+
+    async def _list_streams(self, js: JetStreamContext) -> None:
+        """Every stream's subjects and max_msg_size, for `refusal` and `dedup_scope` to judge
+        subjects `probe` was not asked about (made from events)."""
+        self._listed = []
+        for info in await js.streams_info():
+            name, limit = info.config.name, info.config.max_msg_size
+            if name is None:
+                continue
+            self._listed.append((name, list(info.config.subjects or [])))
+            if limit is not None and limit > 0:
+                self._limits[name] = limit
+
+    def _stream_of(self, subject: str) -> str | None:
+        """The stream capturing `subject`, as `probe` found or listed it; None if unknown."""
+        if subject in self._streams:
+            return self._streams[subject]
+        stream = next(
+            (
+                name
+                for name, subjects in self._listed
+                if any(captures(p, subject) for p in subjects)
+            ),
+            None,
+        )
+        if len(self._streams) < _SUBJECTS_KEPT:
+            self._streams[subject] = stream
+        return stream
 
     async def _provision_stream(self, wanted: NatsStreamConfig) -> None:
         """Create the configured stream if missing; say so if it differs from the config."""
@@ -239,8 +269,12 @@ class NatsPublisher:
         if problem is None and self._max_payload is not None:
             carried = message_headers(message)
             problem = _oversized(message, carried, self._max_payload, self._header_limit)
-        if problem is None and (known := self._stream_limits.get(message.destination)):
-            stream, limit = known
+        if (
+            problem is None
+            and self._limits
+            and (stream := self._stream_of(message.destination)) is not None
+            and (limit := self._limits.get(stream))
+        ):
             size = len(message.body) + _header_bytes(message_headers(message))
             if size > limit:  # the stream refuses it (10054), as `relay run` would find
                 problem = (
@@ -259,7 +293,7 @@ class NatsPublisher:
         wanted = self._config.stream
         if wanted is not None and any(captures(p, destination) for p in wanted.subjects):
             return f"broker {self.name!r}, stream {wanted.name}"
-        if (stream := self._streams.get(destination)) is not None:
+        if (stream := self._stream_of(destination)) is not None:
             return f"broker {self.name!r}, stream {stream}"
         return f"broker {self.name!r} (its streams not asked)"
 
@@ -462,8 +496,8 @@ class NotAPubAck(Exception):
 def _unsendable(message: Message) -> str | None:
     """Why the message's subject or headers cannot go out as written; None when they can."""
     subject = message.destination
-    if not _VALID_SUBJECT.fullmatch(subject) or _too_long(subject) or _reserved(subject):
-        return _invalid(subject)
+    if not VALID_SUBJECT.fullmatch(subject) or too_long(subject) or reserved(subject):
+        return invalid(subject)
     # What comes from the event; the rest is the config's, checked at load.
     return altered(
         ("Nats-Msg-Id", message.id),
@@ -517,56 +551,6 @@ def _header_bytes(headers: dict[str, str]) -> int:
     return _HEADER_BLOCK + sum(
         len(name) + 4 + len(value.encode()) for name, value in headers.items()
     )
-
-
-def _invalid(subject: str) -> str:
-    return f"invalid subject {excerpt(subject)}: {_broken_rule(subject)}"
-
-
-def _reserved(subject: str) -> bool:
-    """A subject of the server's own API or system account: `$JS.API.STREAM.PURGE.X` from
-    event data purged a stream. A key-value bucket's `$KV.` is a stream like any other."""
-    return subject[0] == "$" and not subject.startswith("$KV.")
-
-
-def _too_long(subject: str) -> bool:
-    """Over MAX_SUBJECT_BYTES once encoded; encoded only when it could be (UTF-8: 4 a char)."""
-    return len(subject) * 4 > MAX_SUBJECT_BYTES and len(subject.encode()) > MAX_SUBJECT_BYTES
-
-
-def _broken_rule(subject: str) -> str:
-    """Why a subject that failed _VALID_SUBJECT cannot be published to; off the hot path."""
-    if not subject:
-        return "it is empty"
-    if _reserved(subject):
-        return (
-            "subjects starting with '$' are the server's own ($JS.API, $JS.ACK, $SYS...):"
-            " a message sent there is a command to the server, not an event (only $KV., a"
-            " key-value bucket's stream, may be published to)"
-        )
-    if _too_long(subject):
-        return (
-            f"it is {len(subject.encode()):,} bytes long; NATS reads a publish's protocol line up"
-            f" to 4 KiB (max_control_line), so a subject may have {MAX_SUBJECT_BYTES:,}"
-        )
-    if subject.startswith(".") or subject.endswith("."):
-        return "it starts or ends with '.'"
-    if ".." in subject:
-        return "it has an empty token ('..')"
-    if "*" in subject or ">" in subject:
-        return "'*' and '>' are wildcards, for subscribing only"
-    return "it contains whitespace or a control character"
-
-
-def captures(pattern: str, subject: str) -> bool:
-    """Whether a stream subject (`*` one token, `>` the rest) captures a publish subject."""
-    want, got = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(got) > i
-        if i >= len(got) or (token != "*" and token != got[i]):
-            return False
-    return len(want) == len(got)
 
 
 def message_headers(message: Message) -> dict[str, str]:

@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 
 from relay.brokers._nats import TlsOnlyClient, open_connection
-from relay.brokers.nats import captures
+from relay.brokers._nats_subjects import captures
 from relay.config.brokers import NatsBrokerConfig
 from relay.core.readback import Horizon, Stored
 from relay.errors import CannotReadBack, ReadBackError, TransientPublishError

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from nats.js.api import StreamConfig
 
 from tests.support.db import append, append_many, connect
@@ -249,11 +250,13 @@ async def test_events_before_a_start_end_outbox_started_are_not_checked(
         await delete_stream(nats_url, stream)
 
 
+@pytest.mark.parametrize("destination", ["{subject}.loans", "{subject}.{aggregate_id}"])
 async def test_a_message_over_its_streams_max_msg_size_would_park(
-    events_table: str, nats_url: str, tmp_path: Path
+    destination: str, events_table: str, nats_url: str, tmp_path: Path
 ) -> None:
     """Found by an attack: the stream's own limit was not looked at; `relay run` parks such a
-    message (10054), the check passed it."""
+    message (10054), the check passed it. Then again for a subject made from the event, whose
+    stream was found only after the walk."""
     stream = unique_name("history")
     async with nats_connect(nats_url) as nc:
         await nc.jetstream().add_stream(
@@ -261,7 +264,7 @@ async def test_a_message_over_its_streams_max_msg_size_would_park(
         )
     lent = {
         "type": "library.book-lent.v1",
-        "destination": "{subject}.loans",
+        "destination": destination,
         "payload": {"bookId": "aggregate_id", "loanId": "data.loanId"},
     }
     config = save(

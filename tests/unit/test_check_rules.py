@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.brokers.nats import captures
+from relay.brokers._nats_subjects import captures
 from relay.mapping.expressions import static_text
 
 

@@ -77,7 +77,8 @@ def test_a_refusal_quotes_a_long_id_or_subject_by_its_start_and_length() -> None
     kept in the parked table, quotes its first 80 characters and says how long it is."""
     from datetime import UTC, datetime
 
-    from relay.brokers.nats import _invalid, _oversized, message_headers
+    from relay.brokers._nats_subjects import invalid as _invalid
+    from relay.brokers.nats import _oversized, message_headers
     from relay.core.publishing import Message
 
     aggregate = "b" * 300_000

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from nats.js.api import DiscardPolicy, StreamConfig
 
-from relay.brokers.nats import MAX_SUBJECT_BYTES, NatsPublisher
+from relay.brokers._nats_subjects import MAX_SUBJECT_BYTES
+from relay.brokers.nats import NatsPublisher
 from relay.config import NatsBrokerConfig
 from relay.core.publishing import Message
 from relay.errors import PermanentPublishError, TransientPublishError
