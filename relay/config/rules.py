@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from relay.config.base import HeaderText, Model
+from relay.config.yaml_file import plain
 from relay.mapping.expressions import (
     SUFFIX_SEPARATOR,
     ExpressionError,
@@ -88,7 +89,7 @@ class MessageConfig(Model):
                 load_schema(value)
             except SchemaError as exc:
                 raise ValueError(str(exc)) from None
-        return value
+        return plain(value) if isinstance(value, dict) else value
 
     @field_validator("payload", mode="after")
     @classmethod

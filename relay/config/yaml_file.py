@@ -75,6 +75,25 @@ class YamlDocument:
         return _described(exc, self, overrides or Overrides(self.data, self.data, {}))
 
 
+def plain(value: Any) -> Any:
+    """`value` as plain Python data: the YAML reader keeps its own types (a float subclass,
+    maps with comments) for line numbers, which a writer of plain YAML cannot represent
+    (`relay contract` died on an inline schema's `maximum: 1.5`)."""
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence):
+        return [plain(v) for v in value]
+    return value
+
+
 def load_yaml(path: Path, environ: Mapping[str, str] | None = None) -> YamlDocument:
     """Parse `path`, expand environment variables, and keep the line map."""
     env = os.environ if environ is None else environ

@@ -8,11 +8,15 @@ same shapes.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import SecretStr
+from ruamel.yaml import YAML
 
+from relay.asyncapi import contract_document, render
 from relay.asyncapi.document import key_of
 from relay.asyncapi.servers import servers
 from relay.config import (
@@ -24,6 +28,7 @@ from relay.config import (
     RabbitMqBrokerConfig,
     SnsBrokerConfig,
     SqsBrokerConfig,
+    load_config,
 )
 from relay.config.broker_identity import host_of
 from relay.mapping.inference import expression_schema, payload_schema
@@ -377,3 +382,24 @@ def test_servers_name_the_kind_of_credential_and_never_its_value() -> None:
         "userPassword",
         "apiKey",
     }
+
+
+def test_an_inline_yaml_schema_with_numbers_is_written_as_yaml(tmp_path: Path) -> None:
+    """Found by an attack: `relay contract` (YAML, the default) died with ruamel's
+    `cannot represent an object: 1.5` on an inline schema holding a float: the config's
+    YAML kept its own number types, which the writer could not represent. The document is
+    the same in YAML and JSON."""
+    path = tmp_path / "relay.yaml"
+    path.write_text(
+        'database: {url: "postgresql://h/db"}\n'
+        'brokers: {nats: {type: nats, servers: ["nats://h:4222"]}}\n'
+        "outboxes:\n  o:\n    broker: nats\n    messages:\n"
+        "      E: {type: t.v1, destination: a.x, schema: {type: object, properties:"
+        " {price: {type: number, maximum: 1.5, minimum: -2, multipleOf: 0.25},"
+        " tags: {type: array, maxItems: 3, uniqueItems: true}}}}\n"
+    )
+    config = load_config(path)
+    as_yaml = YAML(typ="safe", pure=True).load(render(contract_document(config), "yaml"))
+    assert as_yaml == json.loads(render(contract_document(config), "json"))
+    price = as_yaml["components"]["schemas"]["t.v1"]["properties"]["price"]
+    assert price == {"type": "number", "maximum": 1.5, "minimum": -2, "multipleOf": 0.25}
