@@ -94,6 +94,11 @@ def say_history(result: dict[str, Any]) -> None:
         f"history of positions {result['from']}..{result['to']}"
         f" ({result['seconds']:.1f}s, {result['events_per_second'] or 0:,} events/s)"
     )
+    if result["from"] > result["to"]:
+        say(
+            "note: the range holds no event (the table is empty, or the range starts after"
+            " its last event): nothing was checked"
+        )
     for found in result["outboxes"]:
         say(_outbox_line(found))
         for outcome, examples in found["examples"].items():

@@ -86,7 +86,9 @@ def migrate(config: ConfigOption = None) -> None:
 @app.command()
 def check(
     config: ConfigOption = None,
-    last: Annotated[int, typer.Option("--last", "-n", min=0, help="Events to preview.")] = 10,
+    last: Annotated[
+        int | None, typer.Option("--last", "-n", min=0, help="Events to preview (10).")
+    ] = None,
     offline: Annotated[
         bool, typer.Option("--offline", help="Do not connect to the brokers.")
     ] = False,
@@ -114,10 +116,17 @@ def check(
     from relay.cli.check import run_check
 
     if history or from_position is not None or from_start or from_time is not None or to:
+        if last is not None:
+            say(
+                "error: --last previews the newest events; --history walks a range (--from,"
+                " --from-start, --from-time, --to): give one or the other",
+                err=True,
+            )
+            raise typer.Exit(2)
         _history(config, as_json, offline, (from_position, from_start, in_utc(from_time), to))
         return
     cfg = load_config_or_exit(config)
-    report = run_or_exit(lambda: run_check(cfg, last, offline=offline))
+    report = run_or_exit(lambda: run_check(cfg, 10 if last is None else last, offline=offline))
     for warning in report.warnings:
         say(f"warning: {redact(warning)}", err=True)
     for problem in report.problems:

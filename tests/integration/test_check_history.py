@@ -190,6 +190,12 @@ async def test_an_empty_range_passes_and_options_this_table_cannot_serve_exit_2(
     assert done.returncode == 2 and "created_at" in done.stderr
     done = run_cli(["check", "--history", "--from", "9", "--to", "3", "--config", str(config)])
     assert done.returncode == 2 and "after its end" in done.stderr
+    # Found by an attack: `--last` beside `--history` was ignored without a word.
+    done = run_cli(["check", "--history", "--last", "3", "--offline", "--config", str(config)])
+    assert done.returncode == 2 and "--last" in done.stderr
+    # An empty range passes, and says it is empty (a mistyped --from in CI shows).
+    done = run_cli(["check", "--history", "--from", "99", "--offline", "--config", str(config)])
+    assert done.returncode == 0 and "the range holds no event" in done.stdout, done.stdout
 
 
 async def test_a_destination_an_event_makes_that_no_stream_captures_fails_the_check(
