@@ -58,6 +58,10 @@ _OVER_SHARE_PASSES = 2
 _PATIENCE = 3
 
 
+class NoReader(DatabaseError):
+    """A lane's claim could not open the connection it reads on; the lock is let go."""
+
+
 class LaneHolder:
     """One held lane: claim it, relay it while the lease holds, let it go."""
 
@@ -84,6 +88,11 @@ class LaneHolder:
             await self.lease.release()
             self.log.warning("lane not claimed: the outbox's partitions changed", reason=str(exc))
             return None
+        except NoReader as exc:
+            # No connection to read on (the role or the server at its connection limit, say):
+            # nothing was claimed. Let the lock go; the coordinator backs off this lane.
+            await self.lease.release()
+            raise
         except RowLocked as exc:
             # A frozen or cut-off session holds the row mid-claim: the claim wrote nothing,
             # and the lease connection is free again for the other lanes and for the
@@ -136,7 +145,10 @@ class LaneHolder:
             ctx.partitions,
             broker,
         )
-        reader = await self.db.connect("reader")  # the claim's reads go here (holding.py)
+        try:
+            reader = await self.db.connect("reader")  # the claim's reads go here (holding.py)
+        except DatabaseError as exc:
+            raise NoReader(str(exc)) from exc
         try:
             claimed = await holding.claim(self.lease, claimant, reader)
             parked = await ctx.store.parked_count(reader, self.name)
@@ -236,6 +248,7 @@ class OutboxReplica:
         self.partitions = lanes[0].partitions
         self._held: dict[int, asyncio.Task[str | None]] = {}
         self._resting: dict[int, float] = {}  # lost lane -> when it may be tried again
+        self._unread: dict[int, int] = {}  # lane -> claims in a row that found no reader
         self._handed: dict[int, float] = {}  # handed-over lane -> when it may be taken back
         self._live = 0  # replicas running the outbox with its count, at the last pass
         self._over = 0
@@ -441,11 +454,33 @@ class OutboxReplica:
                 continue
             del self._held[index]
             self.budget.give(1)
-            lost = task.result()  # an unexpected error ends the replica, and says why
+            try:
+                lost = task.result()  # an unexpected error ends the replica, and says why
+            except NoReader as exc:
+                self._back_off(index, exc)
+                continue
+            self._unread.pop(index, None)
             if lost is not None:
                 # A replica that just lost a lease is the suspect one: let a healthy
                 # standby (which retries every retry_interval) take over first.
                 self._resting[index] = time.monotonic() + 2 * self.config.retry_interval
+
+    def _back_off(self, index: int, exc: NoReader) -> None:
+        """A claim that found no connection to read on rests its lane, longer each time in
+        a row (the database's retry policy): it took the lock and let it go every retry
+        interval, and told every lane the database was unavailable, for as long as a
+        connection limit held."""
+        attempt = self._unread[index] = self._unread.get(index, 0) + 1
+        delay = Backoff(self.reconnect).delay(attempt)
+        self._resting[index] = time.monotonic() + delay
+        self.lanes[index].state.disconnected(str(exc))
+        self.log.warning(
+            "lane not claimed: no connection for its reads",
+            lane=self.lanes[index].name,
+            error=str(exc),
+            attempt=attempt,
+            retry_in=round(delay, 3),
+        )
 
     async def _let_all_go(self) -> None:
         """Stop every held lane the graceful way, then wait for them."""

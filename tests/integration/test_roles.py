@@ -22,7 +22,7 @@ from tests.support.jetstream import delete_stream
 from tests.support.operator_cli import relay_then_stop, setup_outbox
 from tests.support.postgres import as_role
 from tests.support.relay_process import run_cli
-from tests.support.scenario import loans, migrate_cli, write_config
+from tests.support.scenario import eventually, loans, migrate_cli, write_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
@@ -174,3 +174,49 @@ async def test_requested_by_is_the_session_that_wrote_the_row_not_its_text(
             )
             == 1
         )
+
+
+async def test_a_standby_at_its_roles_connection_limit_backs_off_and_claims_once_it_can(  # noqa: PLR0917
+    events_table: str,
+    pg_admin_dsn: str,
+    nats_url: str,
+    tmp_path: Path,
+    relay_process: Any,
+    roles: Roles,
+) -> None:
+    """A standby whose role has no connection left takes the free lane's lock, cannot open
+    the connection its claim reads on, and lets it go: it did so every retry interval, with
+    every lane of the outbox marked `database unavailable`, for as long as the limit held.
+    Its attempts at that lane now back off (the database's retry policy), each said once;
+    the rest of the replica carries on, and the lane is claimed once a connection is free."""
+    stream, role = roles.outbox.stream, roles.relay
+    holder = relay_process(["run", "--config", str(roles.outbox.config)])
+    await holder.wait_for_log("lease acquired: relaying")
+    standby_config = as_(tmp_path, roles.dsn[role], nats_url, stream)
+    standby = relay_process(["run", "--config", str(standby_config)])
+    await standby.wait_for_log(lambda r: "standing by" in str(r.get("event")))
+    async with connect(pg_admin_dsn) as admin:
+        used = await admin.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1", role
+        )
+        await admin.execute(f"ALTER ROLE {role} CONNECTION LIMIT {used}")
+        try:
+            holder.kill()
+            await eventually(lambda: len(not_claimed(standby)) >= 3, timeout=60)
+            delays = [r["retry_in"] for r in not_claimed(standby)[:3]]
+            assert delays[0] < delays[1] < delays[2], delays
+            assert "too many connections" in not_claimed(standby)[0]["error"]
+            assert not [
+                r for r in standby.logs() if r.get("event") == "database unavailable, retrying"
+            ]
+        finally:
+            await admin.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
+    await standby.wait_for_log("lease acquired: relaying", timeout=60)
+
+
+def not_claimed(replica: Any) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in replica.logs()
+        if r.get("event") == "lane not claimed: no connection for its reads"
+    ]
