@@ -116,6 +116,41 @@ def resolve(root: Any, ref: str, draft: str) -> Ref:
     return Ref(node, pointer, draft)
 
 
+def own_id(node: dict[str, Any], draft: str) -> str | None:
+    """The `$id` that starts an embedded schema here, as the relay's validators read it:
+    `id` in draft 4; ignored beside a `$ref` before 2019-09; `#name` is an anchor there."""
+    value = node.get("id" if draft == "4" else "$id")
+    if not isinstance(value, str):
+        return None
+    if draft in ("4", "6", "7") and ("$ref" in node or value.startswith("#")):
+        return None
+    return value
+
+
+def enclosing_id(root: Any, pointer: str) -> tuple[str, str] | None:
+    """The innermost schema with its own `$id` on the way to `pointer` (a document's JSON
+    pointer, itself included): (its pointer, its `$id`); None when there is none."""
+    node, draft, found = root, "7", None
+    at = ""
+    steps = pointer.split("/")[1:] if pointer else []
+    for index in range(len(steps) + 1):
+        if isinstance(node, dict):
+            if "$schema" in node:
+                draft = draft_of(node["$schema"], draft)
+            if (value := own_id(node, draft)) is not None:
+                found = (at, value)
+        if index == len(steps):
+            break
+        step = steps[index]
+        name = step.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(name)] if isinstance(node, list) else node[name]
+        except (KeyError, IndexError, ValueError, TypeError):
+            break
+        at += "/" + step
+    return found
+
+
 def same_value(value: Any) -> str:
     """A JSON value's identity as JSON Schema compares values (1 and 1.0 are equal)."""
 
@@ -279,6 +314,7 @@ class Folder:
                 raise Unsupported(f"`{keyword}` is not compared")
         if isinstance(target := node.get("$ref"), str):
             resolved = resolve(self.root, target, ref.draft)
+            self._inside_own_id(ref.pointer, target, resolved.pointer)
             if resolved.pointer in stack:
                 raise Unsupported(f"`$ref` {target!r} refers to itself with nothing between")
             shapes = self._fold(resolved, shapes, (*stack, resolved.pointer))
@@ -287,6 +323,20 @@ class Folder:
         for shape in shapes:
             self._keywords(ref, shape)
         return self._combined(ref, shapes, stack)
+
+    def _inside_own_id(self, at: str, target: str, pointer: str) -> None:
+        """A `$ref` in a schema with its own `$id` resolves against that `$id`: a `#...` one
+        cannot leave it. One that does was moved to the root by an older `relay contract`
+        (or, in a schema compared alone, is read here from the wrong base): not compared."""
+        found = enclosing_id(self.root, at)
+        if found is None or pointer == found[0] or pointer.startswith(found[0] + "/"):
+            return
+        raise Unsupported(
+            f"`$ref` {target!r} is inside a schema with its own `$id` ({found[1]!r}), which "
+            "JSON Schema resolves it against; it points outside that schema, so what it "
+            "refers to is not known here (a contract written by an older `relay contract`: "
+            "compare the configs)"
+        )
 
     def _combined(self, ref: Ref, shapes: list[Shape], stack: tuple[str, ...]) -> list[Shape]:
         """`allOf` folded in; `anyOf` and `oneOf` spread into one shape per alternative."""

@@ -325,6 +325,27 @@ PAIRS: dict[str, Pair] = {
         "compatible",
     ),
     # -- what is not modelled: unknown, never compatible
+    "a $ref under a nested $id, read from the root's base": Pair(
+        obj(
+            {
+                "a": {
+                    "$id": "http://x.test/sub.json",
+                    **obj({"b": {"$ref": "#/definitions/s"}}),
+                    "definitions": {"s": INT},
+                }
+            },
+            definitions={"s": S},
+        ),
+        obj({"a": obj({"b": S})}, definitions={"s": S}),
+        "unknown",
+        "$.a.b",
+    ),
+    "a $ref to an anchor": Pair(
+        {"$schema": DRAFT_2020, **obj({"b": {"$ref": "#i"}}), "$defs": {"i": {"$anchor": "i"}}},
+        obj({"b": S}),
+        "unknown",
+        "$.b",
+    ),
     "OLD's not, gone from NEW": Pair({"not": {"const": 0}}, INT, "unknown"),
     "OLD's if/then, gone from NEW": Pair(
         {"if": obj({"a": S}, ["a"]), "then": obj({}, ["b"])}, {"type": "object"}, "unknown"
