@@ -17,7 +17,7 @@ from jmespath.exceptions import JMESPathError
 
 from relay.asyncapi.document import RULES_EXTENSION
 from relay.asyncapi.envelopes import ID_TEXT, KEY_TEXT, RECORD_KEY_TEXT
-from relay.asyncapi.servers import URL_EXTENSION, hosts_of
+from relay.asyncapi.servers import URL_EXTENSION, hosts_of, scope_of
 from relay.core.publishing import STRUCTURED
 from relay.errors import ContractError
 from relay.mapping.expressions import ExpressionError, template_pieces
@@ -25,21 +25,26 @@ from relay.mapping.expressions import ExpressionError, template_pieces
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What a consumer connects to: a broker's protocol, hosts and path (a webhook's URL)."""
+    """What a consumer connects to: a broker's protocol, hosts and path (a webhook's URL),
+    and the project, database or region its destinations are names in."""
 
     protocol: str
     hosts: tuple[str, ...]  # a cluster's: consumers reach it through any of them
     pathname: str
     url: str | None  # a webhook's URL template; None: not recorded, or not a webhook
+    scope: str | None = None  # `project p`, `database 3`, `region r`; None: none
 
     def same(self, other: Endpoint) -> bool:
-        """The same server: one cluster (a host in common, in any order), the same path."""
-        mine, theirs = (self.protocol, self.pathname), (other.protocol, other.pathname)
+        """The same server: one cluster (a host in common, in any order), the same path, the
+        same project, database or region."""
+        mine = (self.protocol, self.pathname, self.scope)
+        theirs = (other.protocol, other.pathname, other.scope)
         urls = None in (self.url, other.url) or self.url == other.url
         return mine == theirs and urls and bool(set(self.hosts) & set(other.hosts))
 
     def __str__(self) -> str:
-        return self.url or f"{self.protocol}://{self.hosts[0]}{self.pathname}"
+        said = self.url or f"{self.protocol}://{self.hosts[0]}{self.pathname}"
+        return f"{said}, {self.scope}" if self.scope else said
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ def deliveries(document: Any) -> list[Delivery]:
             hosts=hosts_of(dict(server)),
             pathname=str(server.get("pathname", "")),
             url=url if isinstance(url, str) else None,
+            scope=scope_of(dict(server)),
         )
         recorded = channel.get(RULES_EXTENSION)
         for name, reference in (channel.get("messages") or {}).items():

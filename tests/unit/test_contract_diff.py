@@ -511,3 +511,26 @@ def test_a_document_that_moved_a_nested_ids_reference_to_the_root_is_unknown(
     found = diff(older, document)
     assert [(c.path, c.verdict) for c in found] == [("$.payload.a.b", "unknown")]
     assert "`$id`" in found[0].why
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("{type: pubsub, project: proj-a}", "{type: pubsub, project: proj-b}"),
+        ('{type: redis, url: "redis://h:6379/0"}', '{type: redis, url: "redis://h:6379/1"}'),
+        ('{type: redis, url: "redis://h:6379"}', '{type: redis, url: "redis://h:6379/3"}'),
+        (
+            '{type: sqs, region: eu-west-1, endpoint_url: "http://aws.invalid:4566"}',
+            '{type: sqs, region: eu-west-2, endpoint_url: "http://aws.invalid:4566"}',
+        ),
+        ('{type: rabbitmq, url: "amqp://a:5672/"}', '{type: rabbitmq, url: "amqp://a:5672/b"}'),
+    ],
+    ids=["pubsub project", "redis database", "redis database added", "aws region", "vhost"],
+)
+def test_what_else_addresses_the_destination_is_part_of_the_server(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    """A Pub/Sub project, a Redis database, an AWS region (beside a custom endpoint), a
+    RabbitMQ vhost: the same destination name elsewhere, which OLD's consumers do not read."""
+    (moved,) = between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", ""))
+    assert (moved.path, moved.verdict) == ("$.channel.server", "breaking")
