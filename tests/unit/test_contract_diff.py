@@ -534,3 +534,30 @@ def test_what_else_addresses_the_destination_is_part_of_the_server(
     RabbitMQ vhost: the same destination name elsewhere, which OLD's consumers do not read."""
     (moved,) = between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", ""))
     assert (moved.path, moved.verdict) == ("$.channel.server", "breaking")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ('{type: rabbitmq, url: "amqp://a:5672/"}', '{type: rabbitmq, url: "amqp://a:5672/%2F"}'),
+        ('{type: rabbitmq, url: "amqp://a/"}', '{type: rabbitmq, url: "amqp://A:5672/"}'),
+        ('{type: rabbitmq, url: "amqps://a/v"}', '{type: rabbitmq, url: "amqps://a:5671/v"}'),
+        ('{type: redis, url: "redis://h"}', '{type: redis, url: "redis://H:6379/0"}'),
+        ('{type: nats, servers: ["nats://n1"]}', '{type: nats, servers: ["nats://N1:4222"]}'),
+        (
+            '{type: kafka, bootstrap_servers: ["k1"]}',
+            '{type: kafka, bootstrap_servers: ["K1:9092"]}',
+        ),
+        (
+            '{type: http, url: "https://h/in/{type}"}',
+            '{type: http, url: "HTTPS://H:443/in/{type}"}',
+        ),
+        ('{type: http, url: "http://h/in"}', '{type: http, url: "http://H:80/in"}'),
+    ],
+    ids=["vhost /", "amqp port", "amqps port", "redis", "nats", "kafka", "webhook", "webhook path"],
+)
+def test_the_same_address_written_another_way_changes_nothing(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    """Hosts are case-insensitive, a default port is the port, `/` and `/%2F` are vhost `/`."""
+    assert between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", "")) == []
