@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from relay.asyncapi.schema_shapes import (
     KINDS,
+    NUMBERS,
     OPAQUE,
     UNMODELLED,
     Bound,
@@ -42,6 +43,7 @@ _TEXT = {
     "null": "null",
     "boolean": "booleans",
     "integer": "integers",
+    "integral": "integers written as decimals (1.0)",
     "fraction": "numbers that are not integers",
     "string": "strings",
     "array": "arrays",
@@ -221,7 +223,7 @@ class Inclusion:
                         f"{draft}, which does not define `{keyword}`"
                     )
                 found.append(Finding("unknown", path, why))
-        if kind in ("integer", "fraction"):
+        if kind in NUMBERS:
             found += self._numbers(shape, o, kind, path)
         elif kind == "string":
             found += self._strings(shape, o, path)
@@ -234,7 +236,7 @@ class Inclusion:
     def _numbers(self, shape: Shape, o: Shape, kind: str, path: str) -> list[Finding]:
         new, old = self.new.name, self.old.name
         found: list[Finding] = []
-        if kind == "integer":
+        if kind != "fraction":
             (new_low, new_high), (old_low, old_high) = (
                 integer_bounds(shape.low, shape.high),
                 integer_bounds(o.low, o.high),
@@ -257,7 +259,7 @@ class Inclusion:
             )
             found.append(Finding("breaking", path, why))
         for step in o.multiples:
-            every_integer = kind == "integer" and (1 / step).denominator == 1
+            every_integer = kind != "fraction" and (1 / step).denominator == 1
             if not every_integer and not any((m / step).denominator == 1 for m in shape.multiples):
                 why = f"{old} admits only multiples of {_fraction(step)}; {new} does not require it"
                 found.append(Finding("breaking", path, why))
@@ -370,7 +372,7 @@ class Inclusion:
         """No instance is in both, as their values or a required property's values show."""
         if shape.values is not None and other.values is not None:
             return not {same_value(v) for v in shape.values} & {same_value(v) for v in other.values}
-        if not shape.kinds - {"integer", "fraction"} and _apart_ranges(shape, other):
+        if not shape.kinds - NUMBERS and _apart_ranges(shape, other):
             return True
         for name in shape.required:
             if _never(other.property(name)):

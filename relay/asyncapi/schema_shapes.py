@@ -19,12 +19,15 @@ from urllib.parse import unquote
 
 from relay.errors import RelayError
 
-KINDS = ("null", "boolean", "integer", "fraction", "string", "array", "object")
+# An integral is an integer written as a float (1.0): draft 4's `integer` refuses it, later
+# drafts' admit it. A fraction is a number that is not an integer.
+KINDS = ("null", "boolean", "integer", "integral", "fraction", "string", "array", "object")
+NUMBERS = frozenset({"integer", "integral", "fraction"})
 _TYPE_KINDS = {
     "null": ("null",),
     "boolean": ("boolean",),
-    "integer": ("integer",),
-    "number": ("integer", "fraction"),  # a fraction: a number that is not an integer
+    "integer": ("integer", "integral"),
+    "number": ("integer", "integral", "fraction"),
     "string": ("string",),
     "array": ("array",),
     "object": ("object",),
@@ -171,8 +174,10 @@ def kind_of(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, int):
         return "integer"
+    if isinstance(value, float) and value.is_integer():
+        return "integral"
     if isinstance(value, float):
         return "fraction"
     if isinstance(value, str):
@@ -264,10 +269,10 @@ class Shape:
         if self.low and self.high:
             (low, open_low), (high, open_high) = self.low, self.high
             if low > high or (low == high and (open_low or open_high)):
-                self.kinds -= {"integer", "fraction"}
+                self.kinds -= NUMBERS
         least, most = integer_bounds(self.low, self.high)
         if least is not None and most is not None and least > most:
-            self.kinds.discard("integer")
+            self.kinds -= {"integer", "integral"}
         if self.max_length is not None and self.min_length > self.max_length:
             self.kinds.discard("string")
         if self.max_items is not None and self.min_items > self.max_items:
@@ -275,6 +280,13 @@ class Shape:
         if any(_never(self.property(name)) for name in self.required):
             self.kinds.discard("object")
         return not self.kinds
+
+
+def _kinds_of(type_: Any, draft: str) -> tuple[str, ...]:
+    """The kinds a `type` admits in a draft: draft 4's `integer` refuses 1.0."""
+    if type_ == "integer" and draft == "4":
+        return ("integer",)
+    return _TYPE_KINDS.get(type_, ()) if isinstance(type_, str) else ()
 
 
 def _defined(keyword: str, draft: str) -> bool:
@@ -361,7 +373,7 @@ class Folder:
         node: dict[str, Any] = ref.node
         if "type" in node:
             types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-            shape.kinds &= {kind for t in types for kind in _TYPE_KINDS.get(t, ())}
+            shape.kinds &= {kind for t in types for kind in _kinds_of(t, ref.draft)}
         for keyword in sorted(DEFINED_IN.keys() & node.keys()):
             if ref.draft not in DEFINED_IN[keyword]:
                 shape.ignored.append((keyword, ref.draft))

@@ -133,6 +133,28 @@ PAIRS: dict[str, Pair] = {
     ),
     "integer to number": Pair(INT, N, "breaking", "$", 1.5),
     "number to integer": Pair(N, INT, "compatible"),
+    # draft 4's integer refuses 1.0; from draft 6 on, 1.0 is an integer
+    "draft 4's integer to draft 7's": Pair(
+        {"$schema": DRAFT_4, **INT}, {"$schema": DRAFT_7, **INT}, "breaking", "$", 1.0
+    ),
+    "draft 4's integer to 2020-12's": Pair(
+        {"$schema": DRAFT_4, **INT}, {"$schema": DRAFT_2020, **INT}, "breaking", "$", 1.0
+    ),
+    "draft 4's integer to a draft 7 number that is a multiple of 1": Pair(
+        {"$schema": DRAFT_4, **INT},
+        {"$schema": DRAFT_7, "type": "number", "multipleOf": 1},
+        "breaking",
+        "$",
+        1.0,
+    ),
+    "draft 7's integer to draft 4's": Pair(
+        {"$schema": DRAFT_7, **INT}, {"$schema": DRAFT_4, **INT}, "compatible"
+    ),
+    "a draft 4 number that is a multiple of 1 and draft 7's integer": Pair(
+        {"$schema": DRAFT_4, "type": "number", "multipleOf": 1},
+        {"$schema": DRAFT_7, **INT},
+        "equal",
+    ),
     "made nullable": Pair(S, {"type": ["string", "null"]}, "breaking", "$", None),
     "no longer nullable": Pair({"type": ["string", "null"]}, S, "compatible"),
     # -- enum and const
