@@ -37,6 +37,7 @@ from relay.asyncapi.schema_shapes import (
     resolve,
     same_value,
 )
+from relay.mapping.message_schemas import validator_class
 
 Verdict = Literal["breaking", "unknown"]
 _TEXT = {
@@ -429,13 +430,13 @@ class Inclusion:
 
 
 def _validator(root: Any, ref: Ref) -> Callable[[Any], bool | None]:
-    """jsonschema's validator of the draft, over the whole document, for the node at `ref`.
+    """The relay's validator of the draft (jsonschema's, `multipleOf` exact), over the whole
+    document, for the node at `ref`.
 
     `$id`s are dropped from the copy it reads: the contract resolves `#/...` in the whole
     document, as AsyncAPI does, not in the embedded schema an `$id` would start.
     """
     from jsonschema import FormatChecker  # noqa: PLC0415 - 0.2 s to import: only when compared
-    from jsonschema.validators import validator_for  # noqa: PLC0415
     from referencing import Registry  # noqa: PLC0415
     from referencing.exceptions import Unresolvable  # noqa: PLC0415
     from referencing.jsonschema import DRAFT7, DRAFT201909, DRAFT202012  # noqa: PLC0415
@@ -454,7 +455,7 @@ def _validator(root: Any, ref: Ref) -> Callable[[Any], bool | None]:
     if _formats(root, ref.node, set()) - set(checker.checkers):
         return lambda _value: None
     schema = {"$schema": uri, "$ref": "urn:relay:contract#" + quote(ref.pointer, safe="/~")}
-    validator = validator_for(schema)(schema, registry=registry, format_checker=checker)
+    validator = validator_class(schema)(schema, registry=registry, format_checker=checker)
 
     def admits(value: Any) -> bool | None:
         try:

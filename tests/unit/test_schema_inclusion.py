@@ -20,6 +20,7 @@ from jsonschema.validators import validator_for
 
 from relay.asyncapi.schema_inclusion import compare
 from relay.asyncapi.schema_shapes import DEFINED_IN
+from relay.mapping.message_schemas import validator_class
 
 Expected = Literal["equal", "compatible", "breaking", "unknown"]
 DRAFT_2020 = "https://json-schema.org/draft/2020-12/schema"
@@ -243,6 +244,17 @@ PAIRS: dict[str, Pair] = {
     "a number that is a multiple of 3 and an integer multiple of 3": Pair(
         {"type": "integer", "multipleOf": 3}, {"type": "number", "multipleOf": 3}, "equal"
     ),
+    "multipleOf of a decimal, tightened (0.3 is a multiple of 0.1)": Pair(
+        {"type": "number", "multipleOf": 0.1},
+        {"type": "number", "multipleOf": 0.3},
+        "compatible",
+        generate=False,  # hypothesis-jsonschema multiplies floats: 3 * 0.3 is 0.8999999999999999
+    ),
+    "a const that is a multiple of a decimal": Pair(
+        {"$schema": DRAFT_2020, "type": "number", "multipleOf": 0.1},
+        {"$schema": DRAFT_2020, "const": 0.3},
+        "compatible",
+    ),
     "multipleOf tightened": Pair(
         {"type": "integer", "multipleOf": 2}, {"type": "integer", "multipleOf": 6}, "compatible"
     ),
@@ -419,8 +431,9 @@ def verdict(old: Any, new: Any) -> str:
 
 
 def admits(schema: Any, value: Any) -> bool:
-    """jsonschema's answer, formats checked: what a strict consumer's validator says."""
-    cls = validator_for(schema) if isinstance(schema, dict) else validator_for({})
+    """The relay's validator's answer (jsonschema's, `multipleOf` exact), formats checked:
+    what a strict consumer's validator says."""
+    cls = validator_class(schema if isinstance(schema, dict) else {})
     return bool(cls(schema, format_checker=FormatChecker()).is_valid(value))
 
 
