@@ -153,8 +153,23 @@ def test_a_new_version_beside_the_old_one_is_new_and_says_so(tmp_path: Path) -> 
     renamed = V1.replace("library.book-lent.v1", "library.book-lent.v2")
     assert changes(tmp_path, V1, renamed) == [
         ("library.book-lent.v1", "$", "breaking", None),
-        ("library.book-lent.v2", "$", "new", None),
+        ("library.book-lent.v2", "$", "unknown", "library.loans"),  # where v1 was
     ]
+
+
+def test_a_new_type_on_a_channel_old_carries_is_unknown(tmp_path: Path) -> None:
+    """Its consumers that do not filter on the type receive a body of another shape."""
+    beside = V1 + V1.removeprefix("    messages:\n").replace("BookLent:", "BookLentV2:").replace(
+        "library.book-lent.v1", "library.book-lent.v2"
+    )
+    (change,) = whys(tmp_path, V1, beside)
+    assert (change.message, change.verdict, change.channel) == (
+        "library.book-lent.v2",
+        "unknown",
+        "library.loans",
+    )
+    assert "`library.loans`, which OLD already carries (`library.book-lent.v1`)" in change.why
+    assert "do not filter on the type" in change.why
 
 
 def test_payload_changes_of_an_inferred_schema(tmp_path: Path) -> None:
