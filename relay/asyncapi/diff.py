@@ -264,7 +264,9 @@ class _Comparison:
         wholes = [_whole(other, parts, {}) for other in others]
         union = wholes[0] if len(wholes) == 1 else {"anyOf": wholes}
         inclusion = Inclusion(
-            Side({**theirs, _COMPARED: union}, names[1]), Side({**mine, _COMPARED: node}, names[0])
+            Side({**theirs, _COMPARED: union}, names[1]),
+            Side({**mine, _COMPARED: node}, names[0]),
+            reverse=not forward,
         )
         return inclusion.check([Ref(node, f"/{_COMPARED}")], [Ref(union, f"/{_COMPARED}")], "$")
 

@@ -95,6 +95,7 @@ class Inclusion:
 
     old: Side
     new: Side
+    reverse: bool = False  # OLD within NEW: `old` is NEW's side, and findings say so
     _active: set[tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=set)
     _validators: dict[tuple[str, str, str], Callable[[Any], bool | None]] = field(
         default_factory=dict
@@ -327,12 +328,9 @@ class Inclusion:
             at = member(path, name)
             schemas, olds = shape.property(name), o.property(name)
             present = not _never(schemas)
-            if name in o.required and name not in shape.required:
-                if not present or not any(name in p for p, _ in shape.parts):
-                    why = f"`{name}` is gone; {old} requires it"
-                elif any(name in properties for properties, _ in shape.parts):
-                    why = f"`{name}` is no longer required; {old} requires it"
-                found.append(Finding("breaking", at, why))
+            unrequired = name in o.required and name not in shape.required
+            if unrequired:
+                found.append(Finding("breaking", at, self._unrequired(name, shape, present)))
             if not present:
                 continue
             if _never(olds):
@@ -350,7 +348,9 @@ class Inclusion:
                     "breaking" if all(f.verdict == "breaking" for f in inner) else "unknown"
                 )
                 why = f"{old} describes `{name}`; {new} does not, and admits any value for it"
-                inner = [Finding(verdict, at, why)]
+                if self.reverse:  # what NEW adds, which OLD's open schema admitted
+                    why = f"`{name}` is new: {old} describes it; {new} did not, and admitted any"
+                inner = [] if self.reverse and unrequired else [Finding(verdict, at, why)]
             found += inner
         others = shape.others()
         if not _never(others):
@@ -368,6 +368,17 @@ class Inclusion:
             why = f"minProperties relaxed: {old} {o.min_properties}, {new} {shape.min_properties}"
             found.append(Finding("breaking", path, why))
         return found
+
+    def _unrequired(self, name: str, shape: Shape, present: bool) -> str:
+        """Why OLD's required `name` may be missing from NEW's messages; in reverse (OLD's
+        within NEW's), that NEW now always sends it."""
+        new, old = self.new.name, self.old.name
+        gone = not present or not any(name in p for p, _ in shape.parts)
+        if self.reverse:
+            said = "new" if gone else "now required"
+            return f"`{name}` is {said}: {old} always sends it; {new} did not"
+        said = "gone" if gone else "no longer required"
+        return f"`{name}` is {said}; {old} requires it"
 
     def _apart(self, shape: Shape, other: Shape, folder: Folder) -> bool:
         """No instance is in both, as their values or a required property's values show."""

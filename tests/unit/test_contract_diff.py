@@ -576,3 +576,25 @@ def test_the_same_address_written_another_way_changes_nothing(
 ) -> None:
     """Hosts are case-insensitive, a default port is the port, `/` and `/%2F` are vhost `/`."""
     assert between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", "")) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "path"),
+    [("structured", "$.payload.dataschema"), ("binary", "$.headers['ce-dataschema']")],
+)
+def test_a_schema_id_added_sends_dataschema_compatibly_and_says_so(
+    tmp_path: Path, mode: str, path: str
+) -> None:
+    """NEW sends a `dataschema` OLD's open schema admits: one line, about what NEW adds."""
+    schema = {"type": "object", "properties": {"bookId": {"type": "string"}}}
+    with_id = {"$id": "https://schemas.example.com/book-lent.v1.json", **schema}
+    mode_line = f"    cloudevents: {mode}\n"
+    old = mode_line + SCHEMA_RULE % json.dumps(schema)
+    new = mode_line + SCHEMA_RULE % json.dumps(with_id)
+    (change,) = whys(tmp_path, old, new)
+    assert (change.path, change.verdict) == (path, "compatible")
+    assert "is gone" not in change.why
+    assert "NEW always sends it; OLD did not" in change.why
+    (back,) = whys(tmp_path, new, old)  # the $id removed: OLD's consumers read dataschema
+    assert (back.path, back.verdict) == (path, "breaking")
+    assert "is gone; OLD requires it" in back.why
