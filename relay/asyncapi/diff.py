@@ -77,8 +77,35 @@ def diff(old: Any, new: Any) -> list[Change]:
             changes.append(Change(type_, "$", "compatible", why, place[0].address))
     for type_, news in after.items():
         if type_ not in before:
-            changes.append(Change(type_, "$", "new", _new_type(type_, news, before)))
+            changes += _added(type_, news, before)
     return changes
+
+
+def _added(type_: str, news: list[Delivery], before: Mapping[str, list[Delivery]]) -> list[Change]:
+    """A type OLD did not have: `new` on channels of its own, `unknown` on one OLD carries,
+    whose consumers may not filter on the type."""
+    found: list[Change] = []
+    fresh: list[Delivery] = []
+    for place in _places(news):
+        first = place[0]
+        there = [
+            t
+            for t, olds in before.items()
+            if any(d.address == first.address and d.endpoint.same(first.endpoint) for d in olds)
+        ]
+        if not there:
+            fresh += place
+            continue
+        carried = ", ".join(f"`{t}`" for t in there)
+        why = (
+            f"a new message type on `{first.address}`, which OLD already carries ({carried}): "
+            "its consumers that do not filter on the type receive a body of another shape; "
+            "publish it to a destination of its own"
+        )
+        found.append(Change(type_, "$", "unknown", why, first.address))
+    if fresh:
+        found.append(Change(type_, "$", "new", _new_type(type_, fresh, before)))
+    return found
 
 
 def _places(found: list[Delivery]) -> list[list[Delivery]]:
@@ -237,7 +264,9 @@ class _Comparison:
         wholes = [_whole(other, parts, {}) for other in others]
         union = wholes[0] if len(wholes) == 1 else {"anyOf": wholes}
         inclusion = Inclusion(
-            Side({**theirs, _COMPARED: union}, names[1]), Side({**mine, _COMPARED: node}, names[0])
+            Side({**theirs, _COMPARED: union}, names[1]),
+            Side({**mine, _COMPARED: node}, names[0]),
+            reverse=not forward,
         )
         return inclusion.check([Ref(node, f"/{_COMPARED}")], [Ref(union, f"/{_COMPARED}")], "$")
 

@@ -8,16 +8,19 @@ written before a field existed reads as "not recorded" (None), never as a value.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, unquote
 
 import jmespath
 from jmespath.exceptions import JMESPathError
 
 from relay.asyncapi.document import RULES_EXTENSION
 from relay.asyncapi.envelopes import ID_TEXT, KEY_TEXT, RECORD_KEY_TEXT
-from relay.asyncapi.servers import URL_EXTENSION, hosts_of
+from relay.asyncapi.servers import URL_EXTENSION, hosts_of, scope_of
+from relay.config.broker_identity import canonical_host
 from relay.core.publishing import STRUCTURED
 from relay.errors import ContractError
 from relay.mapping.expressions import ExpressionError, template_pieces
@@ -25,21 +28,27 @@ from relay.mapping.expressions import ExpressionError, template_pieces
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What a consumer connects to: a broker's protocol, hosts and path (a webhook's URL)."""
+    """What a consumer connects to: a broker's protocol, hosts and path (a webhook's URL),
+    and the project, database or region its destinations are names in."""
 
     protocol: str
     hosts: tuple[str, ...]  # a cluster's: consumers reach it through any of them
     pathname: str
     url: str | None  # a webhook's URL template; None: not recorded, or not a webhook
+    scope: str | None = None  # `project p`, `database 3`, `region r`; None: none
+    written: str | None = field(default=None, compare=False)  # the URL as the document has it
 
     def same(self, other: Endpoint) -> bool:
-        """The same server: one cluster (a host in common, in any order), the same path."""
-        mine, theirs = (self.protocol, self.pathname), (other.protocol, other.pathname)
+        """The same server: one cluster (a host in common, in any order), the same path, the
+        same project, database or region."""
+        mine = (self.protocol, self.pathname, self.scope)
+        theirs = (other.protocol, other.pathname, other.scope)
         urls = None in (self.url, other.url) or self.url == other.url
         return mine == theirs and urls and bool(set(self.hosts) & set(other.hosts))
 
     def __str__(self) -> str:
-        return self.url or f"{self.protocol}://{self.hosts[0]}{self.pathname}"
+        said = self.written or self.url or f"{self.protocol}://{self.hosts[0]}{self.pathname}"
+        return f"{said}, {self.scope}" if self.scope else said
 
 
 @dataclass(frozen=True)
@@ -89,13 +98,7 @@ def deliveries(document: Any) -> list[Delivery]:
         server = servers.get(server_name)
         if not isinstance(server, Mapping):
             raise ContractError(f"{where}.servers: no server {server_name!r} in servers")
-        url = server.get(URL_EXTENSION)
-        endpoint = Endpoint(
-            protocol=str(server.get("protocol", "")),
-            hosts=hosts_of(dict(server)),
-            pathname=str(server.get("pathname", "")),
-            url=url if isinstance(url, str) else None,
-        )
+        endpoint = _endpoint(server)
         recorded = channel.get(RULES_EXTENSION)
         for name, reference in (channel.get("messages") or {}).items():
             component = _target(reference, "#/components/messages/", f"{where}.messages.{name}")
@@ -128,6 +131,38 @@ def deliveries(document: Any) -> list[Delivery]:
                 )
             )
     return found
+
+
+def _endpoint(server: Mapping[str, Any]) -> Endpoint:
+    """A server as compared: hosts in lower case with their default port, a RabbitMQ vhost
+    `/` however written (``, `/`, `/%2F`), a webhook URL's scheme and host alike."""
+    protocol = str(server.get("protocol", "")).lower()
+    pathname = str(server.get("pathname", ""))
+    if protocol in ("amqp", "amqps"):
+        vhost = unquote(pathname[1:]) if len(pathname) > 1 else "/"
+        pathname = "" if vhost == "/" else "/" + quote(vhost, safe="")
+    url = server.get(URL_EXTENSION)
+    return Endpoint(
+        protocol=protocol,
+        hosts=tuple(_host(h, protocol) for h in hosts_of(dict(server))),
+        pathname=pathname,
+        url=_url(url) if isinstance(url, str) else None,
+        scope=scope_of(dict(server)),
+        written=url if isinstance(url, str) else None,
+    )
+
+
+def _host(host: str, protocol: str) -> str:
+    return host if "{" in host else canonical_host(host, protocol)
+
+
+def _url(url: str) -> str:
+    """A webhook URL template with its scheme and host as compared (not its path)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url  # `{destination}...`: the host is the message's
+    host = re.split(r"[/?#{]", rest, maxsplit=1)[0]
+    return f"{scheme.lower()}://{_host(host, scheme.lower())}{rest[len(host) :]}"
 
 
 def template(text: str | None) -> str | None:

@@ -16,10 +16,10 @@ from urllib.parse import unquote, urlsplit
 from relay.asyncapi.envelopes import (
     DATA_CONTENT_TYPE,
     RECORD_KEY_TEXT,
-    embedded_schema,
     envelope_schema,
     headers_schema,
 )
+from relay.asyncapi.schema_refs import embedded_schema
 from relay.asyncapi.servers import Object, servers
 from relay.asyncapi.view import OutboxView, RuleView
 from relay.config import BrokerConfig, KafkaBrokerConfig, RabbitMqBrokerConfig

@@ -1,12 +1,9 @@
-"""The parts of the contract's messages beyond the payload: a rule's own schema made to live
-inside the document, and the envelope and the CloudEvents headers each broker carries. The
-payload's schema is inferred from the rule's expressions in relay/mapping/inference.py.
+"""The parts of the contract's messages beyond the payload: the envelope and the CloudEvents
+headers each broker carries. The payload's schema is inferred from the rule's expressions in
+relay/mapping/inference.py, or is the rule's own, moved into the document by schema_refs.py.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import Any
 
 from relay.asyncapi.view import OutboxView, RuleView
 from relay.core.publishing import STRUCTURED
@@ -18,28 +15,6 @@ KEY_TEXT = "The aggregate's ordering key: `{}`."
 RECORD_KEY_TEXT = "The record key, `{}`: one aggregate's messages share a partition, in order."
 ID_TEXT = "Stable per event, so consumers can drop duplicates: `{}`."
 _TIME: Schema = {"type": "string", "format": "date-time"}
-
-
-def embedded_schema(schema: Mapping[str, Any], pointer: str) -> Schema:
-    """A rule's JSON Schema as it must read where the document puts it (`pointer`).
-
-    Its local references (`#/$defs/...`, `#`) are relative to the schema's own root, which is
-    no longer the document's: they are rewritten to start at `pointer`.
-    """
-
-    def move(node: Any) -> Any:
-        if isinstance(node, Mapping):
-            out = {key: move(value) for key, value in node.items()}
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                out["$ref"] = pointer + ref[1:]
-            return out
-        if isinstance(node, list):
-            return [move(item) for item in node]
-        return node
-
-    moved: Schema = move(schema)
-    return moved
 
 
 def schema_id(rule: RuleView) -> str | None:

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from relay.asyncapi.schema_shapes import (
     KINDS,
+    NUMBERS,
     OPAQUE,
     UNMODELLED,
     Bound,
@@ -36,12 +37,14 @@ from relay.asyncapi.schema_shapes import (
     resolve,
     same_value,
 )
+from relay.mapping.message_schemas import validator_class
 
 Verdict = Literal["breaking", "unknown"]
 _TEXT = {
     "null": "null",
     "boolean": "booleans",
     "integer": "integers",
+    "integral": "integers written as decimals (1.0)",
     "fraction": "numbers that are not integers",
     "string": "strings",
     "array": "arrays",
@@ -92,6 +95,7 @@ class Inclusion:
 
     old: Side
     new: Side
+    reverse: bool = False  # OLD within NEW: `old` is NEW's side, and findings say so
     _active: set[tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=set)
     _validators: dict[tuple[str, str, str], Callable[[Any], bool | None]] = field(
         default_factory=dict
@@ -221,7 +225,7 @@ class Inclusion:
                         f"{draft}, which does not define `{keyword}`"
                     )
                 found.append(Finding("unknown", path, why))
-        if kind in ("integer", "fraction"):
+        if kind in NUMBERS:
             found += self._numbers(shape, o, kind, path)
         elif kind == "string":
             found += self._strings(shape, o, path)
@@ -234,7 +238,7 @@ class Inclusion:
     def _numbers(self, shape: Shape, o: Shape, kind: str, path: str) -> list[Finding]:
         new, old = self.new.name, self.old.name
         found: list[Finding] = []
-        if kind == "integer":
+        if kind != "fraction":
             (new_low, new_high), (old_low, old_high) = (
                 integer_bounds(shape.low, shape.high),
                 integer_bounds(o.low, o.high),
@@ -257,7 +261,7 @@ class Inclusion:
             )
             found.append(Finding("breaking", path, why))
         for step in o.multiples:
-            every_integer = kind == "integer" and (1 / step).denominator == 1
+            every_integer = kind != "fraction" and (1 / step).denominator == 1
             if not every_integer and not any((m / step).denominator == 1 for m in shape.multiples):
                 why = f"{old} admits only multiples of {_fraction(step)}; {new} does not require it"
                 found.append(Finding("breaking", path, why))
@@ -324,12 +328,9 @@ class Inclusion:
             at = member(path, name)
             schemas, olds = shape.property(name), o.property(name)
             present = not _never(schemas)
-            if name in o.required and name not in shape.required:
-                if not present or not any(name in p for p, _ in shape.parts):
-                    why = f"`{name}` is gone; {old} requires it"
-                elif any(name in properties for properties, _ in shape.parts):
-                    why = f"`{name}` is no longer required; {old} requires it"
-                found.append(Finding("breaking", at, why))
+            unrequired = name in o.required and name not in shape.required
+            if unrequired:
+                found.append(Finding("breaking", at, self._unrequired(name, shape, present)))
             if not present:
                 continue
             if _never(olds):
@@ -347,7 +348,9 @@ class Inclusion:
                     "breaking" if all(f.verdict == "breaking" for f in inner) else "unknown"
                 )
                 why = f"{old} describes `{name}`; {new} does not, and admits any value for it"
-                inner = [Finding(verdict, at, why)]
+                if self.reverse:  # what NEW adds, which OLD's open schema admitted
+                    why = f"`{name}` is new: {old} describes it; {new} did not, and admitted any"
+                inner = [] if self.reverse and unrequired else [Finding(verdict, at, why)]
             found += inner
         others = shape.others()
         if not _never(others):
@@ -366,11 +369,22 @@ class Inclusion:
             found.append(Finding("breaking", path, why))
         return found
 
+    def _unrequired(self, name: str, shape: Shape, present: bool) -> str:
+        """Why OLD's required `name` may be missing from NEW's messages; in reverse (OLD's
+        within NEW's), that NEW now always sends it."""
+        new, old = self.new.name, self.old.name
+        gone = not present or not any(name in p for p, _ in shape.parts)
+        if self.reverse:
+            said = "new" if gone else "now required"
+            return f"`{name}` is {said}: {old} always sends it; {new} did not"
+        said = "gone" if gone else "no longer required"
+        return f"`{name}` is {said}; {old} requires it"
+
     def _apart(self, shape: Shape, other: Shape, folder: Folder) -> bool:
         """No instance is in both, as their values or a required property's values show."""
         if shape.values is not None and other.values is not None:
             return not {same_value(v) for v in shape.values} & {same_value(v) for v in other.values}
-        if not shape.kinds - {"integer", "fraction"} and _apart_ranges(shape, other):
+        if not shape.kinds - NUMBERS and _apart_ranges(shape, other):
             return True
         for name in shape.required:
             if _never(other.property(name)):
@@ -427,13 +441,13 @@ class Inclusion:
 
 
 def _validator(root: Any, ref: Ref) -> Callable[[Any], bool | None]:
-    """jsonschema's validator of the draft, over the whole document, for the node at `ref`.
+    """The relay's validator of the draft (jsonschema's, `multipleOf` exact), over the whole
+    document, for the node at `ref`.
 
     `$id`s are dropped from the copy it reads: the contract resolves `#/...` in the whole
     document, as AsyncAPI does, not in the embedded schema an `$id` would start.
     """
     from jsonschema import FormatChecker  # noqa: PLC0415 - 0.2 s to import: only when compared
-    from jsonschema.validators import validator_for  # noqa: PLC0415
     from referencing import Registry  # noqa: PLC0415
     from referencing.exceptions import Unresolvable  # noqa: PLC0415
     from referencing.jsonschema import DRAFT7, DRAFT201909, DRAFT202012  # noqa: PLC0415
@@ -452,7 +466,7 @@ def _validator(root: Any, ref: Ref) -> Callable[[Any], bool | None]:
     if _formats(root, ref.node, set()) - set(checker.checkers):
         return lambda _value: None
     schema = {"$schema": uri, "$ref": "urn:relay:contract#" + quote(ref.pointer, safe="/~")}
-    validator = validator_for(schema)(schema, registry=registry, format_checker=checker)
+    validator = validator_class(schema)(schema, registry=registry, format_checker=checker)
 
     def admits(value: Any) -> bool | None:
         try:

@@ -19,12 +19,15 @@ from urllib.parse import unquote
 
 from relay.errors import RelayError
 
-KINDS = ("null", "boolean", "integer", "fraction", "string", "array", "object")
+# An integral is an integer written as a float (1.0): draft 4's `integer` refuses it, later
+# drafts' admit it. A fraction is a number that is not an integer.
+KINDS = ("null", "boolean", "integer", "integral", "fraction", "string", "array", "object")
+NUMBERS = frozenset({"integer", "integral", "fraction"})
 _TYPE_KINDS = {
     "null": ("null",),
     "boolean": ("boolean",),
-    "integer": ("integer",),
-    "number": ("integer", "fraction"),  # a fraction: a number that is not an integer
+    "integer": ("integer", "integral"),
+    "number": ("integer", "integral", "fraction"),
     "string": ("string",),
     "array": ("array",),
     "object": ("object",),
@@ -116,6 +119,41 @@ def resolve(root: Any, ref: str, draft: str) -> Ref:
     return Ref(node, pointer, draft)
 
 
+def own_id(node: dict[str, Any], draft: str) -> str | None:
+    """The `$id` that starts an embedded schema here, as the relay's validators read it:
+    `id` in draft 4; ignored beside a `$ref` before 2019-09; `#name` is an anchor there."""
+    value = node.get("id" if draft == "4" else "$id")
+    if not isinstance(value, str):
+        return None
+    if draft in ("4", "6", "7") and ("$ref" in node or value.startswith("#")):
+        return None
+    return value
+
+
+def enclosing_id(root: Any, pointer: str) -> tuple[str, str] | None:
+    """The innermost schema with its own `$id` on the way to `pointer` (a document's JSON
+    pointer, itself included): (its pointer, its `$id`); None when there is none."""
+    node, draft, found = root, "7", None
+    at = ""
+    steps = pointer.split("/")[1:] if pointer else []
+    for index in range(len(steps) + 1):
+        if isinstance(node, dict):
+            if "$schema" in node:
+                draft = draft_of(node["$schema"], draft)
+            if (value := own_id(node, draft)) is not None:
+                found = (at, value)
+        if index == len(steps):
+            break
+        step = steps[index]
+        name = step.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(name)] if isinstance(node, list) else node[name]
+        except (KeyError, IndexError, ValueError, TypeError):
+            break
+        at += "/" + step
+    return found
+
+
 def same_value(value: Any) -> str:
     """A JSON value's identity as JSON Schema compares values (1 and 1.0 are equal)."""
 
@@ -136,8 +174,10 @@ def kind_of(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, int):
         return "integer"
+    if isinstance(value, float) and value.is_integer():
+        return "integral"
     if isinstance(value, float):
         return "fraction"
     if isinstance(value, str):
@@ -229,10 +269,10 @@ class Shape:
         if self.low and self.high:
             (low, open_low), (high, open_high) = self.low, self.high
             if low > high or (low == high and (open_low or open_high)):
-                self.kinds -= {"integer", "fraction"}
+                self.kinds -= NUMBERS
         least, most = integer_bounds(self.low, self.high)
         if least is not None and most is not None and least > most:
-            self.kinds.discard("integer")
+            self.kinds -= {"integer", "integral"}
         if self.max_length is not None and self.min_length > self.max_length:
             self.kinds.discard("string")
         if self.max_items is not None and self.min_items > self.max_items:
@@ -240,6 +280,13 @@ class Shape:
         if any(_never(self.property(name)) for name in self.required):
             self.kinds.discard("object")
         return not self.kinds
+
+
+def _kinds_of(type_: Any, draft: str) -> tuple[str, ...]:
+    """The kinds a `type` admits in a draft: draft 4's `integer` refuses 1.0."""
+    if type_ == "integer" and draft == "4":
+        return ("integer",)
+    return _TYPE_KINDS.get(type_, ()) if isinstance(type_, str) else ()
 
 
 def _defined(keyword: str, draft: str) -> bool:
@@ -279,6 +326,7 @@ class Folder:
                 raise Unsupported(f"`{keyword}` is not compared")
         if isinstance(target := node.get("$ref"), str):
             resolved = resolve(self.root, target, ref.draft)
+            self._inside_own_id(ref.pointer, target, resolved.pointer)
             if resolved.pointer in stack:
                 raise Unsupported(f"`$ref` {target!r} refers to itself with nothing between")
             shapes = self._fold(resolved, shapes, (*stack, resolved.pointer))
@@ -287,6 +335,20 @@ class Folder:
         for shape in shapes:
             self._keywords(ref, shape)
         return self._combined(ref, shapes, stack)
+
+    def _inside_own_id(self, at: str, target: str, pointer: str) -> None:
+        """A `$ref` in a schema with its own `$id` resolves against that `$id`: a `#...` one
+        cannot leave it. One that does was moved to the root by an older `relay contract`
+        (or, in a schema compared alone, is read here from the wrong base): not compared."""
+        found = enclosing_id(self.root, at)
+        if found is None or pointer == found[0] or pointer.startswith(found[0] + "/"):
+            return
+        raise Unsupported(
+            f"`$ref` {target!r} is inside a schema with its own `$id` ({found[1]!r}), which "
+            "JSON Schema resolves it against; it points outside that schema, so what it "
+            "refers to is not known here (a contract written by an older `relay contract`: "
+            "compare the configs)"
+        )
 
     def _combined(self, ref: Ref, shapes: list[Shape], stack: tuple[str, ...]) -> list[Shape]:
         """`allOf` folded in; `anyOf` and `oneOf` spread into one shape per alternative."""
@@ -311,7 +373,7 @@ class Folder:
         node: dict[str, Any] = ref.node
         if "type" in node:
             types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-            shape.kinds &= {kind for t in types for kind in _TYPE_KINDS.get(t, ())}
+            shape.kinds &= {kind for t in types for kind in _kinds_of(t, ref.draft)}
         for keyword in sorted(DEFINED_IN.keys() & node.keys()):
             if ref.draft not in DEFINED_IN[keyword]:
                 shape.ignored.append((keyword, ref.draft))

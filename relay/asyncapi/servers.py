@@ -19,6 +19,9 @@ Object = dict[str, Any]
 # A webhook's URL template as the contract keeps it: `relay contract diff` compares it whole.
 URL_EXTENSION = "x-relay-url"
 _LISTED = re.compile(r"^(?:Servers|Bootstrap servers): (?P<hosts>[^ ]+(?:, [^ ]+)*)\.$")
+# What besides its hosts addresses a destination, as a server's summary states it: the same
+# topic or stream name in another project, database or region is another one.
+_SCOPE = re.compile(r"^(?P<what>Project|Database|Region) (?P<value>[^ ]+)\.$")
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _SASL = {"PLAIN": "plain", "SCRAM-SHA-256": "scramSha256", "SCRAM-SHA-512": "scramSha512"}
 
@@ -59,6 +62,13 @@ def hosts_of(server: Any) -> tuple[str, ...]:
     host = str(server.get("host", "")) if isinstance(server, dict) else ""
     listed = _LISTED.match(str(server.get("description", ""))) if host else None
     return tuple(listed["hosts"].split(", ")) if listed else (host,)
+
+
+def scope_of(server: Any) -> str | None:
+    """The Pub/Sub project, Redis database or AWS region a server's summary names."""
+    summary = str(server.get("summary", "")) if isinstance(server, dict) else ""
+    found = _SCOPE.match(summary)
+    return f"{found['what'].lower()} {found['value']}" if found else None
 
 
 def _mutual_tls(tls: Any) -> Object:

@@ -30,6 +30,7 @@ _DEFAULT_PORTS = {
     "rediss": 6379,
     "http": 80,
     "https": 443,
+    "kafka-secure": 9092,  # the AsyncAPI protocol of Kafka over TLS
 }
 
 
@@ -80,6 +81,11 @@ def host_of(address: str) -> tuple[str, str]:
     host = re.split(r"[/?#]", rest, maxsplit=1)[0]
     path = re.split(r"[?#]", rest[len(host) :], maxsplit=1)[0]
     return host, path
+
+
+def canonical_host(host: str, scheme: str) -> str:
+    """`host:port` of a bare `host[:port]`, lower case, with the scheme's default port."""
+    return _host(f"{scheme}://{host}", scheme)[0]
 
 
 def _host(address: str, default_scheme: str) -> tuple[str, str]:

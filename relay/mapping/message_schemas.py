@@ -6,6 +6,9 @@ interpreter; fastjsonschema does not know drafts 2019-09 and 2020-12, so those r
 jsonschema's validator (see docs/performance.md). Either way the violations are
 worded by jsonschema, which lists every one with its JSON path; that only runs for an
 invalid message. `format` is an annotation, as the drafts say by default: not checked.
+`multipleOf` is exact in decimal on both (0.3 is a multiple of 0.1), as fastjsonschema and
+`relay contract diff` take it; jsonschema's own divides floats and refuses 0.3, so the relay
+registers each draft's validator with an exact one, for every schema jsonschema reads.
 
 Both libraries are imported only when a rule has a schema: jsonschema alone takes a fifth
 of a second and 4 MiB to import, which a relay without schemas should not pay.
@@ -14,8 +17,10 @@ of a second and 4 MiB to import, which a relay without schemas should not pay.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +51,7 @@ def load_schema(value: str | dict[str, Any]) -> dict[str, Any]:
     from jsonschema.exceptions import SchemaError as MetaschemaError  # noqa: PLC0415 - see above
 
     try:
-        _draft(document).check_schema(document)
+        validator_class(document).check_schema(document)
     except MetaschemaError as exc:
         at = exc.json_path if hasattr(exc, "json_path") else "$"
         raise SchemaError(f"{where} is not a valid JSON Schema: {exc.message} (at {at})") from None
@@ -77,13 +82,48 @@ def _read(path: Path) -> Any:
         raise SchemaError(f"schema file {path} is not valid JSON or YAML: {exc}") from None
 
 
-def _draft(document: dict[str, Any]) -> type[Validator]:
-    """The draft the schema names; draft 7 when it names none."""
-    from jsonschema import Draft7Validator  # noqa: PLC0415 - see the module's docstring
-    from jsonschema.validators import validator_for  # noqa: PLC0415
+def validator_class(document: Any) -> type[Validator]:
+    """jsonschema's validator of the draft the schema names (draft 7 when it names none),
+    with an exact `multipleOf`."""
+    from jsonschema.validators import validator_for  # noqa: PLC0415 - see the module's docstring
 
-    found: type[Validator] = validator_for(document, default=Draft7Validator)
+    found: type[Validator] = validator_for(document, default=_exact_validators()["draft7"])
     return found
+
+
+@cache
+def _exact_validators() -> dict[str, type[Validator]]:
+    """Each draft's validator with an exact `multipleOf`, registered for its `$schema`: a
+    `$ref` into a schema that names its draft (`#`, the root) takes the registered one."""
+    from jsonschema import validators  # noqa: PLC0415 - see the module's docstring
+
+    found: dict[str, type[Validator]] = {}
+    for version, base in (
+        ("draft4", validators.Draft4Validator),
+        ("draft6", validators.Draft6Validator),
+        ("draft7", validators.Draft7Validator),
+        ("draft2019-09", validators.Draft201909Validator),
+        ("draft2020-12", validators.Draft202012Validator),
+    ):
+        exact = validators.extend(base, {"multipleOf": _multiple_of})
+        found[version] = validators.validates(version)(exact)
+    return found
+
+
+def _multiple_of(validator: Validator, step: Any, instance: Any, _schema: Any) -> Iterator[Any]:
+    from jsonschema.exceptions import ValidationError  # noqa: PLC0415
+
+    if validator.is_type(instance, "number") and not _is_multiple(instance, step):
+        yield ValidationError(f"{instance!r} is not a multiple of {step}")
+
+
+def _is_multiple(value: Any, step: Any) -> bool:
+    """`value` is `step` times an integer, in decimal: each as its shortest repr (the JSON
+    text's number), so 0.3 is a multiple of 0.1 although 0.3 / 0.1 is not 3 in floats."""
+    try:
+        return Fraction(repr(value)) % Fraction(repr(step)) == 0
+    except (ValueError, OverflowError, ZeroDivisionError):  # inf, nan; a step of 0 is refused
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +144,7 @@ class CompiledSchema:
 
 def compile_schema(value: str | dict[str, Any]) -> CompiledSchema:
     document = load_schema(value)
-    full = _draft(document)(document)
+    full = validator_class(document)(document)
     schema_uri = str(document.get("$schema", ""))
     if not schema_uri or any(draft in schema_uri for draft in _FAST_DRAFTS):
         is_valid = _fast(document)

@@ -403,3 +403,68 @@ def test_an_inline_yaml_schema_with_numbers_is_written_as_yaml(tmp_path: Path) -
     assert as_yaml == json.loads(render(contract_document(config), "json"))
     price = as_yaml["components"]["schemas"]["t.v1"]["properties"]["price"]
     assert price == {"type": "number", "maximum": 1.5, "minimum": -2, "multipleOf": 0.25}
+
+
+NESTED_ID: dict[str, Any] = {
+    "$id": "http://x.test/root.json",
+    "type": "object",
+    "definitions": {"s": {"type": "string"}},
+    "properties": {
+        "a": {
+            "$id": "http://x.test/sub.json",
+            "type": "object",
+            "definitions": {"s": {"type": "integer"}},
+            "properties": {"b": {"$ref": "#/definitions/s"}, "c": {"$ref": "#"}},
+        },
+        "d": {"$ref": "#/definitions/s"},
+    },
+}
+
+
+def test_a_reference_in_a_subschema_with_its_own_id_is_moved_where_that_id_resolves_it() -> None:
+    """JSON Schema resolves `#/...` against the nearest `$id`, not the schema's root."""
+    doc = document(outbox([("T", rule("t.v1", schema=NESTED_ID))]))
+    schema = doc["components"]["schemas"]["t.v1"]
+    where = "#/components/schemas/t.v1"
+    inner = schema["properties"]["a"]["properties"]
+    assert inner["b"] == {"$ref": f"{where}/properties/a/definitions/s"}  # sub.json's integer
+    assert inner["c"] == {"$ref": f"{where}/properties/a"}
+    assert schema["properties"]["d"] == {"$ref": f"{where}/definitions/s"}  # root.json's string
+
+
+@pytest.mark.parametrize(
+    "anchored",
+    [
+        {"$schema": "https://json-schema.org/draft/2020-12/schema", "$anchor": "foo"},
+        {"$schema": "https://json-schema.org/draft/2020-12/schema", "$dynamicAnchor": "foo"},
+        {"$schema": "https://json-schema.org/draft/2019-09/schema", "$anchor": "foo"},
+        {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "#foo"},
+        {"$schema": "http://json-schema.org/draft-04/schema#", "id": "#foo"},
+    ],
+    ids=["2020-12 $anchor", "2020-12 $dynamicAnchor", "2019-09 $anchor", "7 $id", "4 id"],
+)
+def test_a_reference_to_an_anchor_is_moved_to_the_anchored_schema(anchored: Any) -> None:
+    draft = anchored.pop("$schema")
+    defs = "$defs" if "json-schema.org/draft/" in draft else "definitions"
+    schema = {
+        "$schema": draft,
+        "type": "object",
+        "properties": {"n": {"$ref": "#foo"}},
+        defs: {"n": {**anchored, "type": "integer"}},
+    }
+    doc = document(outbox([("T", rule("t.v1", schema=schema))]))
+    moved = doc["components"]["schemas"]["t.v1"]
+    assert moved["properties"]["n"] == {"$ref": f"#/components/schemas/t.v1/{defs}/n"}
+
+
+def test_values_that_look_like_references_are_not_moved() -> None:
+    """`const`, `enum`, `default` and `examples` hold data, and a property may be named `$ref`."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "$ref": {"const": {"$ref": "#/x"}},
+            "e": {"enum": [{"$ref": "#/y"}], "default": {"$ref": "#/z"}},
+        },
+    }
+    doc = document(outbox([("T", rule("t.v1", schema=schema))]))
+    assert doc["components"]["schemas"]["t.v1"] == schema

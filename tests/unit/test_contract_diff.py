@@ -153,8 +153,23 @@ def test_a_new_version_beside_the_old_one_is_new_and_says_so(tmp_path: Path) -> 
     renamed = V1.replace("library.book-lent.v1", "library.book-lent.v2")
     assert changes(tmp_path, V1, renamed) == [
         ("library.book-lent.v1", "$", "breaking", None),
-        ("library.book-lent.v2", "$", "new", None),
+        ("library.book-lent.v2", "$", "unknown", "library.loans"),  # where v1 was
     ]
+
+
+def test_a_new_type_on_a_channel_old_carries_is_unknown(tmp_path: Path) -> None:
+    """Its consumers that do not filter on the type receive a body of another shape."""
+    beside = V1 + V1.removeprefix("    messages:\n").replace("BookLent:", "BookLentV2:").replace(
+        "library.book-lent.v1", "library.book-lent.v2"
+    )
+    (change,) = whys(tmp_path, V1, beside)
+    assert (change.message, change.verdict, change.channel) == (
+        "library.book-lent.v2",
+        "unknown",
+        "library.loans",
+    )
+    assert "`library.loans`, which OLD already carries (`library.book-lent.v1`)" in change.why
+    assert "do not filter on the type" in change.why
 
 
 def test_payload_changes_of_an_inferred_schema(tmp_path: Path) -> None:
@@ -460,3 +475,126 @@ def test_trace_context_removed_drops_optional_headers_compatibly(tmp_path: Path)
         ("$.payload.traceparent", "compatible"),
         ("$.payload.tracestate", "compatible"),
     }
+
+
+def test_a_reference_under_a_nested_id_is_read_where_json_schema_resolves_it(
+    tmp_path: Path,
+) -> None:
+    """`b` is sub.json's integer in OLD, the root's string in NEW: breaking, not "no change"."""
+    sub = {
+        "$id": "http://x.test/sub.json",
+        "type": "object",
+        "definitions": {"s": {"type": "integer"}},
+        "properties": {"b": {"$ref": "#/definitions/s"}},
+    }
+    nested = {
+        "$id": "http://x.test/root.json",
+        "type": "object",
+        "definitions": {"s": {"type": "string"}},
+        "properties": {"a": sub},
+    }
+    flat = {**nested, "properties": {"a": {"type": "object", "properties": sub["properties"]}}}
+    found = changes(tmp_path, SCHEMA_RULE % json.dumps(nested), SCHEMA_RULE % json.dumps(flat))
+    assert ("library.book-lent.v1", "$.payload.a.b", "breaking", "library.loans") in found
+
+
+def test_a_document_that_moved_a_nested_ids_reference_to_the_root_is_unknown(
+    tmp_path: Path,
+) -> None:
+    """An older `relay contract` pointed such a `$ref` at the root's schema: the document
+    states a type the relay does not check, so the comparison cannot rely on it."""
+    nested = {
+        "$id": "http://x.test/root.json",
+        "type": "object",
+        "definitions": {"s": {"type": "string"}},
+        "properties": {
+            "a": {
+                "$id": "http://x.test/sub.json",
+                "type": "object",
+                "definitions": {"s": {"type": "integer"}},
+                "properties": {"b": {"$ref": "#/definitions/s"}},
+            }
+        },
+    }
+    (tmp_path / "c.yaml").write_text(HEAD + SCHEMA_RULE % json.dumps(nested))
+    document = read_side(tmp_path / "c.yaml")
+    older = json.loads(json.dumps(document))
+    schema = older["components"]["schemas"]["library.book-lent.v1"]
+    schema["properties"]["a"]["properties"]["b"] = {
+        "$ref": "#/components/schemas/library.book-lent.v1/definitions/s"
+    }
+    found = diff(older, document)
+    assert [(c.path, c.verdict) for c in found] == [("$.payload.a.b", "unknown")]
+    assert "`$id`" in found[0].why
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("{type: pubsub, project: proj-a}", "{type: pubsub, project: proj-b}"),
+        ('{type: redis, url: "redis://h:6379/0"}', '{type: redis, url: "redis://h:6379/1"}'),
+        ('{type: redis, url: "redis://h:6379"}', '{type: redis, url: "redis://h:6379/3"}'),
+        (
+            '{type: sqs, region: eu-west-1, endpoint_url: "http://aws.invalid:4566"}',
+            '{type: sqs, region: eu-west-2, endpoint_url: "http://aws.invalid:4566"}',
+        ),
+        ('{type: rabbitmq, url: "amqp://a:5672/"}', '{type: rabbitmq, url: "amqp://a:5672/b"}'),
+    ],
+    ids=["pubsub project", "redis database", "redis database added", "aws region", "vhost"],
+)
+def test_what_else_addresses_the_destination_is_part_of_the_server(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    """A Pub/Sub project, a Redis database, an AWS region (beside a custom endpoint), a
+    RabbitMQ vhost: the same destination name elsewhere, which OLD's consumers do not read."""
+    (moved,) = between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", ""))
+    assert (moved.path, moved.verdict) == ("$.channel.server", "breaking")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ('{type: rabbitmq, url: "amqp://a:5672/"}', '{type: rabbitmq, url: "amqp://a:5672/%2F"}'),
+        ('{type: rabbitmq, url: "amqp://a/"}', '{type: rabbitmq, url: "amqp://A:5672/"}'),
+        ('{type: rabbitmq, url: "amqps://a/v"}', '{type: rabbitmq, url: "amqps://a:5671/v"}'),
+        ('{type: redis, url: "redis://h"}', '{type: redis, url: "redis://H:6379/0"}'),
+        ('{type: nats, servers: ["nats://n1"]}', '{type: nats, servers: ["nats://N1:4222"]}'),
+        (
+            '{type: kafka, bootstrap_servers: ["k1"]}',
+            '{type: kafka, bootstrap_servers: ["K1:9092"]}',
+        ),
+        (
+            '{type: http, url: "https://h/in/{type}"}',
+            '{type: http, url: "HTTPS://H:443/in/{type}"}',
+        ),
+        ('{type: http, url: "http://h/in"}', '{type: http, url: "http://H:80/in"}'),
+    ],
+    ids=["vhost /", "amqp port", "amqps port", "redis", "nats", "kafka", "webhook", "webhook path"],
+)
+def test_the_same_address_written_another_way_changes_nothing(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    """Hosts are case-insensitive, a default port is the port, `/` and `/%2F` are vhost `/`."""
+    assert between(tmp_path, ON % (before, "loans", ""), ON % (after, "loans", "")) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "path"),
+    [("structured", "$.payload.dataschema"), ("binary", "$.headers['ce-dataschema']")],
+)
+def test_a_schema_id_added_sends_dataschema_compatibly_and_says_so(
+    tmp_path: Path, mode: str, path: str
+) -> None:
+    """NEW sends a `dataschema` OLD's open schema admits: one line, about what NEW adds."""
+    schema = {"type": "object", "properties": {"bookId": {"type": "string"}}}
+    with_id = {"$id": "https://schemas.example.com/book-lent.v1.json", **schema}
+    mode_line = f"    cloudevents: {mode}\n"
+    old = mode_line + SCHEMA_RULE % json.dumps(schema)
+    new = mode_line + SCHEMA_RULE % json.dumps(with_id)
+    (change,) = whys(tmp_path, old, new)
+    assert (change.path, change.verdict) == (path, "compatible")
+    assert "is gone" not in change.why
+    assert "NEW always sends it; OLD did not" in change.why
+    (back,) = whys(tmp_path, new, old)  # the $id removed: OLD's consumers read dataschema
+    assert (back.path, back.verdict) == (path, "breaking")
+    assert "is gone; OLD requires it" in back.why

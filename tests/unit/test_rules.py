@@ -190,6 +190,27 @@ def test_fast_and_full_checks_agree_for_each_draft(draft: str | None) -> None:
     assert compiled.violations(bad) == ["$.member: 'id' is a required property"]
 
 
+@pytest.mark.parametrize(
+    "draft",
+    [
+        None,
+        "http://json-schema.org/draft-04/schema#",
+        "http://json-schema.org/draft-07/schema#",
+        "https://json-schema.org/draft/2019-09/schema",
+        "https://json-schema.org/draft/2020-12/schema",
+    ],
+)
+def test_multiple_of_a_decimal_is_exact_in_every_draft(draft: str | None) -> None:
+    """0.3 is a multiple of 0.1, as fastjsonschema (drafts 4 to 7) and `relay contract diff`
+    take it; jsonschema's float division (0.3 / 0.1 = 2.9999999999999996) refused it."""
+    schema = {"type": "number", "multipleOf": 0.1, **({"$schema": draft} if draft else {})}
+    compiled = compile_schema(schema)
+    for value in (0.3, 0.7, 190.1, 3, 1e20):
+        assert compiled.is_valid(value) and compiled.full.is_valid(value), value
+    assert not compiled.is_valid(0.35)
+    assert compiled.violations(0.35) == ["$: 0.35 is not a multiple of 0.1"]
+
+
 def test_a_reference_to_another_document_is_refused_at_start_up() -> None:
     """Resolving it would fetch a file or a URL when the relay starts."""
     schema = {"type": "object", "properties": {"member": {"$ref": "member.json#/m"}}}
@@ -401,3 +422,15 @@ def test_a_batch_never_splits_an_events_messages() -> None:
     assert taken == 1 and len(items) == 2
     items, taken = _within(10 * size, per_event)
     assert taken == 3 and len(items) == 6
+
+
+def test_multiple_of_stays_exact_through_a_reference_to_the_root() -> None:
+    """A `$ref` to a schema that names its draft takes that draft's registered validator."""
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {"n": {"multipleOf": 0.1}, "next": {"$ref": "#"}},
+    }
+    compiled = compile_schema(schema)
+    assert compiled.is_valid({"n": 0.3, "next": {"n": 0.3}})
+    assert not compiled.is_valid({"next": {"n": 0.35}})

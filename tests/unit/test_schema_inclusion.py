@@ -20,6 +20,7 @@ from jsonschema.validators import validator_for
 
 from relay.asyncapi.schema_inclusion import compare
 from relay.asyncapi.schema_shapes import DEFINED_IN
+from relay.mapping.message_schemas import validator_class
 
 Expected = Literal["equal", "compatible", "breaking", "unknown"]
 DRAFT_2020 = "https://json-schema.org/draft/2020-12/schema"
@@ -133,6 +134,28 @@ PAIRS: dict[str, Pair] = {
     ),
     "integer to number": Pair(INT, N, "breaking", "$", 1.5),
     "number to integer": Pair(N, INT, "compatible"),
+    # draft 4's integer refuses 1.0; from draft 6 on, 1.0 is an integer
+    "draft 4's integer to draft 7's": Pair(
+        {"$schema": DRAFT_4, **INT}, {"$schema": DRAFT_7, **INT}, "breaking", "$", 1.0
+    ),
+    "draft 4's integer to 2020-12's": Pair(
+        {"$schema": DRAFT_4, **INT}, {"$schema": DRAFT_2020, **INT}, "breaking", "$", 1.0
+    ),
+    "draft 4's integer to a draft 7 number that is a multiple of 1": Pair(
+        {"$schema": DRAFT_4, **INT},
+        {"$schema": DRAFT_7, "type": "number", "multipleOf": 1},
+        "breaking",
+        "$",
+        1.0,
+    ),
+    "draft 7's integer to draft 4's": Pair(
+        {"$schema": DRAFT_7, **INT}, {"$schema": DRAFT_4, **INT}, "compatible"
+    ),
+    "a draft 4 number that is a multiple of 1 and draft 7's integer": Pair(
+        {"$schema": DRAFT_4, "type": "number", "multipleOf": 1},
+        {"$schema": DRAFT_7, **INT},
+        "equal",
+    ),
     "made nullable": Pair(S, {"type": ["string", "null"]}, "breaking", "$", None),
     "no longer nullable": Pair({"type": ["string", "null"]}, S, "compatible"),
     # -- enum and const
@@ -220,6 +243,17 @@ PAIRS: dict[str, Pair] = {
     ),
     "a number that is a multiple of 3 and an integer multiple of 3": Pair(
         {"type": "integer", "multipleOf": 3}, {"type": "number", "multipleOf": 3}, "equal"
+    ),
+    "multipleOf of a decimal, tightened (0.3 is a multiple of 0.1)": Pair(
+        {"type": "number", "multipleOf": 0.1},
+        {"type": "number", "multipleOf": 0.3},
+        "compatible",
+        generate=False,  # hypothesis-jsonschema multiplies floats: 3 * 0.3 is 0.8999999999999999
+    ),
+    "a const that is a multiple of a decimal": Pair(
+        {"$schema": DRAFT_2020, "type": "number", "multipleOf": 0.1},
+        {"$schema": DRAFT_2020, "const": 0.3},
+        "compatible",
     ),
     "multipleOf tightened": Pair(
         {"type": "integer", "multipleOf": 2}, {"type": "integer", "multipleOf": 6}, "compatible"
@@ -325,6 +359,27 @@ PAIRS: dict[str, Pair] = {
         "compatible",
     ),
     # -- what is not modelled: unknown, never compatible
+    "a $ref under a nested $id, read from the root's base": Pair(
+        obj(
+            {
+                "a": {
+                    "$id": "http://x.test/sub.json",
+                    **obj({"b": {"$ref": "#/definitions/s"}}),
+                    "definitions": {"s": INT},
+                }
+            },
+            definitions={"s": S},
+        ),
+        obj({"a": obj({"b": S})}, definitions={"s": S}),
+        "unknown",
+        "$.a.b",
+    ),
+    "a $ref to an anchor": Pair(
+        {"$schema": DRAFT_2020, **obj({"b": {"$ref": "#i"}}), "$defs": {"i": {"$anchor": "i"}}},
+        obj({"b": S}),
+        "unknown",
+        "$.b",
+    ),
     "OLD's not, gone from NEW": Pair({"not": {"const": 0}}, INT, "unknown"),
     "OLD's if/then, gone from NEW": Pair(
         {"if": obj({"a": S}, ["a"]), "then": obj({}, ["b"])}, {"type": "object"}, "unknown"
@@ -376,8 +431,9 @@ def verdict(old: Any, new: Any) -> str:
 
 
 def admits(schema: Any, value: Any) -> bool:
-    """jsonschema's answer, formats checked: what a strict consumer's validator says."""
-    cls = validator_for(schema) if isinstance(schema, dict) else validator_for({})
+    """The relay's validator's answer (jsonschema's, `multipleOf` exact), formats checked:
+    what a strict consumer's validator says."""
+    cls = validator_class(schema if isinstance(schema, dict) else {})
     return bool(cls(schema, format_checker=FormatChecker()).is_valid(value))
 
 
