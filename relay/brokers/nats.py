@@ -380,7 +380,7 @@ class NatsPublisher:
             return PermanentPublishError(text)
         if isinstance(exc, nats.js.errors.NoStreamResponseError):
             return TransientPublishError(f"{text}: no stream captures this subject")
-        if isinstance(exc, NotAPubAck):  # a responder answers there: no retry makes it a stream
+        if isinstance(exc, _NotAPubAck):  # a responder answers there: no retry makes it a stream
             return PermanentPublishError(text)
         return TransientPublishError(text)
 
@@ -478,13 +478,13 @@ def _read_reply(msg: Msg) -> Reply:
         except nats.js.errors.APIError as exc:
             return exc
     if not isinstance(answer, dict) or "seq" not in answer or "stream" not in answer:
-        return NotAPubAck(data)
+        return _NotAPubAck(data)
     if answer.get("duplicate") is True:
         return _DUPLICATE
     return _STORED
 
 
-class NotAPubAck(Exception):
+class _NotAPubAck(Exception):
     """A reply without a stream and a sequence: a service answering on the subject (a
     request-reply responder), which no stream stores. Never taken for stored."""
 
