@@ -148,11 +148,17 @@ class _Walk:
 
 @dataclass
 class _Across:
-    """Ids that outboxes on one broker may share: a filter keyed by broker and id."""
+    """Ids that outboxes on one broker may share: a filter keyed by broker and id, made at
+    its first use (16 MiB that a config of one outbox a broker never needs)."""
 
-    bloom: _Bloom = field(default_factory=_Bloom)
+    bloom: _Bloom | None = None
     maybe: set[str] = field(default_factory=set)
     last_maybe: int = 0
+
+    def seen_then_add(self, key: str) -> bool:
+        if self.bloom is None:
+            self.bloom = _Bloom()
+        return self.bloom.seen_then_add(key)
 
 
 class HistoryCheck:
@@ -292,7 +298,7 @@ class HistoryCheck:
                 walk.last_maybe = event.position
             if walk.dedup_scope is not None and walk.scope(message.destination) is not None:
                 key = _across_key(self.config.outboxes[history.outbox].broker, message.id)
-                if self.across.bloom.seen_then_add(key):
+                if self.across.seen_then_add(key):
                     self.across.maybe.add(key)
                     self.across.last_maybe = event.position
 
