@@ -91,3 +91,19 @@ def outbox(rules: list[tuple[str, RuleView]], broker: str = "nats", **fields: An
 
 def document(*views: OutboxView) -> dict[str, Any]:
     return build(list(views), BROKERS, title="t", version="1", description="d")
+
+
+# A schema whose `a` is a resource of its own (`$id`): its `#/definitions/s` is the
+# integer beside it, not the root's string (JSON Schema resolves against the nearest `$id`).
+NESTED_ID_SUB: dict[str, Any] = {
+    "$id": "http://x.test/sub.json",
+    "type": "object",
+    "definitions": {"s": {"type": "integer"}},
+    "properties": {"b": {"$ref": "#/definitions/s"}},
+}
+NESTED_ID: dict[str, Any] = {
+    "$id": "http://x.test/root.json",
+    "type": "object",
+    "definitions": {"s": {"type": "string"}},
+    "properties": {"a": NESTED_ID_SUB},
+}

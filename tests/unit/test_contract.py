@@ -32,7 +32,15 @@ from relay.config import (
 )
 from relay.config.broker_identity import host_of
 from relay.mapping.inference import expression_schema, payload_schema
-from tests.support.contract_views import BOOK_LENT_V2_SCHEMA, LENT, document, outbox, rule
+from tests.support.contract_views import (
+    BOOK_LENT_V2_SCHEMA,
+    LENT,
+    NESTED_ID_SUB,
+    document,
+    outbox,
+    rule,
+)
+from tests.support.contract_views import NESTED_ID as NESTED_SCHEMA
 
 
 def test_two_rules_for_one_event_type_give_two_messages_on_their_own_channels() -> None:
@@ -405,16 +413,12 @@ def test_an_inline_yaml_schema_with_numbers_is_written_as_yaml(tmp_path: Path) -
     assert price == {"type": "number", "maximum": 1.5, "minimum": -2, "multipleOf": 0.25}
 
 
-NESTED_ID: dict[str, Any] = {
-    "$id": "http://x.test/root.json",
-    "type": "object",
-    "definitions": {"s": {"type": "string"}},
+NESTED_ID = {
+    **NESTED_SCHEMA,
     "properties": {
         "a": {
-            "$id": "http://x.test/sub.json",
-            "type": "object",
-            "definitions": {"s": {"type": "integer"}},
-            "properties": {"b": {"$ref": "#/definitions/s"}, "c": {"$ref": "#"}},
+            **NESTED_ID_SUB,
+            "properties": {**NESTED_ID_SUB["properties"], "c": {"$ref": "#"}},
         },
         "d": {"$ref": "#/definitions/s"},
     },

@@ -12,6 +12,7 @@ import pytest
 from relay.asyncapi.diff import Change, diff
 from relay.cli.contract import read_side
 from relay.errors import ContractError
+from tests.support.contract_views import NESTED_ID, NESTED_ID_SUB
 
 HEAD = """\
 database: {url: "postgresql://relay@db.invalid/app"}
@@ -481,18 +482,7 @@ def test_a_reference_under_a_nested_id_is_read_where_json_schema_resolves_it(
     tmp_path: Path,
 ) -> None:
     """`b` is sub.json's integer in OLD, the root's string in NEW: breaking, not "no change"."""
-    sub = {
-        "$id": "http://x.test/sub.json",
-        "type": "object",
-        "definitions": {"s": {"type": "integer"}},
-        "properties": {"b": {"$ref": "#/definitions/s"}},
-    }
-    nested = {
-        "$id": "http://x.test/root.json",
-        "type": "object",
-        "definitions": {"s": {"type": "string"}},
-        "properties": {"a": sub},
-    }
+    nested, sub = NESTED_ID, NESTED_ID_SUB
     flat = {**nested, "properties": {"a": {"type": "object", "properties": sub["properties"]}}}
     found = changes(tmp_path, SCHEMA_RULE % json.dumps(nested), SCHEMA_RULE % json.dumps(flat))
     assert ("library.book-lent.v1", "$.payload.a.b", "breaking", "library.loans") in found
@@ -503,20 +493,7 @@ def test_a_document_that_moved_a_nested_ids_reference_to_the_root_is_unknown(
 ) -> None:
     """An older `relay contract` pointed such a `$ref` at the root's schema: the document
     states a type the relay does not check, so the comparison cannot rely on it."""
-    nested = {
-        "$id": "http://x.test/root.json",
-        "type": "object",
-        "definitions": {"s": {"type": "string"}},
-        "properties": {
-            "a": {
-                "$id": "http://x.test/sub.json",
-                "type": "object",
-                "definitions": {"s": {"type": "integer"}},
-                "properties": {"b": {"$ref": "#/definitions/s"}},
-            }
-        },
-    }
-    (tmp_path / "c.yaml").write_text(HEAD + SCHEMA_RULE % json.dumps(nested))
+    (tmp_path / "c.yaml").write_text(HEAD + SCHEMA_RULE % json.dumps(NESTED_ID))
     document = read_side(tmp_path / "c.yaml")
     older = json.loads(json.dumps(document))
     schema = older["components"]["schemas"]["library.book-lent.v1"]
