@@ -88,7 +88,7 @@ class LaneHolder:
             await self.lease.release()
             self.log.warning("lane not claimed: the outbox's partitions changed", reason=str(exc))
             return None
-        except NoReader as exc:
+        except NoReader:
             # No connection to read on (the role or the server at its connection limit, say):
             # nothing was claimed. Let the lock go; the coordinator backs off this lane.
             await self.lease.release()
