@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,10 +81,20 @@ SERVICE_PLUGINS = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _ctrl_c_reaches_children()
     if _unit_tier_only(config):
         return
     for plugin in SERVICE_PLUGINS:
         config.pluginmanager.import_plugin(plugin)
+
+
+def _ctrl_c_reaches_children() -> None:
+    """A suite started in the background by a shell without job control (`cmd &`) inherits
+    SIGINT ignored, and so does every relay it starts: the tests that stop `relay status
+    --watch` with Ctrl-C then waited for ever. Handled here, it is the default again in
+    each child (an exec resets a handled signal, not an ignored one)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
